@@ -1,0 +1,1 @@
+"""kvq builder package."""

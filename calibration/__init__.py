@@ -1,0 +1,1 @@
+"""kvq calibration package."""

@@ -1,0 +1,1 @@
+"""kvq recipes package."""

@@ -1,0 +1,76 @@
+"""Paged KV pool tensors: one `LayerCache` per decoder layer.
+
+Layout (shared by the reference path and the Triton kernels):
+
+    k, v          [num_blocks, kv_heads, block_size, stored_head_dim]  fmt.storage_dtype
+    k_scale, ...  static formats:  per_tensor -> [] fp32, per_head -> [kv_heads] fp32
+                  dynamic formats: [num_blocks, kv_heads, block_size]   fmt.scale_torch_dtype
+    k_zero, v_zero  asymmetric per_token only, same shape/dtype as dynamic scales
+
+A token's slot is `block_id * block_size + offset`. Block ids come from the
+torch-free BlockManager; pages of one sequence may be anywhere in the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_format import KVFormat
+
+
+@dataclass
+class LayerCache:
+    fmt: KVFormat
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    k_zero: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+
+def allocate_layer(
+    fmt: KVFormat,
+    num_blocks: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    device: torch.device | str,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> LayerCache:
+    """Allocate one layer's pages. Static formats take their calibrated scales here."""
+    shape = (num_blocks, kv_heads, block_size, fmt.stored_head_dim(head_dim))
+    cache = LayerCache(
+        fmt,
+        torch.empty(shape, dtype=fmt.storage_dtype, device=device),
+        torch.empty(shape, dtype=fmt.storage_dtype, device=device),
+    )
+    if fmt.dynamic:
+        meta = (num_blocks, kv_heads, block_size)
+        sd = fmt.scale_torch_dtype
+        cache.k_scale = torch.ones(meta, dtype=sd, device=device)
+        cache.v_scale = torch.ones(meta, dtype=sd, device=device)
+        if not fmt.symmetric:
+            cache.k_zero = torch.zeros(meta, dtype=sd, device=device)
+            cache.v_zero = torch.zeros(meta, dtype=sd, device=device)
+    elif fmt.static:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"{fmt.name} needs calibrated k/v scales")
+        cache.k_scale = k_scale.to(device=device, dtype=torch.float32)
+        cache.v_scale = v_scale.to(device=device, dtype=torch.float32)
+    return cache

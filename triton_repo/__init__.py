@@ -1,0 +1,1 @@
+"""kvq triton_repo package."""
