@@ -1,0 +1,1 @@
+"""One module per `kvq` subcommand; each exposes `command`."""

@@ -1,0 +1,1 @@
+"""Source converters: HF directory, GGUF, builtin SmolLM2, synthetic presets."""

@@ -1,0 +1,1 @@
+"""Triton-language GPU kernels for the paged, quantized KV cache."""
