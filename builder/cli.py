@@ -63,3 +63,7 @@ def kvq_build_main(args: list[str] | None = None) -> None:
     from .commands.build import command as build
 
     _run(build, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The stages of `kvq-build`: convert → calibrate → build → evaluate → deploy → compare.
+
+Directory layout under the work dir (models are shared by every recipe that
+uses the same weights, so the four SmolLM2 recipes convert and calibrate once):
+
+    models/<model key>/convert/
+    models/<model key>/calibrate-<calibration key>/
+    engines/<recipe>/engine/  evaluate/  triton_repo/
+    compare/<recipe>/
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import StageError
+
+from .pipeline import Context, Stage, upstream
+
+STAGE_NAMES = ("convert", "calibrate", "build", "evaluate", "deploy", "compare")
+
+
+def _model_dir(ctx: Context) -> Path:
+    return ctx.work_dir / "models" / ctx.section_digest("model")
+
+
+def _engine_root(ctx: Context) -> Path:
+    return ctx.work_dir / "engines" / ctx.recipe.name
+
+
+def _model_source(ctx: Context) -> dict[str, Any]:
+    m = ctx.recipe.model
+    return {"source": m.source, "path": m.path, "preset": m.preset, "dtype": m.dtype}
+
+
+# ------------------------------------------------------------------ convert
+def _convert_run(ctx: Context, tmp: Path) -> dict[str, Any]:
+    from .convert import convert_source
+
+    m = ctx.recipe.model
+    return convert_source(m.source, m.path, tmp, m.dtype, preset=m.preset)
+
+
+CONVERT = Stage(
+    "convert",
+    out_dir=lambda ctx: _model_dir(ctx) / "convert",
+    key=lambda ctx: {"model": _model_source(ctx), "inputs": {"source": _model_source(ctx)}},
+    run=_convert_run,
+    summary=lambda o: f"{o.get('tensors', '?')} tensors, {o.get('bytes', 0) / 2**20:.0f} MiB",
+    describe=lambda ctx: "{source} {x} ({dtype})".format(
+        x=ctx.recipe.model.path or ctx.recipe.model.preset, **_model_source(ctx)),
+)
+
+
+# ---------------------------------------------------------------- calibrate
+def _needs_calibration(ctx: Context) -> str | None:
+    r = ctx.recipe
+    if r.model.source == "synthetic" and not r.kv_format().static:
+        return "synthetic weights, dynamic scales"
+    if not r.kv_format().static:
+        return f"{r.kv_format().name} computes its scales when tokens are written"
+    return None
+
+
+def _calibrate_run(ctx: Context, tmp: Path) -> dict[str, Any]:
+    from calibration.calibrate import run_calibration
+
+    c = ctx.recipe.calibration
+    return run_calibration(
+        model_dir=ctx.dirs["convert"], out_dir=tmp, dataset=c.dataset, num_samples=c.num_samples,
+        seq_len=c.seq_len, policy=c.policy, seed=c.seed, streaming=c.streaming, device=ctx.device,
+        percentile=c.percentile,
+    )
+
+
+CALIBRATE = Stage(
+    "calibrate",
+    out_dir=lambda ctx: _model_dir(ctx) / f"calibrate-{ctx.section_digest('calibration')}",
+    key=lambda ctx: {"calibration": ctx.recipe.calibration.model_dump(mode="json"),
+                     "inputs": upstream(ctx, "convert")},
+    run=_calibrate_run,
+    skip_reason=_needs_calibration,
+    summary=lambda o: f"{o.get('num_samples', '?')} samples x {o.get('seq_len', '?')} tokens"
+    + (f", {o['seconds']:.1f} s" if "seconds" in o else ""),
+    describe=lambda ctx: "converted weights; {dataset} data, {num_samples} x {seq_len} tokens, policy {policy}".format(
+        **ctx.recipe.calibration.model_dump()),
+)
+
+
+# -------------------------------------------------------------------- build
+def _build_run(ctx: Context, tmp: Path) -> dict[str, Any]:
+    from .engine_build import build_engine
+
+    return build_engine(ctx, tmp)
+
+
+BUILD = Stage(
+    "build",
+    out_dir=lambda ctx: _engine_root(ctx) / "engine",
+    key=lambda ctx: {
+        "backend": ctx.recipe.backend,
+        "kv": ctx.recipe.kv.model_dump(mode="json"),
+        "build": ctx.recipe.build.model_dump(mode="json"),
+        "policy": ctx.recipe.calibration.policy,
+        "inputs": upstream(ctx, "convert", "calibrate"),
+    },
+    run=_build_run,
+    summary=lambda o: o.get("summary", ""),
+    describe=lambda ctx: f"converted weights + calibrated scales; {ctx.recipe.backend} engine, "
+    f"KV {ctx.recipe.kv_format().name}",
+)
+
+
+# ----------------------------------------------------------------- evaluate
+def _evaluate_run(ctx: Context, tmp: Path) -> dict[str, Any]:
+    from .evaluate_stage import evaluate_engine
+
+    return evaluate_engine(ctx, tmp)
+
+
+EVALUATE = Stage(
+    "evaluate",
+    out_dir=lambda ctx: _engine_root(ctx) / "evaluate",
+    key=lambda ctx: {"accuracy": ctx.recipe.accuracy.model_dump(mode="json"),
+                     "inputs": upstream(ctx, "convert", "build")},
+    run=_evaluate_run,
+    skip_reason=lambda ctx: None if ctx.recipe.accuracy.enabled else "accuracy.enabled is false",
+    summary=lambda o: o.get("summary", ""),
+    describe=lambda ctx: "engine vs the same model with unquantized KV; held-out text, passkey "
+    f"{ctx.recipe.accuracy.passkey_lengths}",
+)
+
+
+# ------------------------------------------------------------------- deploy
+def _deploy_run(ctx: Context, tmp: Path) -> dict[str, Any]:
+    from .deploy_stage import deploy_engine
+
+    return deploy_engine(ctx, tmp)
+
+
+DEPLOY = Stage(
+    "deploy",
+    out_dir=lambda ctx: _engine_root(ctx) / "triton_repo",
+    key=lambda ctx: {"deploy": ctx.recipe.deploy.model_dump(mode="json"), "inputs": upstream(ctx, "build")},
+    run=_deploy_run,
+    skip_reason=lambda ctx: None if ctx.recipe.deploy.enabled else "deploy.enabled is false",
+    summary=lambda o: o.get("summary", ""),
+    describe=lambda ctx: "engine; Triton model repository (preprocessing, engine, postprocessing, ensemble)",
+)
+
+
+# ------------------------------------------------------------------ compare
+def _compare_run(ctx: Context, tmp: Path) -> dict[str, Any]:
+    from .compare import compare_recipe
+
+    return compare_recipe(ctx, tmp)
+
+
+COMPARE = Stage(
+    "compare",
+    out_dir=lambda ctx: ctx.work_dir / "compare" / ctx.recipe.name,
+    key=lambda ctx: {"compare": ctx.recipe.compare.model_dump(mode="json"), "device": ctx.device,
+                     "inputs": upstream(ctx, "build", "evaluate")},
+    run=_compare_run,
+    skip_reason=lambda ctx: None if ctx.recipe.compare.enabled and ctx.recipe.compare.variants
+    else "no compare.variants",
+    summary=lambda o: o.get("summary", ""),
+    describe=lambda ctx: "engines of " + ", ".join(ctx.recipe.compare.variants),
+)
+
+STAGES = (CONVERT, CALIBRATE, BUILD, EVALUATE, DEPLOY, COMPARE)
+
+
+def stage(name: str) -> Stage:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise StageError(f"unknown stage {name!r}; stages are {', '.join(STAGE_NAMES)}.")
