@@ -94,7 +94,7 @@ def summary_table(recipe: Recipe, results: list[StageResult], dry_run: bool) -> 
 
 def build_pipeline(recipe: Recipe, work_dir: Path, force=(), until: str | None = None, device: str = "auto",
                    dry_run: bool = False, allow_accuracy_regression: bool = False) -> list[StageResult]:
-    console = Console(stderr=False)
+    console = Console(stderr=False, width=None if Console().is_terminal else 140)
     if not dry_run:
         check_weights_exist(recipe)
     ctx = _make_context(recipe, work_dir, force, resolve_device(device) if not dry_run else device,

@@ -39,7 +39,9 @@ def _convert_run(ctx: Context, tmp: Path) -> dict[str, Any]:
     from .convert import convert_source
 
     m = ctx.recipe.model
-    return convert_source(m.source, m.path, tmp, m.dtype, preset=m.preset)
+    source = {"builtin": m.preset, "synthetic": f"synthetic:{m.preset}"}.get(m.source, m.source)
+    path = str(Path(m.path).expanduser()) if m.path else None
+    return convert_source(source, path, tmp, m.dtype)
 
 
 CONVERT = Stage(
@@ -47,7 +49,7 @@ CONVERT = Stage(
     out_dir=lambda ctx: _model_dir(ctx) / "convert",
     key=lambda ctx: {"model": _model_source(ctx), "inputs": {"source": _model_source(ctx)}},
     run=_convert_run,
-    summary=lambda o: f"{o.get('tensors', '?')} tensors, {o.get('bytes', 0) / 2**20:.0f} MiB",
+    summary=lambda o: f"{o.get('num_tensors', '?')} tensors, {o.get('weight_bytes', 0) / 2**20:.0f} MiB {o.get('dtype', '')}",
     describe=lambda ctx: "{source} {x} ({dtype})".format(
         x=ctx.recipe.model.path or ctx.recipe.model.preset, **_model_source(ctx)),
 )

@@ -1,0 +1,175 @@
+"""`kvq compare`: engines side by side on memory, throughput and accuracy.
+
+Every engine gets the same KV memory budget and the same workload (prompt and
+output lengths, seeded prompts, concurrency levels). Memory numbers put the
+planner's prediction (runtime.kv_format.kv_bytes_per_token, the one function)
+next to what the engine actually allocated.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes import Recipe, load_recipe
+from runtime.config import ModelConfig
+from runtime.errors import StageError
+from runtime.kv_format import KVFormat, kv_bytes_per_token
+
+from .loadgen import random_prompts, run_closed_loop
+from .pipeline import Context, read_manifest
+from .planner import parse_bytes
+
+
+@dataclass
+class Workload:
+    prompt_len: int
+    output_len: int
+    concurrency: list[int]
+    num_requests: int
+    seed: int
+    memory_budget: int | None  # bytes of KV pool per engine; None = the engine's own sizing
+
+    @classmethod
+    def from_recipe(cls, r: Recipe) -> "Workload":
+        c = r.compare
+        budget = parse_bytes(c.memory_budget) if c.memory_budget else None
+        return cls(c.prompt_len, c.output_len, sorted(set(c.concurrency)), c.num_requests, c.seed, budget)
+
+
+@dataclass
+class EngineUnderTest:
+    label: str
+    engine_dir: Path
+    accuracy: dict[str, Any] | None = None
+
+
+def read_kv_format(engine_dir: Path) -> KVFormat:
+    p = engine_dir / "kv_format.json"
+    if not p.is_file():
+        return KVFormat("fp32")
+    return KVFormat(**json.loads(p.read_text()))
+
+
+def _pool_bytes(engine: Any) -> int:
+    """Bytes the engine really allocated for its KV pool (every layer's tensors)."""
+    total = 0
+    for layer in engine.runner.caches:
+        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero):
+            if t is not None and t.dim() >= 3:  # static scales are per layer, not pool memory
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _peak_device_bytes(device: str) -> int | None:
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated())
+    return None
+
+
+def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str, Any]:
+    from runtime.engine import Engine, SamplingParams
+
+    cfg = ModelConfig.from_dir(eut.engine_dir)
+    fmt = read_kv_format(eut.engine_dir)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    engine = Engine.from_dir(eut.engine_dir, device=device, memory_budget=wl.memory_budget)
+    try:
+        bpt = kv_bytes_per_token(cfg, fmt)
+        block = engine.stats.block_size
+        blocks = engine.stats.pool_blocks
+        planned_blocks = int(wl.memory_budget // (bpt * block)) if wl.memory_budget else blocks
+        measured = _pool_bytes(engine)
+        planned = planned_blocks * block * bpt
+        ctx_len = wl.prompt_len + wl.output_len
+        per_request_blocks = math.ceil(ctx_len / block)
+        max_conc = max(1, min(engine.scheduler.max_batch_size, blocks // per_request_blocks))
+        vocab = cfg.vocab_size
+        avoid = {t for t in (cfg.bos_token_id, cfg.eos_token_id) if t is not None}
+        sampling = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
+        runs = []
+        levels = sorted({c for c in wl.concurrency if c <= max_conc} | {max_conc})
+        # warm-up: one short request so lazy initialisation stays out of the numbers
+        run_closed_loop(engine, random_prompts(1, min(wl.prompt_len, 16), vocab, wl.seed + 1, avoid),
+                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 1)
+        for c in levels:
+            n = max(wl.num_requests, c)
+            prompts = random_prompts(n, wl.prompt_len, vocab, wl.seed, avoid)
+            res = run_closed_loop(engine, prompts, sampling, c)
+            res["at_max_concurrency"] = c == max_conc
+            runs.append(res)
+        return {
+            "label": eut.label,
+            "engine_dir": str(eut.engine_dir),
+            "kv_format": fmt.name,
+            "bytes_per_token": bpt,
+            "block_size": block,
+            "pool_blocks": blocks,
+            "pool_tokens": blocks * block,
+            "planned_pool_blocks": planned_blocks,
+            "planned_pool_bytes": planned,
+            "measured_pool_bytes": measured,
+            "planner_error_pct": 100 * (measured - planned) / planned if planned else float("nan"),
+            "max_concurrency": max_conc,
+            "context_len": ctx_len,
+            "peak_device_bytes": _peak_device_bytes(device),
+            "runs": runs,
+            "accuracy": eut.accuracy,
+        }
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def compare_engines(engines: list[EngineUnderTest], wl: Workload, device: str, out_dir: Path,
+                    title: str) -> dict[str, Any]:
+    from .compare_report import write_report
+
+    rows = [measure_engine(e, wl, device) for e in engines]
+    report = {"title": title, "device": device, "workload": asdict(wl), "engines": rows}
+    write_report(report, out_dir)
+    base = rows[0]
+    best = {r["label"]: max(x["tokens_per_s"] for x in r["runs"]) for r in rows}
+    summary = ", ".join(f"{r['label']}: {r['max_concurrency']} req, {best[r['label']]:.1f} tok/s" for r in rows)
+    return {"report": str(out_dir / "report.md"), "engines": [r["label"] for r in rows],
+            "baseline": base["label"], "summary": summary}
+
+
+def compare_recipe(ctx: Context, out: Path) -> dict[str, Any]:
+    """Build every variant named by the recipe (sharing converted weights and calibration), then compare."""
+    from .run import run_stages
+
+    engines = []
+    for name in ctx.recipe.compare.variants:
+        if name == ctx.recipe.name:
+            sub = ctx
+        else:
+            sub = Context(load_recipe(name), ctx.work_dir, ctx.device, frozenset(), True, ctx.console)
+            run_stages(sub, until="evaluate", stop_on_budget=False)
+        if "build" not in sub.dirs:
+            raise StageError(f"compare: variant {name} has no built engine.")
+        ev = sub.manifests.get("evaluate", {}).get("outputs")
+        engines.append(EngineUnderTest(name, sub.dirs["build"], ev))
+    return compare_engines(engines, Workload.from_recipe(ctx.recipe), ctx.device, out,
+                           f"kvq compare — {ctx.recipe.name}")
+
+
+def engines_from_dirs(dirs: list[Path]) -> list[EngineUnderTest]:
+    out = []
+    for d in dirs:
+        m = read_manifest(d)
+        label = (m or {}).get("recipe") or d.name
+        ev_dir = d.parent / "evaluate"
+        ev = (read_manifest(ev_dir) or {}).get("outputs") if ev_dir.is_dir() else None
+        out.append(EngineUnderTest(label, d, ev))
+    return out
