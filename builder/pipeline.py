@@ -120,11 +120,12 @@ def run_stage(stage: Stage, ctx: Context, dry_run: bool = False) -> StageResult:
     kd = digest(key)
     old = read_manifest(out)
     fresh = old is not None and old.get("key_digest") == kd and old.get("stage") == stage.name
-    if dry_run:
-        status = "up to date" if fresh and stage.name not in ctx.force else "would run"
-        return StageResult(stage.name, status, out, stage.describe(ctx))
-    if fresh and stage.name not in ctx.force:
+    reuse = fresh and stage.name not in ctx.force
+    if reuse:  # downstream keys (and a dry run's verdicts) depend on this manifest
         ctx.manifests[stage.name], ctx.dirs[stage.name] = old, out
+    if dry_run:
+        return StageResult(stage.name, "up to date" if reuse else "would run", out, stage.describe(ctx))
+    if reuse:
         return StageResult(stage.name, "up to date", out, stage.summary(old.get("outputs", {})))
     _clean_stale(out)
     t0 = time.perf_counter()

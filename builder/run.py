@@ -81,12 +81,12 @@ def run_stages(ctx: Context, until: str | None = None, dry_run: bool = False,
     return results
 
 
-def summary_table(recipe: Recipe, results: list[StageResult], dry_run: bool) -> Table:
-    t = Table(title=f"kvq-build {recipe.name}" + (" (dry run)" if dry_run else ""), show_lines=dry_run)
+def summary_table(recipe: Recipe, results: list[StageResult]) -> Table:
+    t = Table(title=f"kvq-build {recipe.name}")
     t.add_column("stage")
     t.add_column("status")
     t.add_column("output directory")
-    t.add_column("inputs" if dry_run else "result")
+    t.add_column("result")
     for r in results:
         t.add_row(r.stage, r.status, str(r.path or "-"), r.line)
     return t
@@ -103,6 +103,17 @@ def build_pipeline(recipe: Recipe, work_dir: Path, force=(), until: str | None =
     try:
         run_stages(ctx, until=until, dry_run=dry_run, results=results)
     finally:
-        if results:
-            console.print(summary_table(recipe, results, dry_run))
+        if dry_run:
+            print(dry_run_text(recipe, results))
+        elif results:
+            console.print(summary_table(recipe, results))
     return results
+
+
+def dry_run_text(recipe: Recipe, results: list[StageResult]) -> str:
+    lines = [f"kvq-build {recipe.name} (dry run): the stages, their inputs and output directories"]
+    for r in results:
+        lines.append(f"  {r.stage:10s} {r.status}" + (f" -> {r.path}" if r.path else ""))
+        if r.line:
+            lines.append(f"  {'':10s} inputs: {r.line}")
+    return "\n".join(lines)

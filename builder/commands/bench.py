@@ -1,0 +1,66 @@
+"""`kvq bench`: concurrent streaming load against a running deployment."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from runtime.errors import ServerError
+from triton_repo.bench import DEFAULT_PROMPTS, run_bench
+
+_ROWS = (
+    ("requests", "requests", "{:d}"), ("completed", "completed", "{:d}"), ("errors", "errors", "{:d}"),
+    ("concurrency", "concurrency", "{:d}"), ("wall_s", "wall time (s)", "{:.2f}"),
+    ("output_tokens", "output tokens", "{:d}"), ("tokens_per_s", "throughput (tok/s)", "{:.1f}"),
+    ("requests_per_s", "requests/s", "{:.2f}"), ("ttft_ms_p50", "TTFT p50 (ms)", "{:.1f}"),
+    ("ttft_ms_p99", "TTFT p99 (ms)", "{:.1f}"), ("itl_ms_p50", "ITL p50 (ms)", "{:.1f}"),
+    ("itl_ms_p99", "ITL p99 (ms)", "{:.1f}"),
+)
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+@click.command("bench")
+@click.option("--url", required=True, help="gRPC address of the server (kvq serve prints it).")
+@click.option("--concurrency", type=int, default=4, show_default=True, help="Requests in flight.")
+@click.option("--requests", "num_requests", type=int, default=16, show_default=True, help="Requests in all.")
+@click.option("--max-tokens", type=int, default=16, show_default=True)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable); default: a built-in set.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template.")
+@click.option("--model", default="ensemble", show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the summary and per-request rows here.")
+def command(url: str, concurrency: int, num_requests: int, max_tokens: int, prompts: tuple[str, ...], chat: bool,
+            model: str, json_out: Path | None) -> None:
+    """Throughput, time to first token and inter-token latency under N concurrent streams.
+
+    Example: kvq bench --url 127.0.0.1:8001 --concurrency 8 --requests 32 --json bench.json
+    """
+    result = run_bench(url, concurrency, num_requests, max_tokens=max_tokens, prompts=prompts or DEFAULT_PROMPTS,
+                       model=model, apply_chat_template=chat)
+    s = result["summary"]
+    table = Table(title=f"kvq bench: {url} ({model})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, label, fmt in _ROWS:
+        table.add_row(label, "-" if s[key] is None else fmt.format(s[key]))
+    Console().print(table)
+    for msg in s["error_messages"]:
+        click.echo(f"error: {msg}", err=True)
+    click.echo(json.dumps(s))
+    if json_out is not None:
+        _write_json_atomic(json_out, result)
+    if s["errors"]:
+        raise ServerError(f"{s['errors']} of {s['requests']} requests failed (messages above).")
