@@ -111,7 +111,7 @@ def build_trtllm_engine(ctx: Context, out: Path) -> dict[str, Any]:
     )
     outputs: dict[str, Any] = {"backend": "tensorrt-llm", "kv_format": fmt.name, "checkpoint": info,
                                "tp": r.build.tp, "pp": r.build.pp, "world_size": r.build.tp * r.build.pp}
-    if kv_dtype is not None:
+    if kv_dtype == "fp8":  # vLLM / TensorRT-LLM's PyTorch path read FP8 k_scale/v_scale; neither has INT8 KV
         hf = out / "hf_kv_scales"
         hf.mkdir()
         outputs["hf_kv_scales"] = export_hf_kv_scales(ctx.dirs["convert"], hf, kv_dtype, k_amax, v_amax)

@@ -8,8 +8,8 @@ import click
 
 from builder.atomic import atomic_dir
 from builder.convert import SOURCE_KINDS, convert_source
-from builder.convert.output import write_json
 from builder.convert.writer import WEIGHT_DTYPES
+from calibration.files import write_json_atomic
 
 
 @click.command("convert")
@@ -28,6 +28,6 @@ def command(source: str, path: str | None, out_dir: str, dtype: str, seed: int, 
     """
     with atomic_dir(out_dir, overwrite=force) as tmp:
         facts = convert_source(source, path, tmp, dtype, seed=seed)
-        write_json(tmp / "manifest.json", {"stage": "convert", "outputs": facts})
+        write_json_atomic(tmp / "manifest.json", {"stage": "convert", "outputs": facts})
     click.echo(json.dumps(facts, indent=2))
     click.echo(f"wrote {out_dir}")

@@ -39,7 +39,7 @@ class GGUFSource:
             raise InputError(f"{self.path} does not exist; pass the path of a .gguf file.")
         try:
             self._reader = GGUFReader(str(self.path))
-        except Exception as e:  # gguf raises ValueError/struct.error/IndexError for damaged files
+        except Exception as e:  # noqa: BLE001 -- gguf raises ValueError/struct.error/IndexError/... for damaged files
             raise InputError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); "
                              "it is truncated or corrupt.") from None
         self._tensors = {t.name: t for t in self._reader.tensors}
@@ -105,7 +105,7 @@ class GGUFSource:
         t = self._tensors[hf_name_to_gguf(name)]
         try:
             arr = dequantize(t.data, t.tensor_type)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- any failure here means damaged block data
             raise InputError(f"{self.origin(name)}: tensor cannot be dequantized ({type(e).__name__}: {e}).") from None
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if not arr.flags.writeable:  # unquantized tensors come back as views of the read-only mmap

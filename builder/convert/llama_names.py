@@ -1,14 +1,17 @@
-"""The Llama weight table: Hugging Face names and shapes, and llama.cpp's names.
+"""The Llama weight table: HF names and shapes, and llama.cpp's names for them.
 
-One table per architecture, not code per model (style.md §3). Every converter
-and the TensorRT-LLM writer derive names and expected shapes from here.
+One table per architecture, not code per model (style.md §3). The HF names and
+shapes are the runtime's (runtime.weights.expected_shapes, re-exported here as
+hf_tensor_shapes); this module adds what only converters need.
 """
 
 from __future__ import annotations
 
 import re
 
-from runtime.config import ModelConfig
+from runtime.weights import expected_shapes as hf_tensor_shapes
+
+__all__ = ["GLOBAL_TENSORS", "IGNORABLE", "LAYER_TENSORS", "hf_name_to_gguf", "hf_tensor_shapes"]
 
 # Per-layer tensors: HF suffix under model.layers.{i}. -> llama.cpp suffix under blk.{i}.
 LAYER_TENSORS = {
@@ -30,35 +33,6 @@ GLOBAL_TENSORS = {
 
 # Tensors some HF checkpoints carry that hold nothing the model needs.
 IGNORABLE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of each per-layer tensor, keyed by HF suffix."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    return {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (cfg.num_heads * d, h),
-        "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
-        "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
-        "self_attn.o_proj.weight": (h, cfg.num_heads * d),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
-    }
-
-
-def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor of the model in file order, with its shape (lm_head absent when tied)."""
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
-    per_layer = layer_shapes(cfg)
-    for layer in range(cfg.num_layers):
-        for suffix, shape in per_layer.items():
-            out[f"model.layers.{layer}.{suffix}"] = shape
-    out["model.norm.weight"] = (cfg.hidden_size,)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    return out
 
 
 def hf_name_to_gguf(name: str) -> str:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from calibration.files import write_json_atomic
 from runtime.config import ModelConfig
 from runtime.errors import InputError
 
@@ -22,13 +23,6 @@ from .writer import TensorSpec, weight_dtype, write_streaming
 
 WEIGHTS_FILE = "model.safetensors"
 CHUNK_ELEMENTS = 16 << 20
-
-
-def write_json(path: Path, data: Any) -> None:
-    """JSON written to a temp name and renamed, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
 
 
 def config_digest(hf_config: dict[str, Any]) -> str:
@@ -60,7 +54,7 @@ def write_model_dir(
         return t  # the writer casts to the target dtype slice by slice
 
     nbytes = write_streaming(out / WEIGHTS_FILE, specs, produce, metadata={"format": "pt"})
-    write_json(out / "config.json", hf_config)
+    write_json_atomic(out / "config.json", hf_config)
     return {
         "dtype": short,
         "config_digest": config_digest(hf_config),

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from calibration.files import write_json_atomic
 from runtime.config import preset
 
-from .output import config_digest, write_json
+from .output import config_digest
 from .writer import weight_dtype
 
 SYNTHETIC_FILE = "synthetic.json"
@@ -23,7 +24,7 @@ def write_synthetic(preset_name: str, out_dir: str | Path, dtype: str, seed: int
     short, _, hf_dtype = weight_dtype(dtype)
     hf_config = cfg.to_hf_dict(hf_dtype)
     out = Path(out_dir)
-    write_json(out / "config.json", hf_config)
-    write_json(out / SYNTHETIC_FILE, {"seed": int(seed)})
+    write_json_atomic(out / "config.json", hf_config)
+    write_json_atomic(out / SYNTHETIC_FILE, {"seed": int(seed)})
     return {"dtype": short, "config_digest": config_digest(hf_config), "num_tensors": 0,
             "weight_bytes": 0, "num_parameters": cfg.num_parameters, "seed": int(seed)}

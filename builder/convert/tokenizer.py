@@ -26,7 +26,7 @@ def _verify(out: Path, source: str):
 
     try:
         return AutoTokenizer.from_pretrained(str(out))
-    except Exception as e:  # transformers raises many types for a broken tokenizer
+    except Exception as e:  # noqa: BLE001 -- transformers raises many types for a broken tokenizer
         raise InputError(f"{source}: the tokenizer files do not load ({type(e).__name__}: {e}); "
                          "re-download the model's tokenizer files.") from None
 
@@ -49,7 +49,7 @@ def save_gguf_tokenizer(gguf_path: Path, out: Path) -> list[str]:
 
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- as in _verify
         raise InputError(f"{gguf_path}: no usable tokenizer in the GGUF metadata ({type(e).__name__}: {e}).") from None
     before = {p.name for p in out.iterdir()}
     tok.save_pretrained(str(out))

@@ -110,7 +110,7 @@ class StreamingSafetensorsWriter:
         self._header = _header_bytes(self.specs, metadata)
         self._f = None
 
-    def __enter__(self) -> "StreamingSafetensorsWriter":
+    def __enter__(self) -> StreamingSafetensorsWriter:
         self._f = open(self.path, "wb")
         self._f.write(struct.pack("<Q", len(self._header)))
         self._f.write(self._header)

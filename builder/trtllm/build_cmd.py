@@ -105,7 +105,7 @@ def parse_kv_pool_log(text: str) -> dict[str, Any]:
         out.setdefault("blocks_primary", sum(int(p) for _, p, _ in windows))
     # The builder's silent feature toggles (§1.6) show up only as warnings.
     toggles = [ln.strip() for ln in text.splitlines()
-               if re.search(r"context[ _]fmha|kv cache reuse|chunked context", ln, re.I)
+               if re.search(r"context[ _]fmha|kv cache reuse|chunked context", ln, re.IGNORECASE)
                and re.search(r"\[W\]|WARN|disabl", ln)]
     if toggles:
         out["feature_warnings"] = toggles

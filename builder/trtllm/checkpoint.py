@@ -22,17 +22,18 @@ written, and dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from calibration.files import write_json_atomic
 from runtime.config import ModelConfig, ceil_div
 from runtime.errors import InputError, NumericsError, UnsupportedError
 from runtime.kv_format import KVFormat, static_scale_from_amax
 
 from ..convert.hf import HFCheckpoint
-from ..convert.output import write_json
 from ..convert.writer import TensorSpec, weight_dtype, write_streaming
 
 # kvq KV dtype -> (checkpoint kv_cache_quant_algo, KV format for the scale's qmax)
@@ -195,10 +196,10 @@ def write_trtllm_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: s
             producers = {spec.name: fn for spec, fn in plan}
             fname = f"rank{pp_rank * tp + tp_rank}.safetensors"
             specs = [spec for spec, _ in plan]
-            total += write_streaming(out / fname, specs, lambda s: producers[s.name]())
+            total += write_streaming(out / fname, specs, lambda s, p=producers: p[s.name]())
             largest = max([largest, *(s.nbytes for s in specs)])
             files.append(fname)
-    write_json(out / "config.json", trtllm_config(cfg, hf_dtype, tp, pp, kv_algo))
+    write_json_atomic(out / "config.json", trtllm_config(cfg, hf_dtype, tp, pp, kv_algo))
     return {
         "format": "tensorrt_llm_checkpoint",
         "dtype": short,

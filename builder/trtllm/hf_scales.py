@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from calibration.files import write_json_atomic
 from runtime.errors import UnsupportedError
 
 from ..convert.hf import INDEX_FILE, HFCheckpoint
-from ..convert.output import write_json
 from ..convert.tokenizer import TOKENIZER_FILES
 from ..convert.writer import TensorSpec, write_streaming
 from .checkpoint import kv_cache_scales
@@ -86,9 +86,9 @@ def export_hf_kv_scales(model_dir: str | Path, out_dir: str | Path, kv_dtype: st
     weight_map = {name: Path(src.origin(name)).name for name in src.shapes}
     weight_map.update({name: SCALES_FILE for name in values})
     total = sum(f.stat().st_size for f in src.files)
-    write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json_atomic(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
     quant = hf_quant_config("FP8")
-    write_json(out / "hf_quant_config.json", quant)
+    write_json_atomic(out / "hf_quant_config.json", quant)
     config = json.loads((src.dir / "config.json").read_text())
     config["quantization_config"] = {
         "ignore": [],
@@ -96,7 +96,7 @@ def export_hf_kv_scales(model_dir: str | Path, out_dir: str | Path, kv_dtype: st
         "producer": quant["producer"],
         "quant_method": "modelopt",
     }
-    write_json(out / "config.json", config)
+    write_json_atomic(out / "config.json", config)
     return {"format": "hf_kv_scales", "kv_cache_quant_algo": "FP8", "scales_file": SCALES_FILE,
             "k_scale": [float(s) for s in k_scale], "v_scale": [float(s) for s in v_scale],
             "clamp_fp8_scales_to_one": clamp_fp8_scales_to_one}

@@ -1,0 +1,240 @@
+"""The H200 headline: an 8B-geometry model with FP16 / FP8 / INT8 / INT4 KV under one memory budget.
+
+Runs on the GPU machine as it is (torch + triton, `runtime` only):
+
+    PYTHONPATH=. python3 benchmarks/headline.py --out $OUT
+
+What it measures, per KV format, with kvq's engine and fused Triton kernels:
+  * pool: blocks/tokens the one KV budget buys (runtime sizing = the planner's bytes/token);
+  * max concurrency: 8k-token requests (8192 prompt + output) the pool holds;
+  * decode tokens/s at that concurrency and at the FP16 engine's concurrency (equal load):
+    the pool is filled for every sequence through the write kernel (random K/V:
+    decode time does not depend on the values), then full-model decode steps
+    (all 32 layers, write + paged attention + MLP + LM head) are timed with CUDA events;
+  * prefill time of one 8192-token request, and the end-to-end estimate for a
+    batch of max-concurrency requests (prefill each, then decode OUTPUT tokens).
+Prefilling hundreds of 8k requests for real would take minutes of device time per
+format; the decode phase is where KV capacity and KV bytes decide throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.config import PRESETS  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+from runtime.kv_format import KVFormat, kv_bytes_per_token  # noqa: E402
+from runtime.model import PagedBatch  # noqa: E402
+
+FORMATS = {
+    "bf16": KVFormat("bf16"),
+    "fp8_e4m3-per_tensor": KVFormat("fp8_e4m3", "per_tensor"),
+    "int8-per_tensor": KVFormat("int8", "per_tensor"),
+    "int8-per_token": KVFormat("int8", "per_token"),
+    "int4-per_token-asym": KVFormat("int4", "per_token", symmetric=False),
+}
+GIB = 2**30
+
+
+def make_engine_dir(root: Path, name: str, fmt: KVFormat, block: int, max_batch: int, max_seq: int,
+                    preset: str) -> Path:
+    cfg = PRESETS[preset]
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
+    (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
+    (d / "kv_format.json").write_text(json.dumps({"dtype": fmt.dtype, "granularity": fmt.granularity,
+                                                  "symmetric": fmt.symmetric, "scale_dtype": fmt.scale_dtype}))
+    (d / "engine.json").write_text(json.dumps({"max_batch_size": max_batch, "max_seq_len": max_seq,
+                                               "block_size": block, "max_input_len": 8192}))
+    if fmt.static:  # |K|,|V| of the random-weight model stay well under 4: scale = 4 / qmax
+        s = torch.full((cfg.num_layers,), 4.0 / fmt.qmax)
+        save_file({"k_scale": s, "v_scale": s.clone()}, str(d / "kv_scales.safetensors"))
+    return d
+
+
+def fill_pool(engine: Engine, n_seqs: int, ctx: int, chunk: int = 32768) -> tuple[list[list[int]], float]:
+    """Allocate n_seqs sequences of ctx(+1) tokens and write random K/V into every layer; returns tables, GB/s."""
+    cfg, bs = engine.cfg, engine.stats.block_size
+    tables = []
+    for s in range(n_seqs):
+        engine.blocks.allocate(("bench", s), ctx + 1)
+        tables.append(engine.blocks.block_table(("bench", s)))
+    dev = engine.model.device
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t in tables for p in range(ctx)], dtype=torch.int64,
+                         device=dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    kvh, d = cfg.num_kv_heads, cfg.head_dim
+    sync(dev)
+    t0 = time.perf_counter()
+    for layer in engine.runner.caches:
+        for off in range(0, slots.numel(), chunk):
+            sl = slots[off: off + chunk]
+            k = torch.randn(sl.numel(), kvh, d, device=dev, dtype=engine.model.dtype, generator=g)
+            v = torch.randn(sl.numel(), kvh, d, device=dev, dtype=engine.model.dtype, generator=g)
+            engine.backend.write_kv(layer, k, v, sl)
+    sync(dev)
+    dt = time.perf_counter() - t0
+    moved = slots.numel() * cfg.num_layers * (2 * kvh * d * 2 + kv_bytes_per_token(cfg, engine.fmt) / cfg.num_layers)
+    return tables, moved / dt / 1e9
+
+
+def decode_batch(engine: Engine, tables: list[list[int]], pos: int) -> PagedBatch:
+    bs = engine.stats.block_size
+    n = len(tables)
+    width = max(len(t) for t in tables)
+    dev = engine.model.device
+    return PagedBatch(
+        input_ids=torch.randint(3, engine.cfg.vocab_size, (n,), device=dev),
+        positions=torch.full((n,), pos, dtype=torch.int64, device=dev),
+        slot_mapping=torch.tensor([t[pos // bs] * bs + pos % bs for t in tables], dtype=torch.int64, device=dev),
+        num_decode=n,
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+        seq_lens=torch.full((n,), pos + 1, dtype=torch.int32, device=dev),
+        cu_seqlens=torch.zeros(1, dtype=torch.int32, device=dev),
+        logits_indices=torch.arange(n, dtype=torch.int64, device=dev),
+    )
+
+
+def sync(dev) -> None:
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():  # CPU smoke runs: wall clock
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e3
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def prefill_ms(engine: Engine, ctx: int) -> float:
+    bs = engine.stats.block_size
+    engine.blocks.allocate("prefill", ctx)
+    t = engine.blocks.block_table("prefill")
+    dev = engine.model.device
+    batch = PagedBatch(
+        input_ids=torch.randint(3, engine.cfg.vocab_size, (ctx,), device=dev),
+        positions=torch.arange(ctx, device=dev),
+        slot_mapping=torch.tensor([t[p // bs] * bs + p % bs for p in range(ctx)], dtype=torch.int64, device=dev),
+        num_decode=0, block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
+        seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+        cu_seqlens=torch.tensor([0, ctx], dtype=torch.int32, device=dev),
+        logits_indices=torch.tensor([ctx - 1], dtype=torch.int64, device=dev),
+    )
+    ms = time_ms(lambda: engine.model.forward_paged(batch, engine.runner.caches, engine.backend), 1, 3)
+    engine.blocks.free("prefill")
+    return ms
+
+
+def run(args) -> list[dict]:
+    cfg = PRESETS[args.preset]
+    budget = int(args.kv_gib * GIB)
+    ctx, out_len = args.prompt, args.output
+    root = Path(tempfile.mkdtemp())
+    rows, eq = [], None
+    for name in args.formats:
+        fmt = FORMATS[name]
+        d = make_engine_dir(root, name, fmt, args.block, 4096, ctx + out_len + args.block, args.preset)
+        engine = Engine.from_dir(d, device=args.device, memory_budget=budget, attention="auto")
+        try:
+            per_req = math.ceil((ctx + out_len) / args.block)
+            max_conc = engine.stats.pool_blocks // per_req
+            row = {"format": name, "attention": engine.backend.name, "bytes_per_token": kv_bytes_per_token(cfg, fmt),
+                   "pool_blocks": engine.stats.pool_blocks, "pool_tokens": engine.stats.pool_tokens,
+                   "pool_gib": engine.stats.pool_bytes / GIB, "max_concurrency": max_conc}
+            pf = prefill_ms(engine, ctx)
+            row["prefill_8k_ms"] = pf
+            tables, fill_gbs = fill_pool(engine, max_conc, ctx)
+            row["write_kernel_fill_GBps"] = fill_gbs
+            fwd = engine.model.forward_paged
+            eq = eq or max_conc  # the first format (bf16) sets the equal-concurrency load
+            for label, n in (("max", max_conc), ("equal", min(eq, max_conc))):
+                batch = decode_batch(engine, tables[:n], ctx)
+                ms = time_ms(lambda: fwd(batch, engine.runner.caches, engine.backend))
+                row[f"decode_step_ms_{label}"] = ms
+                row[f"decode_tok_s_{label}"] = n / ms * 1e3
+                row[f"concurrency_{label}"] = n
+            # continuous batching of max_conc requests: each prefilled once, then out_len decode steps
+            e2e_s = max_conc * pf / 1e3 + out_len * row["decode_step_ms_max"] / 1e3
+            row["e2e_tok_s_est"] = max_conc * out_len / e2e_s
+            if torch.cuda.is_available():
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        finally:
+            engine.shutdown()
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+    return rows
+
+
+def markdown(rows: list[dict], args) -> str:
+    base = rows[0]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    lines = [f"{args.preset} geometry, synthetic bf16 weights, "
+             f"{args.prompt}-token prompts + {args.output} output, one KV budget of {args.kv_gib:g} GiB, "
+             f"block {args.block}, {gpu}, torch {torch.__version__}.", "",
+             "| KV format | KiB/token | pool tokens | max concurrent | x FP16 | decode tok/s @max | x FP16 | "
+             "decode tok/s @equal | x FP16 | step ms @max | prefill 8k ms | e2e tok/s est. | x FP16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['format']} | {r['bytes_per_token'] / 1024:.1f} | {r['pool_tokens']:,} | {r['max_concurrency']} | "
+            f"{r['max_concurrency'] / base['max_concurrency']:.2f} | {r['decode_tok_s_max']:.0f} | "
+            f"{r['decode_tok_s_max'] / base['decode_tok_s_max']:.2f} | {r['decode_tok_s_equal']:.0f} | "
+            f"{r['decode_tok_s_equal'] / base['decode_tok_s_equal']:.2f} | {r['decode_step_ms_max']:.1f} | "
+            f"{r['prefill_8k_ms']:.0f} | {r['e2e_tok_s_est']:.0f} | {r['e2e_tok_s_est'] / base['e2e_tok_s_est']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--kv-gib", type=float, default=96.0)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    rows = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "headline.jsonl", "w") as f:
+        for r in rows:
+            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+            f.write(json.dumps({**r, "gpu": gpu, "torch": torch.__version__, "preset": args.preset}) + "\n")
+    md = markdown(rows, args)
+    (args.out / "headline.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
