@@ -68,6 +68,22 @@ def engine_settings(ctx: Context) -> dict[str, Any]:
     }
 
 
+def trtllm_build_params(ctx: Context) -> dict[str, Any]:
+    """trtllm-build settings, with the plugin switches set explicitly from the KV format.
+
+    TensorRT-LLM's builder silently turns paged context FMHA off for an INT8 KV
+    cache, and for an FP8 KV cache unless the weights are FP8 too (trtllm.md §1.6);
+    older builders raise instead. kvq's weights are fp16/bf16, so we state the
+    outcome on the command line rather than rely on either behaviour. Without
+    paged context FMHA there is no KV-cache reuse and no chunked context.
+    """
+    fmt = ctx.recipe.kv_format()
+    params = {**engine_settings(ctx), "gpt_attention_plugin": "auto", "context_fmha": True,
+              "remove_input_padding": True, "use_paged_context_fmha": not fmt.quantized,
+              "use_fp8_context_fmha": False}
+    return params
+
+
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str))
 
@@ -118,7 +134,7 @@ def build_trtllm_engine(ctx: Context, out: Path) -> dict[str, Any]:
     settings = engine_settings(ctx)
     _write_json(out / "engine.json", settings)
     engine_dir = out / "trt_engine"
-    cmd = trtllm_build_command(ckpt, engine_dir, settings)
+    cmd = trtllm_build_command(ckpt, engine_dir, trtllm_build_params(ctx))
     outputs["trtllm_build_command"] = cmd
     if trtllm_build_available():
         outputs["trtllm_build"] = run_trtllm_build(cmd, out / "trtllm-build.log")

@@ -97,6 +97,20 @@ def _build_run(ctx: Context, tmp: Path) -> dict[str, Any]:
     return build_engine(ctx, tmp)
 
 
+def _describe_build(ctx: Context) -> str:
+    text = f"converted weights + calibrated scales; {ctx.recipe.backend} engine, KV {ctx.recipe.kv_format().name}"
+    if ctx.recipe.backend == "tensorrt-llm":
+        import shlex
+
+        from .engine_build import trtllm_build_params
+        from .trtllm.build_cmd import trtllm_build_command
+
+        out = _engine_root(ctx) / "engine"
+        cmd = trtllm_build_command(out / "checkpoint", out / "trt_engine", trtllm_build_params(ctx))
+        text += f"; then: {shlex.join(cmd)}"
+    return text
+
+
 BUILD = Stage(
     "build",
     out_dir=lambda ctx: _engine_root(ctx) / "engine",
@@ -109,8 +123,7 @@ BUILD = Stage(
     },
     run=_build_run,
     summary=lambda o: o.get("summary", ""),
-    describe=lambda ctx: f"converted weights + calibrated scales; {ctx.recipe.backend} engine, "
-    f"KV {ctx.recipe.kv_format().name}",
+    describe=lambda ctx: _describe_build(ctx),
 )
 
 

@@ -15,11 +15,17 @@ from runtime.errors import ServerError
 from triton_repo.bench import DEFAULT_PROMPTS, run_bench
 
 _ROWS = (
-    ("requests", "requests", "{:d}"), ("completed", "completed", "{:d}"), ("errors", "errors", "{:d}"),
-    ("concurrency", "concurrency", "{:d}"), ("wall_s", "wall time (s)", "{:.2f}"),
-    ("output_tokens", "output tokens", "{:d}"), ("tokens_per_s", "throughput (tok/s)", "{:.1f}"),
-    ("requests_per_s", "requests/s", "{:.2f}"), ("ttft_ms_p50", "TTFT p50 (ms)", "{:.1f}"),
-    ("ttft_ms_p99", "TTFT p99 (ms)", "{:.1f}"), ("itl_ms_p50", "ITL p50 (ms)", "{:.1f}"),
+    ("requests", "requests", "{:d}"),
+    ("completed", "completed", "{:d}"),
+    ("errors", "errors", "{:d}"),
+    ("concurrency", "concurrency", "{:d}"),
+    ("wall_s", "wall time (s)", "{:.2f}"),
+    ("output_tokens", "output tokens", "{:d}"),
+    ("tokens_per_s", "throughput (tok/s)", "{:.1f}"),
+    ("requests_per_s", "requests/s", "{:.2f}"),
+    ("ttft_ms_p50", "TTFT p50 (ms)", "{:.1f}"),
+    ("ttft_ms_p99", "TTFT p99 (ms)", "{:.1f}"),
+    ("itl_ms_p50", "ITL p50 (ms)", "{:.1f}"),
     ("itl_ms_p99", "ITL p99 (ms)", "{:.1f}"),
 )
 
@@ -40,16 +46,36 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable); default: a built-in set.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template.")
 @click.option("--model", default="ensemble", show_default=True)
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the summary and per-request rows here.")
-def command(url: str, concurrency: int, num_requests: int, max_tokens: int, prompts: tuple[str, ...], chat: bool,
-            model: str, json_out: Path | None) -> None:
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the summary and per-request rows here.",
+)
+def command(
+    url: str,
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int,
+    prompts: tuple[str, ...],
+    chat: bool,
+    model: str,
+    json_out: Path | None,
+) -> None:
     """Throughput, time to first token and inter-token latency under N concurrent streams.
 
     Example: kvq bench --url 127.0.0.1:8001 --concurrency 8 --requests 32 --json bench.json
     """
-    result = run_bench(url, concurrency, num_requests, max_tokens=max_tokens, prompts=prompts or DEFAULT_PROMPTS,
-                       model=model, apply_chat_template=chat)
+    result = run_bench(
+        url,
+        concurrency,
+        num_requests,
+        max_tokens=max_tokens,
+        prompts=prompts or DEFAULT_PROMPTS,
+        model=model,
+        apply_chat_template=chat,
+    )
     s = result["summary"]
     table = Table(title=f"kvq bench: {url} ({model})")
     table.add_column("metric")

@@ -26,10 +26,25 @@ def _raise_stop(signum, frame) -> None:
 @click.option("--http-port", type=int, default=None, help="Default: a free port.")
 @click.option("--grpc-port", type=int, default=None, help="Default: a free port.")
 @click.option("--metrics-port", type=int, default=None, help="Default: a free port.")
-@click.option("--ready-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option(
+    "--ready-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for readiness."
+)
 @click.option("--verbose", is_flag=True, help="Verbose server log (printed when loading fails).")
-def command(repo: Path, http_port: int | None, grpc_port: int | None, metrics_port: int | None,
-            ready_timeout: float, verbose: bool) -> None:
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the server's log directory goes (default: the system temp dir).",
+)
+def command(
+    repo: Path,
+    http_port: int | None,
+    grpc_port: int | None,
+    metrics_port: int | None,
+    ready_timeout: float,
+    verbose: bool,
+    log_dir: Path | None,
+) -> None:
     """Start the Triton Inference Server on 127.0.0.1 for REPO; stop with Ctrl-C or SIGTERM.
 
     Example: kvq serve repo --http-port 8000 --grpc-port 8001
@@ -40,15 +55,25 @@ def command(repo: Path, http_port: int | None, grpc_port: int | None, metrics_po
     server = None
     try:
         click.echo(f"starting tritonserver for {repo} ...")
-        server = start_server(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                              ready_timeout_s=ready_timeout, log_verbose=1 if verbose else 0)
-        click.echo(f"ready: http {server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}  "
-                   f"(tritonserver pid {server.process.pid}, log {server.log_path})", )
+        server = start_server(
+            repo,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+            ready_timeout_s=ready_timeout,
+            log_verbose=1 if verbose else 0,
+            log_dir=log_dir,
+        )
+        click.echo(
+            f"ready: http {server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}  "
+            f"(tritonserver pid {server.process.pid}, log {server.log_path})",
+        )
         click.echo(f'try: kvq generate --url {server.http_url} "What is the capital of France?"')
         while server.process.poll() is None:
             time.sleep(0.5)
         raise ServerError(
-            f"tritonserver exited on its own (code {server.process.returncode}):\n" + "\n".join(server.failure_lines())
+            f"tritonserver exited on its own (code {server.process.returncode}):\n"
+            + "\n".join(server.failure_lines())
         )
     except (_Stop, KeyboardInterrupt):
         click.echo("stopping tritonserver ...")

@@ -1,0 +1,392 @@
+"""The real deployment: SmolLM2 with FP8 (per-token) KV, `kvq deploy`, `kvq serve`, the real tritonserver.
+
+One server (started through the `kvq serve` CLI, stopped with SIGTERM) serves
+every test in this module. Expected outputs come from our engine called
+directly, one prompt at a time (sequential greedy), never from the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from builder.cli import cli
+from runtime.errors import RequestError, ServerError
+from triton_repo import client, protocol
+from triton_repo.bench import run_bench
+from triton_repo.server import free_port, start_server
+
+pytestmark = pytest.mark.slow
+
+ENGINE_JSON = {
+    "max_batch_size": 8,
+    "max_input_len": 64,
+    "max_seq_len": 128,
+    "block_size": 16,
+    "gpu_memory_fraction": 0.9,
+}
+FP8_PER_TOKEN = {"dtype": "fp8_e4m3", "granularity": "per_token", "symmetric": True, "scale_dtype": "float16"}
+PROMPTS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 plus 2?",
+    "Say hello in Spanish.",
+    "What animal says moo?",
+    "Name a planet.",
+    "What is water made of?",
+    "Give me a fruit.",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> Path:
+    """SmolLM2 converted by kvq's builtin converter, plus the build stage's two files (docs/interfaces.md)."""
+    from builder.convert import convert_source
+
+    d = tmp_path_factory.mktemp("smollm2-fp8kv")
+    convert_source("smollm2-135m", None, d, "float32")
+    (d / "kv_format.json").write_text(json.dumps(FP8_PER_TOKEN))
+    (d / "engine.json").write_text(json.dumps(ENGINE_JSON))
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(engine_dir):
+    """Sequential greedy outputs of the engine itself (one request at a time), and its tokenizer."""
+    from runtime.engine import Engine
+
+    engine = Engine.from_dir(engine_dir, device="cpu")
+    try:
+        ids = [protocol.encode_prompt(engine.tokenizer, p, chat=True) for p in PROMPTS]
+        texts = [engine.generate([i], max_tokens=MAX_TOKENS)[0].text for i in ids]
+        assert max(engine.stats.step_batch_sizes) == 1  # really sequential
+    finally:
+        engine.shutdown()
+    return {"texts": dict(zip(PROMPTS, texts, strict=True)), "tokenizer": engine.tokenizer}
+
+
+@pytest.fixture(scope="module")
+def repo(engine_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("deploy") / "repo"
+    r = CliRunner().invoke(
+        cli, ["deploy", str(engine_dir), "--out", str(out), "--device", "cpu", "--max-queue-delay-us", "500"]
+    )
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(repo, reference):
+    """`kvq serve REPO` in a subprocess; teardown sends SIGTERM and checks that nothing is left running."""
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "kvq"),
+            "serve",
+            str(repo),
+            "--http-port",
+            str(ports["http"]),
+            "--grpc-port",
+            str(ports["grpc"]),
+            "--metrics-port",
+            str(ports["metrics"]),
+            "--log-dir",
+            str(repo.parent),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any(ln.startswith("ready:") for ln in lines):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("kvq serve did not become ready:\n" + "".join(lines))
+        time.sleep(0.5)
+    server_pid = int(re.search(r"tritonserver pid (\d+)", "".join(lines)).group(1))
+    yield {
+        "http": f"127.0.0.1:{ports['http']}",
+        "grpc": f"127.0.0.1:{ports['grpc']}",
+        "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
+        "lines": lines,
+    }
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, "".join(lines)
+    reader.join(timeout=5)
+    assert "tritonserver stopped" in "".join(lines)
+    with pytest.raises(ProcessLookupError):  # neither the server nor a stub of its group is left
+        os.killpg(server_pid, 0)
+
+
+def _ready(url: str) -> bool:
+    with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=5) as r:
+        return r.status == 200
+
+
+def _chat(prompt: str, **kw) -> client.GenerateRequest:
+    return client.GenerateRequest(
+        prompt, max_tokens=kw.pop("max_tokens", MAX_TOKENS), apply_chat_template=True, **kw
+    )
+
+
+# --------------------------------------------------------------- outputs
+def test_http_greedy_text_equals_the_engine(served, reference):
+    for prompt in PROMPTS[:3]:
+        assert client.generate(served["http"], _chat(prompt)) == reference["texts"][prompt]
+    assert "Paris" in reference["texts"][PROMPTS[0]]
+
+
+def test_grpc_stream_delivers_the_same_text_in_increments(served, reference):
+    events = list(client.stream(served["grpc"], _chat(PROMPTS[0])))
+    pieces = [e.text for e in events if e.text]
+    assert len(pieces) >= 3, pieces
+    assert "".join(pieces) == reference["texts"][PROMPTS[0]]
+    assert events[-1].final and [e.t for e in events] == sorted(e.t for e in events)
+
+
+def test_32_concurrent_streams_match_sequential_greedy_and_are_batched(served, reference):
+    before = client.engine_metrics(served["metrics"])["steps_by_batch_size"]
+    results: list = [None] * 32
+
+    def run(i: int) -> None:
+        try:
+            results[i] = "".join(
+                e.text for e in client.stream(served["grpc"], _chat(PROMPTS[i % len(PROMPTS)]))
+            )
+        except Exception as e:  # recorded and asserted below
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    errors = [r for r in results if not isinstance(r, str)]
+    assert not errors, errors[:3]
+    for i, text in enumerate(results):
+        assert text == reference["texts"][PROMPTS[i % len(PROMPTS)]], i
+    after = client.engine_metrics(served["metrics"])["steps_by_batch_size"]
+    ran = {b: after.get(b, 0) - before.get(b, 0) for b in after if after.get(b, 0) > before.get(b, 0)}
+    print(f"\nengine steps by batch size for 32 concurrent streams: {dict(sorted(ran.items()))}")
+    assert max(ran) == ENGINE_JSON["max_batch_size"]  # the engine filled its batch
+    assert sum(b * n for b, n in ran.items() if b > 1) > sum(n for b, n in ran.items() if b == 1)
+
+
+# ----------------------------------------------------------- bad requests
+LONG_PROMPT = " ".join(["word"] * 80)  # > max_input_len 64 tokens
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"max_tokens": 4}, "missing required input"),
+        ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
+        ({"text_input": "   ", "max_tokens": 4}, "text_input is empty"),
+        ({"text_input": "hi", "max_tokens": 0}, "at least 1"),
+        ({"text_input": "hi", "max_tokens": -5}, "at least 1"),
+        ({"text_input": "hi", "max_tokens": 1000}, "max_seq_len 128"),
+        ({"text_input": LONG_PROMPT, "max_tokens": 4}, "max_input_len 64"),
+        ({"text_input": "hi", "max_tokens": "four"}, "Unable to parse"),
+        ({"text_input": "hi", "max_tokens": 4, "temperature": "hot"}, "Unable to parse"),
+        ({"text_input": "hi", "max_tokens": 4, "colour": "red"}, "unknown request field"),
+        ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_http_requests_get_an_error_and_the_server_stays_ready(served, body, match):
+    with pytest.raises(RequestError, match=match):
+        client.post_generate(served["http"], body)
+    assert _ready(served["http"])
+
+
+def test_bad_grpc_requests_get_an_error_and_the_server_stays_ready(served):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    c = grpcclient.InferenceServerClient(served["grpc"])
+    good = client.grpc_inputs(_chat("hi", max_tokens=2), stream=False)
+    wrong_dtype = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+    wrong_dtype.set_data_from_numpy(np.array([[4.0]], dtype=np.float32))
+    unknown = grpcclient.InferInput("colour", [1, 1], "INT32")
+    unknown.set_data_from_numpy(np.array([[1]], dtype=np.int32))
+    for inputs, match in [([good[0], wrong_dtype], "data-type|datatype|FP32"), (good + [unknown], "colour")]:
+        errors = []
+        c.start_stream(callback=lambda result, error, errors=errors: errors.append(error))
+        c.async_stream_infer("ensemble", inputs)
+        deadline = time.monotonic() + 30
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c.stop_stream()
+        assert (
+            errors and isinstance(errors[0], InferenceServerException) and re.search(match, str(errors[0]))
+        ), errors
+    c.close()
+    assert _ready(served["http"])
+
+
+def _wait_idle(metrics_url: str, timeout_s: float = 120) -> dict:
+    """Metrics once the engine has stopped generating (two equal reads a second apart)."""
+    last = client.engine_metrics(metrics_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = client.engine_metrics(metrics_url)
+        if now["generated_tokens"] == last["generated_tokens"]:
+            return now
+        last = now
+    pytest.fail("the engine kept generating: a request is wedged")
+
+
+def test_client_disconnect_mid_ensemble_stream_does_not_wedge_the_engine(served, reference):
+    before = _wait_idle(served["metrics"])
+    stream = client.stream(served["grpc"], _chat(PROMPTS[1], max_tokens=60))
+    got = [next(stream), next(stream)]
+    stream.close()  # stop_stream(cancel_requests=True): the client goes away mid-generation
+    assert not any(e.final for e in got)
+    # Served correctly while the orphan is still in the batch, and the server stays ready.
+    assert client.generate(served["http"], _chat(PROMPTS[2])) == reference["texts"][PROMPTS[2]]
+    assert _ready(served["http"])
+    # tritonserver 2.51 does not pass an ensemble's cancellation on to its composing models, so the
+    # orphan runs to its max_tokens at most, then frees its blocks: bounded, never wedged.
+    after = _wait_idle(served["metrics"])
+    assert after["generated_tokens"] - before["generated_tokens"] <= 60 + MAX_TOKENS
+
+
+def test_client_disconnect_on_the_engine_model_cancels_its_engine_request(served, reference):
+    import tritonclient.grpc as grpcclient
+
+    before = _wait_idle(served["metrics"])
+    ids = protocol.encode_prompt(reference["tokenizer"], PROMPTS[1], chat=True)
+    inputs = []
+    for name, arr, dtype in [
+        ("input_ids", np.array([ids], dtype=np.int32), "INT32"),
+        ("input_lengths", np.array([[len(ids)]], dtype=np.int32), "INT32"),
+        ("request_output_len", np.array([[80]], dtype=np.int32), "INT32"),
+        ("streaming", np.array([[True]]), "BOOL"),
+    ]:
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    events = []
+    c = grpcclient.InferenceServerClient(served["grpc"])
+    c.start_stream(callback=lambda result, error: events.append(error))
+    c.async_stream_infer("kvq_engine", inputs)
+    deadline = time.monotonic() + 60
+    while len(events) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(events) >= 3 and not any(events[:3])
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline = time.monotonic() + 20
+    while client.engine_metrics(served["metrics"])["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, "the engine never heard that the client left"
+        time.sleep(0.2)
+    after = _wait_idle(served["metrics"])
+    assert after["generated_tokens"] - before["generated_tokens"] < 80  # stopped early
+    assert _ready(served["http"])
+
+
+# ------------------------------------------------------------- protocol
+def test_incremental_detokenization_with_multibyte_characters(reference):
+    tok = reference["tokenizer"]
+    text = "Crème brûlée 😀 costs 5€ — naïve façade 日本語"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    pieces = [protocol.text_delta(tok, ids[: n + 1], n, final=n == len(ids) - 1) for n in range(len(ids))]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_words_end_generation(served, reference):
+    full = reference["texts"][PROMPTS[0]]  # "The capital of France is Paris..."
+    text = client.generate(served["http"], _chat(PROMPTS[0], stop_words=[" France"]))
+    assert text == full[: full.index(" France") + len(" France")]
+
+
+# ------------------------------------------------------------ CLI, bench
+def test_generate_cli_http_and_stream(served, reference):
+    expected = reference["texts"][PROMPTS[0]]
+    r = CliRunner().invoke(
+        cli, ["generate", "--url", served["http"], "--chat", "--max-tokens", str(MAX_TOKENS), PROMPTS[0]]
+    )
+    assert r.exit_code == 0 and r.output == expected + "\n", r.output
+    r = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "--grpc-url",
+            served["grpc"],
+            "--stream",
+            "--chat",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            PROMPTS[0],
+        ],
+    )
+    assert r.exit_code == 0 and r.output == expected + "\n", r.output
+
+
+def test_bench_reports_throughput_and_latency(served, tmp_path):
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--url",
+            served["grpc"],
+            "--concurrency",
+            "4",
+            "--requests",
+            "8",
+            "--max-tokens",
+            "8",
+            "--json",
+            str(out),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    s = data["summary"]
+    assert s["completed"] == 8 and s["errors"] == 0 and len(data["requests"]) == 8
+    assert s["output_tokens"] == sum(row["num_tokens"] for row in data["requests"]) > 8
+    assert 0 < s["ttft_ms_p50"] <= s["ttft_ms_p99"] and 0 < s["itl_ms_p50"] <= s["itl_ms_p99"]
+    assert "TTFT p50" in r.output
+
+
+def test_bench_counts_errors_when_the_server_is_gone():
+    port = free_port()
+    result = run_bench(f"127.0.0.1:{port}", concurrency=2, num_requests=2, max_tokens=2, timeout_s=5)
+    assert result["summary"]["errors"] == 2 and result["summary"]["completed"] == 0
+
+
+# -------------------------------------------------- a model that fails to load
+def test_start_server_reports_why_a_model_failed_to_load(tmp_path):
+    model = tmp_path / "repo" / "broken"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(
+        'name: "broken" backend: "python" max_batch_size: 0 '
+        'input [{name: "x" data_type: TYPE_INT32 dims: [1]}] '
+        'output [{name: "y" data_type: TYPE_INT32 dims: [1]}]'
+    )
+    (model / "1" / "model.py").write_text(
+        "class TritonPythonModel:\n"
+        "    def initialize(self, args):\n"
+        "        raise RuntimeError('kvq-test: engine dir is unreadable')\n"
+    )
+    with pytest.raises(ServerError, match="kvq-test: engine dir is unreadable"):
+        start_server(tmp_path / "repo", ready_timeout_s=120, log_dir=tmp_path)

@@ -1,0 +1,139 @@
+"""Load test against a running deployment: N concurrent gRPC streams, M requests in all.
+
+Each worker owns one gRPC client and sends its requests one after another, so
+`concurrency` is the number of requests in flight. Per request we record the
+arrival time of every token response: time to first token (TTFT) from the
+send, inter-token latency (ITL) between consecutive tokens. Results are data
+(one dict per request plus a summary), printed as a table by the CLI.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import InputError, KvqError
+
+from .client import GenerateRequest, stream
+from .protocol import ENSEMBLE
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "List three prime numbers.",
+    "Why is the sky blue?",
+    "Give me a short tip for learning Python.",
+    "What does a compiler do?",
+    "Name a famous painter.",
+)
+
+
+@dataclass
+class RequestResult:
+    index: int
+    prompt: str
+    ok: bool
+    error: str | None = None
+    text: str = ""
+    start: float = 0.0
+    end: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.start if self.token_times else None
+
+    @property
+    def itls_s(self) -> list[float]:
+        return list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
+
+
+def one_request(
+    grpc_url: str, index: int, request: GenerateRequest, model: str, timeout_s: float
+) -> RequestResult:
+    res = RequestResult(index, request.prompt, ok=False, start=time.perf_counter())
+    try:
+        for ev in stream(grpc_url, request, model=model, timeout_s=timeout_s):
+            if ev.has_output:
+                res.token_times.append(ev.t)
+                res.text += ev.text
+        res.ok = True
+    except KvqError as e:
+        res.error = str(e)
+    res.end = time.perf_counter()
+    return res
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q) * 1000.0) if values else None
+
+
+def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tokens = sum(len(r.token_times) for r in ok)
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itls = [x for r in ok for x in r.itls_s]
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": len(results) - len(ok),
+        "concurrency": concurrency,
+        "wall_s": wall_s,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "ttft_ms_p50": _pct(ttfts, 50),
+        "ttft_ms_p99": _pct(ttfts, 99),
+        "itl_ms_p50": _pct(itls, 50),
+        "itl_ms_p99": _pct(itls, 99),
+        "error_messages": sorted({r.error for r in results if r.error})[:5],
+    }
+
+
+def run_bench(
+    grpc_url: str,
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int = 16,
+    prompts: tuple[str, ...] | list[str] = DEFAULT_PROMPTS,
+    model: str = ENSEMBLE,
+    timeout_s: float = 300.0,
+    **request_fields: Any,
+) -> dict[str, Any]:
+    """Returns {"summary": {...}, "requests": [per-request dicts]}."""
+    if concurrency < 1 or num_requests < 1 or max_tokens < 1:
+        raise InputError("concurrency, requests and max_tokens must each be at least 1.")
+    if not prompts:
+        raise InputError("no prompts to send; pass --prompt at least once.")
+    results: list[RequestResult | None] = [None] * num_requests
+    next_index = iter(range(num_requests))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            req = GenerateRequest(prompts[i % len(prompts)], max_tokens=max_tokens, **request_fields)
+            results[i] = one_request(grpc_url, i, req, model, timeout_s)
+
+    threads = [
+        threading.Thread(target=worker, name=f"kvq-bench-{k}") for k in range(min(concurrency, num_requests))
+    ]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    done = [r for r in results if r is not None]
+    rows = [{**asdict(r), "ttft_s": r.ttft_s, "num_tokens": len(r.token_times)} for r in done]
+    for row in rows:
+        del row["token_times"]
+    return {"summary": summarize(done, wall, concurrency), "requests": rows}

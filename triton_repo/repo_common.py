@@ -1,0 +1,150 @@
+"""The parts of a model repository that torch and TensorRT-LLM engines share.
+
+Both repositories have TensorRT-LLM's `inflight_batcher_llm` shape:
+preprocessing -> engine model -> postprocessing, joined by an `ensemble`
+whose request fields are TensorRT-LLM's (text_input, max_tokens, ... ->
+text_output), so a client written for one serves the other.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from runtime.errors import InputError, StageError
+
+from . import protocol
+from .pbtxt import EnsembleStep, ModelSpec, TensorSpec, render, validate_repository
+
+MODELS_SOURCE = Path(__file__).parent / "models"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+# Ensemble field -> engine-model input (TensorRT-LLM's names; kvq_engine uses the same).
+ENGINE_INPUT_OF = {
+    "max_tokens": "request_output_len",
+    "temperature": "temperature",
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "random_seed": "random_seed",
+    "end_id": "end_id",
+    "stream": "streaming",
+}
+
+
+def check_tokenizer_dir(path: Path) -> Path:
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise InputError(
+            f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); preprocessing needs one. "
+            "Point deploy at the converted model directory (settings tokenizer_dir) or rebuild the engine."
+        )
+    return path
+
+
+def preprocessing_spec(tokenizer_dir: Path, max_batch_size: int, instance_count: int) -> ModelSpec:
+    return ModelSpec(
+        name=protocol.PREPROCESSING,
+        backend="python",
+        max_batch_size=max_batch_size,
+        inputs=(
+            TensorSpec("QUERY", "STRING", (1,)),
+            TensorSpec("STOP_WORDS", "STRING", (-1,), optional=True),
+            TensorSpec("APPLY_CHAT_TEMPLATE", "BOOL", (1,), optional=True),
+        ),
+        outputs=(
+            TensorSpec("INPUT_ID", "INT32", (-1,)),
+            TensorSpec("REQUEST_INPUT_LEN", "INT32", (1,)),
+            TensorSpec("STOP_WORDS_IDS", "INT32", (2, -1)),
+        ),
+        parameters={"tokenizer_dir": str(tokenizer_dir)},
+        instance_count=instance_count,
+    )
+
+
+def postprocessing_spec(
+    tokenizer_dir: Path, max_batch_size: int, instance_count: int, cumulative: bool
+) -> ModelSpec:
+    """`cumulative`: the engine model resends all ids with PREV_LENGTH/IS_FINAL (kvq_engine)."""
+    inputs = [TensorSpec("TOKENS_BATCH", "INT32", (-1, -1)), TensorSpec("SEQUENCE_LENGTH", "INT32", (-1,))]
+    if cumulative:
+        inputs += [TensorSpec("PREV_LENGTH", "INT32", (1,)), TensorSpec("IS_FINAL", "BOOL", (1,))]
+    return ModelSpec(
+        name=protocol.POSTPROCESSING,
+        backend="python",
+        max_batch_size=max_batch_size,
+        inputs=tuple(inputs),
+        outputs=(TensorSpec("OUTPUT", "STRING", (-1,)),),
+        parameters={"tokenizer_dir": str(tokenizer_dir)},
+        instance_count=instance_count,
+    )
+
+
+def ensemble_spec(engine_model: str, max_batch_size: int, streaming: bool, cumulative: bool) -> ModelSpec:
+    fields = [f for f in protocol.ENSEMBLE_INPUTS if streaming or f[0] != "stream"]
+    engine_in = {ENGINE_INPUT_OF[n]: n for n, *_ in fields if n in ENGINE_INPUT_OF}
+    engine_in.update(
+        {
+            "input_ids": "_INPUT_ID",
+            "input_lengths": "_REQUEST_INPUT_LEN",
+            "stop_words_list": "_STOP_WORDS_IDS",
+        }
+    )
+    engine_out = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
+    post_in = {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"}
+    if cumulative:
+        engine_out.update({"prev_length": "_PREV_LENGTH", "is_final": "_IS_FINAL"})
+        post_in.update({"PREV_LENGTH": "_PREV_LENGTH", "IS_FINAL": "_IS_FINAL"})
+    return ModelSpec(
+        name=protocol.ENSEMBLE,
+        platform="ensemble",
+        max_batch_size=max_batch_size,
+        inputs=tuple(TensorSpec(n, dt, dims, optional=opt) for n, dt, dims, opt in fields),
+        outputs=(TensorSpec("text_output", "STRING", (-1,)),),
+        steps=(
+            EnsembleStep(
+                protocol.PREPROCESSING,
+                {
+                    "QUERY": "text_input",
+                    "STOP_WORDS": "stop_words",
+                    "APPLY_CHAT_TEMPLATE": "apply_chat_template",
+                },
+                {
+                    "INPUT_ID": "_INPUT_ID",
+                    "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+                    "STOP_WORDS_IDS": "_STOP_WORDS_IDS",
+                },
+            ),
+            EnsembleStep(engine_model, engine_in, engine_out),
+            EnsembleStep(protocol.POSTPROCESSING, post_in, {"OUTPUT": "text_output"}),
+        ),
+    )
+
+
+def write_models(out_dir: Path, specs: list[tuple[ModelSpec, str | None]]) -> list[str]:
+    """Write <model>/config.pbtxt (+ 1/model.py copied from triton_repo/models/<source>.py).
+
+    Every config is rendered and validated before the first file is written, and the
+    repository as a whole (ensemble wiring) is validated after; returns the files written.
+    """
+    texts = [(spec, render(spec), source) for spec, source in specs]
+    files = []
+    for spec, text, source in texts:
+        model_dir = out_dir / spec.name
+        (model_dir / "1").mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.pbtxt").write_text(text)
+        files.append(f"{spec.name}/config.pbtxt")
+        if source is not None:
+            shutil.copy2(MODELS_SOURCE / f"{source}.py", model_dir / "1" / "model.py")
+            files.append(f"{spec.name}/1/model.py")
+    validate_repository(out_dir)
+    return files
+
+
+def require_empty(out_dir: Path) -> Path:
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise StageError(f"deploy output {out_dir} must be an existing (empty) directory.")
+    if any(out_dir.iterdir()):
+        raise StageError(
+            f"deploy output {out_dir} is not empty; deploy writes into a fresh temporary directory."
+        )
+    return out_dir

@@ -1,0 +1,127 @@
+"""Model repository for a torch (embedded-runtime) engine: the `deploy` stage's library call.
+
+    preprocessing (python) -> kvq_engine (python, decoupled) -> postprocessing (python)
+                        \\______________ ensemble ______________/
+
+kvq_engine is always decoupled: its responses come from the engine's step
+loop through each request's response sender, which is what lets one engine
+batch every in-flight request continuously. A non-streamed request gets exactly
+one response, which the HTTP /generate endpoint accepts. With streaming off in
+the recipe, the ensemble simply has no `stream` field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import InputError
+
+from . import protocol
+from .pbtxt import ModelSpec, TensorSpec
+from .repo_common import (
+    check_tokenizer_dir,
+    ensemble_spec,
+    postprocessing_spec,
+    preprocessing_spec,
+    require_empty,
+    write_models,
+)
+
+DEFAULT_SETTINGS = {
+    "instance_count": 1,  # engines (one per kvq_engine instance)
+    "max_queue_delay_us": 1000,
+    "streaming": True,
+    "max_batch_size": None,  # Triton's per-model batch limit; None -> the engine's max_batch_size
+    "pre_post_instance_count": 1,
+    "device": "",  # "" -> the engine picks (cuda if available, else cpu)
+}
+
+
+def _settings(settings: dict[str, Any] | None) -> dict[str, Any]:
+    settings = dict(settings or {})
+    unknown = sorted(set(settings) - set(DEFAULT_SETTINGS) - {"enabled"})
+    if unknown:
+        raise InputError(f"unknown deploy settings {unknown}; known: {sorted(DEFAULT_SETTINGS)}.")
+    merged = {**DEFAULT_SETTINGS, **{k: v for k, v in settings.items() if v is not None}}
+    for key in ("instance_count", "pre_post_instance_count"):
+        if int(merged[key]) < 1:
+            raise InputError(f"deploy setting {key} must be >= 1, got {merged[key]}.")
+    if int(merged["max_queue_delay_us"]) < 0:
+        raise InputError(
+            f"deploy setting max_queue_delay_us must be >= 0, got {merged['max_queue_delay_us']}."
+        )
+    return merged
+
+
+def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) -> ModelSpec:
+    opt = {"optional": True}
+    return ModelSpec(
+        name=protocol.ENGINE_MODEL,
+        backend="python",
+        max_batch_size=max_batch_size,
+        inputs=(
+            TensorSpec("input_ids", "INT32", (-1,), allow_ragged_batch=True),
+            TensorSpec("input_lengths", "INT32", (1,)),
+            TensorSpec("request_output_len", "INT32", (1,)),
+            TensorSpec("end_id", "INT32", (1,), **opt),
+            TensorSpec("runtime_top_k", "INT32", (1,), **opt),
+            TensorSpec("runtime_top_p", "FP32", (1,), **opt),
+            TensorSpec("temperature", "FP32", (1,), **opt),
+            TensorSpec("random_seed", "UINT64", (1,), **opt),
+            TensorSpec("stop_words_list", "INT32", (2, -1), allow_ragged_batch=True, **opt),
+            TensorSpec("streaming", "BOOL", (1,), **opt),
+        ),
+        outputs=(
+            TensorSpec("output_ids", "INT32", (-1, -1)),
+            TensorSpec("sequence_length", "INT32", (-1,)),
+            TensorSpec("prev_length", "INT32", (1,)),
+            TensorSpec("is_final", "BOOL", (1,)),
+        ),
+        parameters={"engine_dir": str(engine_dir), "device": s["device"] or "auto"},
+        decoupled=True,
+        instance_count=int(s["instance_count"]),
+        max_queue_delay_us=int(s["max_queue_delay_us"]),
+    )
+
+
+def write_repository(
+    engine_dir: str | Path, out_dir: str | Path, settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Fill the existing, empty `out_dir` with a repository serving the torch engine at `engine_dir`.
+
+    The caller renames `out_dir` into place (pipeline stage, or builder.atomic for `kvq deploy`).
+    Returns the facts for the stage manifest.
+    """
+    engine_dir = Path(engine_dir).resolve()
+    out_dir = require_empty(Path(out_dir))
+    s = _settings(settings)
+    limits = protocol.EngineLimits.from_engine_dir(engine_dir)
+    check_tokenizer_dir(engine_dir)
+    max_batch = int(s["max_batch_size"] or limits.max_batch_size)
+    if max_batch < 1:
+        raise InputError(f"deploy max_batch_size must be >= 1, got {max_batch}.")
+    streaming = bool(s["streaming"])
+    pre_post = int(s["pre_post_instance_count"])
+    specs = [
+        (preprocessing_spec(engine_dir, max_batch, pre_post), "preprocessing"),
+        (engine_model_spec(engine_dir, max_batch, s), "kvq_engine"),
+        (postprocessing_spec(engine_dir, max_batch, pre_post, cumulative=True), "postprocessing"),
+        (ensemble_spec(protocol.ENGINE_MODEL, max_batch, streaming, cumulative=True), None),
+    ]
+    files = write_models(out_dir, specs)
+    return {
+        "backend": "torch",
+        "engine_dir": str(engine_dir),
+        "models": [spec.name for spec, _ in specs],
+        "entry_model": protocol.ENSEMBLE,
+        "max_batch_size": max_batch,
+        "streaming": streaming,
+        "decoupled": True,
+        "instance_count": int(s["instance_count"]),
+        "max_queue_delay_us": int(s["max_queue_delay_us"]),
+        "limits": {"max_input_len": limits.max_input_len, "max_seq_len": limits.max_seq_len},
+        "files": files,
+        "summary": f"Triton repo: ensemble -> kvq_engine x{s['instance_count']} "
+        f"(decoupled, streaming={streaming})",
+    }
