@@ -131,12 +131,22 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
             torch.cuda.empty_cache()
 
 
+def measure_triton(label: str, grpc_url: str, wl: Workload) -> dict[str, Any]:
+    """The same concurrency levels through a running Triton deployment (kvq bench)."""
+    from triton_repo.bench import run_bench
+
+    runs = [run_bench(grpc_url, c, max(wl.num_requests, c), max_tokens=wl.output_len)["summary"]
+            for c in wl.concurrency]
+    return {"label": label, "url": grpc_url, "runs": runs}
+
+
 def compare_engines(engines: list[EngineUnderTest], wl: Workload, device: str, out_dir: Path,
-                    title: str) -> dict[str, Any]:
+                    title: str, triton: list[tuple[str, str]] = ()) -> dict[str, Any]:
     from .compare_report import write_report
 
     rows = [measure_engine(e, wl, device) for e in engines]
-    report = {"title": title, "device": device, "workload": asdict(wl), "engines": rows}
+    report = {"title": title, "device": device, "workload": asdict(wl), "engines": rows,
+              "triton": [measure_triton(label, url, wl) for label, url in triton]}
     write_report(report, out_dir)
     base = rows[0]
     best = {r["label"]: max(x["tokens_per_s"] for x in r["runs"]) for r in rows}

@@ -77,6 +77,16 @@ def markdown(report: dict[str, Any]) -> str:
             cells = [_fmt(acc.get(k), spec) for k, _, spec in ACCURACY_COLUMNS]
             verdict = "-" if not acc else ("pass" if not acc.get("violations") else "FAIL: " + "; ".join(acc["violations"]))
             lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {verdict} |")
+    if report.get("triton"):
+        lines += ["", "## Through Triton (kvq bench, gRPC streaming, text prompts)", "",
+                  "| deployment | concurrency | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for t in report["triton"]:
+            for x in t["runs"]:
+                lines.append(
+                    f"| {t['label']} | {x['concurrency']} | {x['tokens_per_s']:.1f} | {_fmt(x['ttft_ms_p50'], '{:.1f}')} | "
+                    f"{_fmt(x['ttft_ms_p99'], '{:.1f}')} | {_fmt(x['itl_ms_p50'], '{:.1f}')} | "
+                    f"{_fmt(x['itl_ms_p99'], '{:.1f}')} | {x['errors']} |")
     lines += ["", "Plots: concurrency_vs_context.png, throughput_vs_concurrency.png, accuracy_vs_bytes.png", ""]
     return "\n".join(lines)
 
@@ -86,7 +96,8 @@ def plot_concurrency(report: dict[str, Any], path: Path) -> None:
     max_ctx = max(r["pool_tokens"] for r in report["engines"])
     ctxs = [2**k for k in range(7, 18) if 2**k <= max_ctx]
     for r in report["engines"]:
-        ax.plot(ctxs, [r["pool_tokens"] // c for c in ctxs], marker="o", label=f"{r['label']} ({r['kv_format']})")
+        fits = [r["pool_blocks"] // -(-c // r["block_size"]) for c in ctxs]  # whole blocks per request
+        ax.plot(ctxs, fits, marker="o", label=f"{r['label']} ({r['kv_format']})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("context length per request (tokens)")

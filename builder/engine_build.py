@@ -108,7 +108,7 @@ def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
 
 
 def build_trtllm_engine(ctx: Context, out: Path) -> dict[str, Any]:
-    from .trtllm.build_cmd import run_trtllm_build, trtllm_build_command, trtllm_build_available
+    from .trtllm.build_cmd import run_trtllm_build, trtllm_build_available, trtllm_build_command
     from .trtllm.checkpoint import write_trtllm_checkpoint
     from .trtllm.hf_scales import export_hf_kv_scales
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from runtime.errors import StageError
@@ -26,13 +27,8 @@ class RequestTrace:
     finish_reason: str | None = None
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+def percentile_ms(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q) * 1e3) if values else float("nan")
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int, avoid: set[int] = frozenset()) -> list[list[int]]:
@@ -93,10 +89,10 @@ def run_closed_loop(engine: Any, prompts: list[list[int]], sampling: Any, concur
         "generated_tokens": tokens,
         "seconds": wall,
         "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
-        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
-        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-        "itl_p50_ms": 1e3 * percentile(itl, 50),
-        "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "ttft_p50_ms": percentile_ms(ttft, 50),
+        "ttft_p99_ms": percentile_ms(ttft, 99),
+        "itl_p50_ms": percentile_ms(itl, 50),
+        "itl_p99_ms": percentile_ms(itl, 99),
         "mean_batch": statistics.fmean(batches) if batches else float("nan"),
         "max_batch": max(batches) if batches else 0,
         "errors": errors,

@@ -30,8 +30,10 @@ from ..run import build_pipeline, resolve_device
 @click.option("--prompt-len", type=int, default=None)
 @click.option("--output-len", type=int, default=None)
 @click.option("--requests", "num_requests", type=int, default=None)
+@click.option("--triton", "triton_urls", multiple=True, metavar="LABEL=GRPC_URL",
+              help="Also measure a deployed engine through Triton (kvq bench), e.g. fp8=127.0.0.1:8001.")
 def command(engine_dirs, recipe, overrides, work_dir, out, device, memory_budget, concurrency, prompt_len,
-            output_len, num_requests) -> None:
+            output_len, num_requests, triton_urls) -> None:
     """Compare ENGINE_DIRS (built engines; the first is the baseline), or a recipe's variants."""
     if recipe and engine_dirs:
         raise InputError("give either engine directories or --recipe, not both.")
@@ -56,6 +58,12 @@ def command(engine_dirs, recipe, overrides, work_dir, out, device, memory_budget
                   c.seed, parse_bytes(memory_budget) if memory_budget else None)
     target = out or work_dir / "compare" / "adhoc"
     dev = resolve_device(device)
+    servers = []
+    for item in triton_urls:
+        label, sep, url = item.partition("=")
+        if not sep or not label or not url:
+            raise InputError(f"--triton {item!r}: write LABEL=GRPC_URL, e.g. fp8=127.0.0.1:8001.")
+        servers.append((label, url))
     with atomic_dir(target, overwrite=True) as tmp:
-        res = compare_engines(engines_from_dirs(list(engine_dirs)), wl, dev, tmp, "kvq compare")
+        res = compare_engines(engines_from_dirs(list(engine_dirs)), wl, dev, tmp, "kvq compare", triton=servers)
     click.echo(f"{res['summary']}\nreport: {target / 'report.md'}")
