@@ -20,6 +20,7 @@ format; the decode phase is where KV capacity and KV bytes decide throughput.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -151,44 +152,61 @@ def prefill_ms(engine: Engine, ctx: int) -> float:
     return ms
 
 
-def run(args) -> list[dict]:
+def measure_format(args, name: str, root: Path, eq: int | None) -> dict:
+    """One engine: everything it allocates dies with this frame, so the next format gets the GPU back."""
     cfg = PRESETS[args.preset]
-    budget = int(args.kv_gib * GIB)
+    fmt = FORMATS[name]
     ctx, out_len = args.prompt, args.output
+    d = make_engine_dir(root, name, fmt, args.block, 4096, ctx + out_len + args.block, args.preset)
+    engine = Engine.from_dir(d, device=args.device, memory_budget=int(args.kv_gib * GIB), attention="auto")
+    try:
+        per_req = math.ceil((ctx + out_len) / args.block)
+        max_conc = engine.stats.pool_blocks // per_req
+        row = {"format": name, "attention": engine.backend.name, "bytes_per_token": kv_bytes_per_token(cfg, fmt),
+               "pool_blocks": engine.stats.pool_blocks, "pool_tokens": engine.stats.pool_tokens,
+               "pool_gib": engine.stats.pool_bytes / GIB, "max_concurrency": max_conc}
+        pf = prefill_ms(engine, ctx)
+        row["prefill_8k_ms"] = pf
+        tables, fill_gbs = fill_pool(engine, max_conc, ctx)
+        row["write_kernel_fill_GBps"] = fill_gbs
+        eq = eq or max_conc  # the first format (bf16) sets the equal-concurrency load
+        for label, n in (("max", max_conc), ("equal", min(eq, max_conc))):
+            batch = decode_batch(engine, tables[:n], ctx)
+            ms = time_ms(lambda b=batch: engine.model.forward_paged(b, engine.runner.caches, engine.backend))
+            row[f"decode_step_ms_{label}"] = ms
+            row[f"decode_tok_s_{label}"] = n / ms * 1e3
+            row[f"concurrency_{label}"] = n
+        # continuous batching of max_conc requests: each prefilled once, then out_len decode steps
+        e2e_s = max_conc * pf / 1e3 + out_len * row["decode_step_ms_max"] / 1e3
+        row["e2e_tok_s_est"] = max_conc * out_len / e2e_s
+        if torch.cuda.is_available():
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        return row
+    finally:
+        engine.shutdown()
+
+
+def run(args) -> list[dict]:
     root = Path(tempfile.mkdtemp())
-    rows, eq = [], None
+    rows: list[dict] = []
+    t_start = time.perf_counter()
     for name in args.formats:
-        fmt = FORMATS[name]
-        d = make_engine_dir(root, name, fmt, args.block, 4096, ctx + out_len + args.block, args.preset)
-        engine = Engine.from_dir(d, device=args.device, memory_budget=budget, attention="auto")
+        if time.perf_counter() - t_start > args.time_budget_s:
+            print(f"skipping {name}: time budget of {args.time_budget_s:.0f} s spent", flush=True)
+            continue
         try:
-            per_req = math.ceil((ctx + out_len) / args.block)
-            max_conc = engine.stats.pool_blocks // per_req
-            row = {"format": name, "attention": engine.backend.name, "bytes_per_token": kv_bytes_per_token(cfg, fmt),
-                   "pool_blocks": engine.stats.pool_blocks, "pool_tokens": engine.stats.pool_tokens,
-                   "pool_gib": engine.stats.pool_bytes / GIB, "max_concurrency": max_conc}
-            pf = prefill_ms(engine, ctx)
-            row["prefill_8k_ms"] = pf
-            tables, fill_gbs = fill_pool(engine, max_conc, ctx)
-            row["write_kernel_fill_GBps"] = fill_gbs
-            fwd = engine.model.forward_paged
-            eq = eq or max_conc  # the first format (bf16) sets the equal-concurrency load
-            for label, n in (("max", max_conc), ("equal", min(eq, max_conc))):
-                batch = decode_batch(engine, tables[:n], ctx)
-                ms = time_ms(lambda: fwd(batch, engine.runner.caches, engine.backend))
-                row[f"decode_step_ms_{label}"] = ms
-                row[f"decode_tok_s_{label}"] = n / ms * 1e3
-                row[f"concurrency_{label}"] = n
-            # continuous batching of max_conc requests: each prefilled once, then out_len decode steps
-            e2e_s = max_conc * pf / 1e3 + out_len * row["decode_step_ms_max"] / 1e3
-            row["e2e_tok_s_est"] = max_conc * out_len / e2e_s
-            if torch.cuda.is_available():
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            row = measure_format(args, name, root, rows[0]["max_concurrency"] if rows else None)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.progress:
+                with open(args.progress, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        except Exception as e:  # keep the other formats' numbers; report the failure
+            print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
+            if not rows:
+                raise
         finally:
-            engine.shutdown()
-            del engine
+            gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -224,6 +242,8 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--time-budget-s", type=float, default=1e9, help="Start no new format after this long.")
+    ap.add_argument("--progress", type=Path, default=None, help="Append each row here as soon as it is measured.")
     args = ap.parse_args()
     rows = run(args)
     args.out.mkdir(parents=True, exist_ok=True)

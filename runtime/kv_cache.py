@@ -55,10 +55,12 @@ def allocate_layer(
 ) -> LayerCache:
     """Allocate one layer's pages. Static formats take their calibrated scales here."""
     shape = (num_blocks, kv_heads, block_size, fmt.stored_head_dim(head_dim))
+    # Zeros, not empty: attention masks padded slots with a zero weight, but 0 * NaN
+    # (uninitialized fp32, or an fp8 NaN bit pattern) would still poison the output.
     cache = LayerCache(
         fmt,
-        torch.empty(shape, dtype=fmt.storage_dtype, device=device),
-        torch.empty(shape, dtype=fmt.storage_dtype, device=device),
+        torch.zeros(shape, dtype=fmt.storage_dtype, device=device),
+        torch.zeros(shape, dtype=fmt.storage_dtype, device=device),
     )
     if fmt.dynamic:
         meta = (num_blocks, kv_heads, block_size)

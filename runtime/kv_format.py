@@ -208,12 +208,15 @@ def dynamic_scales(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.
         raise ValueError(f"{fmt.name} has no dynamic scales")
     xf = x.to(torch.float32)
     sd = fmt.scale_torch_dtype
+    # Clamp to the scale dtype's finite range: a token beyond max * qmax saturates
+    # (like a static scale clips) instead of storing an inf scale that dequantizes to NaN.
+    big = float(torch.finfo(sd).max)
     if fmt.symmetric:
         s = xf.abs().amax(dim=-1) / fmt.qmax
-        return round_up_to(s.clamp_min(_tiny(sd)), sd), None
-    zero = round_down_to(xf.amin(dim=-1), sd)
+        return round_up_to(s.clamp(_tiny(sd), big), sd), None
+    zero = round_down_to(xf.amin(dim=-1).clamp(-big, big), sd)
     s = (xf.amax(dim=-1) - zero.to(torch.float32)) / fmt.qmax
-    return round_up_to(s.clamp_min(_tiny(sd)), sd), zero
+    return round_up_to(s.clamp(_tiny(sd), big), sd), zero
 
 
 # ------------------------------------------------------------ int4 packing

@@ -1,1 +1,28 @@
-"""Triton-language GPU kernels for the paged, quantized KV cache."""
+"""Triton-language GPU kernels for the paged, quantized KV cache.
+
+What exists (same signatures as runtime/attention.py's reference path, see
+docs/interfaces.md):
+
+    write_kv(cache, k, v, slot_mapping)
+        fused quantize-on-write of a step's K/V [T, kv_heads, head_dim] into the
+        paged cache; every format and granularity; bytes equal kv_format.quantize.
+    decode_attention(q, cache, block_tables, seq_lens, sm_scale) -> out
+        paged, GQA-grouped decode attention with in-register dequantization,
+        fp32 online softmax and split-K for long contexts.
+
+`write_kv_launch` / `decode_attention_launch` take the same arguments plus
+tuning knobs (tile sizes, warps, split count) for benchmarks and tests; their
+defaults are the fastest tiles measured on the H200 (benchmarks/KERNEL_NOTES.md).
+Files: formats.py (KV format -> compile-time constants, cache checks),
+write_kv.py, decode_attention.py, split_k.py (split count, merge kernel).
+Kernels run on CUDA tensors; on CPU only under TRITON_INTERPRET=1 (set before
+this package is imported), otherwise they raise UnsupportedError.
+No prefill kernel: prefill is full-precision attention and runtime/attention.py
+falls back to its reference prefill_attention (torch SDPA) for it.
+"""
+
+from .decode_attention import decode_attention, decode_attention_launch
+from .split_k import choose_num_splits
+from .write_kv import write_kv, write_kv_launch
+
+__all__ = ["write_kv", "write_kv_launch", "decode_attention", "decode_attention_launch", "choose_num_splits"]

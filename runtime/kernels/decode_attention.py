@@ -1,0 +1,381 @@
+"""Paged decode attention over a (quantized) KV cache, split-K over the context.
+
+One program handles one (sequence, KV head, split): all GROUP query heads that
+share the KV head are a [BLOCK_H, head_dim] tile, so every KV page is read
+once per group (GQA), and scores come from one `tl.dot` per tile of BLOCK_N
+tokens. Tokens are gathered through the block table one row at a time
+(`page * stride + offset`), so pages may sit anywhere in the pool and the page
+size need not be a power of two.
+
+Dequantization stays in registers and is arranged so that the dot products
+see exact operands:
+
+* K: the raw stored values (int8, uint8, int4 nibbles minus 8, fp8) are exact
+  in fp16/bf16, so q . k_q is computed on them and the per-token scale is
+  applied to the scores afterwards: s_n * (q . k_q) + z_n * sum(q). Static
+  (per-tensor/per-head) K scales fold into the softmax scale.
+* V: per-token formats are dequantized in fp32 (v_q * s + z) and then cast to
+  the dot dtype, like the reference path; static V scales multiply the output
+  once at the end (exact and free).
+* softmax: online (running max and sum), fp32, base 2.
+
+Long contexts with few (sequence, KV head) pairs would leave most SMs idle,
+so the context is split into `num_splits` ranges that write partial (max,
+sum, acc); a second kernel merges them. With one split the first kernel
+writes the output directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kv_cache import LayerCache
+from .formats import KIND_INT4, SCALE_TOKEN, check_device, kernel_format
+from .split_k import choose_num_splits, merge_splits, sm_count
+
+_LOG2E = 1.4426950408889634
+
+
+# How tl.dot runs: native fp16/bf16 tensor cores; fp32 in IEEE precision (q in
+# fp32, parity runs); or fp32 operands in place of bf16 ones, because the
+# Triton 3.6 interpreter's bf16 tl.dot and int8->bf16 casts return garbage.
+DOT_NATIVE, DOT_IEEE, DOT_UPCAST = 0, 1, 2
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _operand(x, dt: tl.constexpr, DOT: tl.constexpr, CVT_EARLY: tl.constexpr):
+    """Cast a K/V tile to the dot dtype.
+
+    With CVT_EARLY the cast is followed by a split/join of column pairs -- an identity the
+    compiler does not move casts across. Without it, Triton 3.6 sinks the cast of an 8-bit
+    tile below the shared-memory staging of the tensor-core operand and then reads that
+    operand back one byte per instruction (LDS.U8); with it, the tile is widened in the
+    registers it was loaded into and staged as 16-bit data read with ldmatrix, as in the
+    bf16 kernel (SASS: ~25% fewer instructions, no LDS.U8; KERNEL_NOTES.md).
+    """
+    if DOT == 2:
+        y = x.to(tl.float32)
+    else:
+        y = x.to(dt)
+    if CVT_EARLY:
+        R: tl.constexpr = y.shape[0]
+        C: tl.constexpr = y.shape[1]
+        a, b = tl.split(tl.reshape(y, (R, C // 2, 2)))
+        y = tl.reshape(tl.join(a, b), (R, C))
+    return y
+
+
+@triton.jit
+def _load_q(Q, q_row, heads_mask, cols, dmask):
+    return tl.load(Q + q_row[:, None] + cols[None, :], mask=heads_mask[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
+def _unpack(raw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr,
+            I4_LO: tl.constexpr, I4_HI: tl.constexpr, dt: tl.constexpr):
+    """Stored tile -> integer/fp values (exact). For int4, HALF 0 = low nibbles, 1 = high.
+
+    I4_LO/I4_HI (GPU only, else ""): the PTX of `_int4_asm`, which turns 4 packed bytes
+    into 4 fp16/bf16 values with an AND, two byte permutes and two packed FMAs -- the
+    generic nibble code costs ~5 instructions per value (KERNEL_NOTES.md).
+    """
+    if KIND == 2:
+        if I4_LO != "":
+            if HALF == 0:
+                out = tl.inline_asm_elementwise(I4_LO, "=r,=r,r", [raw], dtype=dt.value, is_pure=True, pack=4)
+            else:
+                out = tl.inline_asm_elementwise(I4_HI, "=r,=r,r", [raw], dtype=dt.value, is_pure=True, pack=4)
+        else:
+            if HALF == 0:
+                nib = raw & 0xF
+            else:
+                nib = raw >> 4
+            if ASYM:
+                out = nib
+            else:
+                out = nib.to(tl.int8) - 8
+    else:
+        out = raw
+    return out
+
+
+def _int4_asm(dtype: torch.dtype, symmetric: bool) -> tuple[str, str]:
+    """PTX for (low nibbles, high nibbles) of 4 packed bytes -> 4 values of `dtype`.
+
+    A nibble n placed under the exponent byte of 2**7 (bf16 0x43..) or 2**10 (fp16 0x64..)
+    is exactly 128 + n / 1024 + n; one packed FMA removes that offset (and the +8 of
+    symmetric int4). Two values per 32-bit register, element 2i in the low half.
+    """
+    if dtype == torch.bfloat16:
+        magic, one, base, fma = 0x43434343, 0x3F803F80, 128.0, "fma.rn.bf16x2"
+        bias = torch.tensor(-(base + (8 if symmetric else 0)), dtype=torch.bfloat16).view(torch.int16).item()
+    else:
+        magic, one, base, fma = 0x64646464, 0x3C003C00, 1024.0, "fma.rn.f16x2"
+        bias = torch.tensor(-(base + (8 if symmetric else 0)), dtype=torch.float16).view(torch.int16).item()
+    bias2 = ((bias & 0xFFFF) << 16) | (bias & 0xFFFF)
+    progs = []
+    for shift in ("", "shr.b32 t, t, 4; "):
+        progs.append(
+            "{ .reg .b32 t, m, o, b; mov.b32 t, $2; " + shift + "and.b32 t, t, 0x0F0F0F0F; "
+            f"mov.b32 m, {magic:#010x}; mov.b32 o, {one:#010x}; mov.b32 b, {bias2:#010x}; "
+            "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; "
+            f"{fma} $0, $0, o, b; {fma} $1, $1, o, b; }}"
+        )
+    return progs[0], progs[1]
+
+
+@triton.jit
+def _dequant_v(vraw, HALF: tl.constexpr, VS, VZ, meta, nmask, KIND: tl.constexpr, SCALE_MODE: tl.constexpr,
+               ASYM: tl.constexpr, dt: tl.constexpr, DOT: tl.constexpr, V_T: tl.constexpr,
+               CVT_EARLY: tl.constexpr, I4_LO: tl.constexpr, I4_HI: tl.constexpr):
+    """V tile [BLOCK_N, D] in the dot dtype: per-token formats dequantized in fp32 first, others exact raw values.
+
+    With V_T the tile was loaded as [D, BLOCK_N] and is transposed here, after the cast.
+    """
+    v = _unpack(vraw, HALF, KIND, ASYM, I4_LO, I4_HI, dt)
+    if SCALE_MODE == 3:
+        if V_T:
+            v = v.to(tl.float32) * tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            if ASYM:
+                v += tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            v = v.to(tl.float32) * tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            if ASYM:
+                v += tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    v = _operand(v, dt, DOT, CVT_EARLY)
+    if V_T:
+        v = tl.trans(v)
+    return v
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
+    qk_scale, tokens_per_split, num_splits,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_btb,
+    stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
+    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    FULL_D: tl.constexpr, V_T: tl.constexpr, CVT_EARLY: tl.constexpr, I4_LO: tl.constexpr, I4_HI: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    start = sp * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    dt = Q.dtype.element_ty
+
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+    q_row = b * stride_qb + heads * stride_qh
+    offs_d = tl.arange(0, BLOCK_D)
+    if KIND == 2:  # stored dim is head_dim/2: q splits into even and odd columns
+        dmask = offs_d < HEAD_DIM // 2
+        cols_a = 2 * offs_d
+        cols_b = 2 * offs_d + 1
+    else:
+        dmask = offs_d < HEAD_DIM
+        cols_a = offs_d
+        cols_b = offs_d
+    q_a = _load_q(Q, q_row, hmask, cols_a, dmask)
+    q_b = q_a
+    if KIND == 2:
+        q_b = _load_q(Q, q_row, hmask, cols_b, dmask)
+    qsum = tl.sum(q_a.to(tl.float32), 1)
+    if KIND == 2:
+        qsum += tl.sum(q_b.to(tl.float32), 1)
+
+    k_fold = qk_scale
+    v_fold = 1.0
+    if SCALE_MODE == 1:
+        k_fold = qk_scale * tl.load(KS)
+        v_fold = tl.load(VS)
+    elif SCALE_MODE == 2:
+        k_fold = qk_scale * tl.load(KS + kvh)
+        v_fold = tl.load(VS + kvh)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc_a = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc_b = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt_row = BT + b * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        # rows start 16-byte aligned (strides are multiples of 16 elements), which lets loads vectorize
+        base = tl.multiple_of(page * stride_cb + kvh * stride_ch + slot * stride_ct, 16)
+        if FULL_D:  # no column mask: a mask that varies along head_dim would split the loads
+            m2 = nmask[:, None]
+        else:
+            m2 = nmask[:, None] & dmask[None, :]
+        kraw = tl.load(K + base[:, None] + offs_d[None, :], mask=m2, other=0.0)
+        if V_T:
+            if FULL_D:
+                m2t = nmask[None, :]
+            else:
+                m2t = nmask[None, :] & dmask[:, None]
+            vraw = tl.load(V + base[None, :] + offs_d[:, None], mask=m2t, other=0.0)
+        else:
+            vraw = tl.load(V + base[:, None] + offs_d[None, :], mask=m2, other=0.0)
+
+        s = _dot(q_a, tl.trans(_operand(_unpack(kraw, 0, KIND, ASYM, I4_LO, I4_HI, dt), dt, DOT, CVT_EARLY)), DOT)
+        if KIND == 2:
+            s += _dot(q_b, tl.trans(_operand(_unpack(kraw, 1, KIND, ASYM, I4_LO, I4_HI, dt), dt, DOT, CVT_EARLY)), DOT)
+        meta = page * stride_mb + kvh * stride_mh + slot
+        if SCALE_MODE == 3:
+            s = s * tl.load(KS + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            if ASYM:
+                s += qsum[:, None] * tl.load(KZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        s = tl.where(nmask[None, :], s * k_fold, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        pd = _operand(p, dt, DOT, False)
+        acc_a = acc_a * alpha[:, None] + _dot(pd, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, I4_LO, I4_HI), DOT)
+        if KIND == 2:
+            acc_b = acc_b * alpha[:, None] + _dot(pd, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, I4_LO, I4_HI), DOT)
+
+    acc_a = acc_a * v_fold
+    acc_b = acc_b * v_fold
+    if SPLIT:
+        prow = (b * NUM_HEADS + heads) * num_splits + sp
+        tl.store(PM + prow, m_i, mask=hmask)
+        tl.store(PL + prow, l_i, mask=hmask)
+        out_a = PACC + prow[:, None] * HEAD_DIM + cols_a[None, :]
+        out_b = PACC + prow[:, None] * HEAD_DIM + cols_b[None, :]
+        wa = acc_a
+        wb = acc_b
+    else:
+        o_row = b * stride_ob + heads * stride_oh
+        out_a = OUT + o_row[:, None] + cols_a[None, :]
+        out_b = OUT + o_row[:, None] + cols_b[None, :]
+        wa = (acc_a / l_i[:, None]).to(OUT.dtype.element_ty)
+        wb = (acc_b / l_i[:, None]).to(OUT.dtype.element_ty)
+    omask = hmask[:, None] & dmask[None, :]
+    tl.store(out_a, wa, mask=omask)
+    if KIND == 2:
+        tl.store(out_b, wb, mask=omask)
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    from triton import knobs
+
+    if dtype == torch.float32:
+        return DOT_IEEE
+    if dtype == torch.bfloat16 and knobs.runtime.interpret:
+        return DOT_UPCAST
+    return DOT_NATIVE
+
+
+def decode_attention_launch(
+    q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+    num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+    v_transposed: bool | None = None, cvt_early: bool | None = None,
+) -> torch.Tensor:
+    """Validate shapes, pick the split count, launch the attention (and merge) kernels."""
+    kf = kernel_format(cache)
+    check_device(q, cache.k, block_tables, seq_lens)
+    nb, kv_heads, bs, stored = cache.k.shape
+    if q.dim() != 3 or q.shape[2] != kf.head_dim:
+        raise ValueError(f"q must be [batch, heads, {kf.head_dim}], got {tuple(q.shape)}")
+    batch, num_heads, head_dim = q.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of the cache's {kv_heads} KV heads")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be fp16/bf16/fp32, got {q.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    # The interpreter truncates fp32->bf16 casts; there the kernel writes fp32 and torch rounds.
+    from triton import knobs
+
+    kernel_out_dtype = torch.float32 if (knobs.runtime.interpret and q.dtype == torch.bfloat16) else q.dtype
+    out = torch.empty(q.shape, dtype=kernel_out_dtype, device=q.device)
+    if batch == 0:
+        return out.to(q.dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    group = num_heads // kv_heads
+    narrow = cache.v.element_size() == 1  # 8-bit and packed 4-bit pages
+    # defaults = the fastest tiles measured on the H200 at 16 x 32k (benchmarks/results/kernels.md)
+    static_fp8 = kf.fp8 != 0 and kf.scale_mode != SCALE_TOKEN
+    if block_n is None:
+        block_n = 64 if kf.scale_mode == SCALE_TOKEN or static_fp8 else 128
+    if num_stages is None:
+        num_stages = 2 if narrow else 3
+    max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
+    dot_mode = _dot_mode(q.dtype)
+    # The fast widening paths are validated on the GPU for tiles of >= 64 tokens only: with
+    # 16-token tiles the H200 test run gave wrong int8/int4 results (cause not established).
+    fast_tile = block_n >= 64
+    if cvt_early is None:
+        # not for static fp8: widened early, fp8 -> bf16 goes through fp16 with two slow F2F
+        # conversions per value and measured 10% slower (0.574 vs 0.524 ms at 16 x 32k)
+        cvt_early = narrow and fast_tile and not static_fp8
+    fast_int4 = kf.kind == KIND_INT4 and dot_mode == DOT_NATIVE and q.device.type == "cuda" and fast_tile
+    i4_asm = _int4_asm(q.dtype, not kf.asym) if fast_int4 else ("", "")
+    if v_transposed is None:
+        v_transposed = False
+    block_d = max(16, triton.next_power_of_2(stored))
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device))
+    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
+    split = num_splits > 1
+    f32 = dict(device=q.device, dtype=torch.float32)
+    if split:
+        pm = torch.empty(batch * num_heads * num_splits, **f32)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(batch * num_heads * num_splits * head_dim, **f32)
+    else:
+        pm = pl = pacc = out  # unused: SPLIT=False compiles their stores away
+    dummy = cache.k
+    ks = cache.k_scale if cache.k_scale is not None else dummy
+    vs = cache.v_scale if cache.v_scale is not None else dummy
+    kz = cache.k_zero if cache.k_zero is not None else dummy
+    vz = cache.v_zero if cache.v_zero is not None else dummy
+    meta_strides = (kv_heads * bs, bs) if kf.scale_mode == SCALE_TOKEN else (0, 0)
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        q, cache.k, cache.v, ks, vs, kz, vz, block_tables, seq_lens, out, pm, pl, pacc,
+        sm_scale * _LOG2E, tokens_per_split, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), *meta_strides,
+        NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, SPLIT=split, DOT=dot_mode,
+        FULL_D=block_d == stored, V_T=v_transposed, CVT_EARLY=cvt_early, I4_LO=i4_asm[0], I4_HI=i4_asm[1],
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        merge_splits(pm, pl, pacc, out, num_splits)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
+    """q [B, H, D] against the paged cache -> out [B, H, D] in q.dtype (seq_lens >= 1)."""
+    return decode_attention_launch(q, cache, block_tables, seq_lens, sm_scale)

@@ -1,0 +1,120 @@
+"""What the kernels need to know about a KV format, as compile-time constants.
+
+Both kernels specialise on the format through `tl.constexpr` arguments, so the
+branches for other formats compile away. This module turns a `LayerCache`
+into those constants once and checks that the cache tensors have the layout
+`runtime/kv_cache.py` allocates; the launchers call it before every launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedError
+from ..kv_cache import LayerCache
+
+# Storage kinds: how a stored element becomes a number.
+KIND_FLOAT = 0  # fp32/fp16/bf16/fp8: the stored value is the number (times a scale for fp8)
+KIND_INT8 = 1  # int8 (symmetric) or uint8 (asymmetric)
+KIND_INT4 = 2  # two 4-bit values per byte, even element in the low nibble
+
+# Where the dequantization scale comes from.
+SCALE_NONE = 0  # unquantized fp16/bf16/fp32
+SCALE_TENSOR = 1  # one fp32 scalar per layer (k and v each)
+SCALE_HEAD = 2  # one fp32 per KV head
+SCALE_TOKEN = 3  # one per (block, head, slot), in the format's scale dtype
+
+# Scale storage dtype of per-token scales (the write kernel rounds to it).
+SCALE_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+# fp8 flavour for the write kernel's bit-exact encoder.
+FP8_NONE, FP8_E4M3, FP8_E5M2 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class KernelFormat:
+    kind: int
+    scale_mode: int
+    asym: bool
+    fp8: int
+    qmax: float
+    qmin: float
+    scale_dtype: int  # SCALE_DTYPE_CODES value, meaningful for SCALE_TOKEN only
+    head_dim: int  # logical head dim (stored dim x2 for int4)
+
+
+def kernel_format(cache: LayerCache) -> KernelFormat:
+    """Compile-time description of `cache`, after checking its tensors."""
+    fmt = cache.fmt
+    k, v = cache.k, cache.v
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(f"cache k {tuple(k.shape)}/{k.dtype} and v {tuple(v.shape)}/{v.dtype} must match")
+    if k.dim() != 4:
+        raise ValueError(
+            f"cache pages must be [num_blocks, kv_heads, block_size, head_dim], got shape {tuple(k.shape)}"
+        )
+    if k.dtype != fmt.storage_dtype:
+        raise ValueError(f"cache holds {k.dtype} but format {fmt.name} stores {fmt.storage_dtype}")
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("cache pages must be contiguous tensors (allocate them with kv_cache.allocate_layer)")
+    kind = KIND_INT4 if fmt.dtype == "int4" else KIND_INT8 if fmt.dtype == "int8" else KIND_FLOAT
+    head_dim = k.shape[-1] * (2 if kind == KIND_INT4 else 1)
+    if not fmt.quantized:
+        mode = SCALE_NONE
+    elif fmt.dynamic:
+        mode = SCALE_TOKEN
+    else:
+        mode = SCALE_TENSOR if fmt.granularity == "per_tensor" else SCALE_HEAD
+    _check_scales(cache, mode)
+    fp8 = {"fp8_e4m3": FP8_E4M3, "fp8_e5m2": FP8_E5M2}.get(fmt.dtype, FP8_NONE)
+    return KernelFormat(
+        kind=kind,
+        scale_mode=mode,
+        asym=not fmt.symmetric,
+        fp8=fp8,
+        qmax=fmt.qmax if fmt.quantized else 0.0,
+        qmin=fmt.qmin if fmt.quantized else 0.0,
+        scale_dtype=SCALE_DTYPE_CODES[fmt.scale_torch_dtype],
+        head_dim=head_dim,
+    )
+
+
+def _check_scales(cache: LayerCache, mode: int) -> None:
+    nb, heads, bs, _ = cache.k.shape
+    want = {
+        SCALE_NONE: None,
+        SCALE_TENSOR: (),
+        SCALE_HEAD: (heads,),
+        SCALE_TOKEN: (nb, heads, bs),
+    }[mode]
+    if want is None:
+        return
+    names = ["k_scale", "v_scale"] + (["k_zero", "v_zero"] if not cache.fmt.symmetric else [])
+    dtype = cache.fmt.scale_torch_dtype if mode == SCALE_TOKEN else torch.float32
+    for name in names:
+        t = getattr(cache, name)
+        if t is None:
+            raise ValueError(f"{cache.fmt.name} cache has no {name}; allocate it with kv_cache.allocate_layer")
+        if tuple(t.shape) != want or t.dtype != dtype or t.device != cache.k.device or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous {dtype} tensor of shape {want} on {cache.k.device}, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Kernels run on CUDA, or on CPU under the Triton interpreter (tests)."""
+    import triton  # noqa: F401  (imported for knobs)
+    from triton import knobs
+
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"all tensors must be on one device, got {dev} and {t.device}")
+    if dev.type != "cuda" and not knobs.runtime.interpret:
+        raise UnsupportedError(
+            f"the Triton KV kernels run on CUDA tensors, got {dev}; use runtime/attention.py's reference "
+            "path on CPU, or set TRITON_INTERPRET=1 before importing runtime.kernels (tests)."
+        )

@@ -1,0 +1,287 @@
+"""Fused quantize-on-write: a step's new K and V go into the paged cache.
+
+One program handles BLOCK_T tokens of one KV head for both K and V: it loads
+the rows, computes the per-token scale (and zero point) when the format is
+dynamic, quantizes, and stores the bytes at each token's slot
+(`block_id * block_size + offset`). Every rounding decision is the one
+`runtime/kv_format.py` makes, so the bytes equal `kv_format.quantize`'s:
+
+* scales: s = amax / qmax in fp32 (IEEE division, `div_rn`), clamped to the
+  scale dtype's [smallest normal, largest finite], then rounded *up* to the
+  scale dtype; asymmetric zero points (the row minimum, clamped to the finite
+  range) are rounded *down*. Rounding is
+  done by comparing the cast with the fp32 value and stepping one ulp through
+  the bit pattern, which is right whichever way the cast itself rounds.
+* values: (x - zero) / s with `div_rn`, NaN -> 0, clamp to [qmin, qmax], then
+  round half to even (integers: the 1.5 * 2**23 trick; fp8: an integer-only
+  encoder). The fp8 encoder exists because float->fp8 casts differ between
+  back ends (the interpreter misrounds at binade edges, torch gives NaN out of
+  range, Triton on GPU saturates); the integer encoder is one definition that
+  is exact on CPU and GPU alike.
+
+Negative slots are skipped (padding tokens), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kv_cache import LayerCache
+from .formats import FP8_NONE, SCALE_NONE, check_device, kernel_format
+
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 half-to-even
+
+
+@triton.jit
+def _rne(y):
+    return (y + _RNE_MAGIC) - _RNE_MAGIC
+
+
+@triton.jit
+def _to_scale_dtype(x, SCALE_DT: tl.constexpr):
+    if SCALE_DT == 0:
+        return x.to(tl.float16)
+    elif SCALE_DT == 1:
+        return x.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def _round_up(x, SCALE_DT: tl.constexpr):
+    """Smallest scale-dtype value >= x (x > 0), returned as fp32."""
+    if SCALE_DT == 2:
+        out = x
+    else:
+        r = _to_scale_dtype(x, SCALE_DT)
+        bits = r.to(tl.int16, bitcast=True)
+        # x > 0, so one more in the bit pattern is the next value up
+        if SCALE_DT == 0:
+            up = (bits + 1).to(tl.float16, bitcast=True)
+        else:
+            up = (bits + 1).to(tl.bfloat16, bitcast=True)
+        rf = r.to(tl.float32)
+        out = tl.where(rf < x, up.to(tl.float32), rf)
+    return out
+
+
+@triton.jit
+def _round_down(x, SCALE_DT: tl.constexpr):
+    """Largest scale-dtype value <= x (any sign), returned as fp32."""
+    if SCALE_DT == 2:
+        out = x
+    else:
+        r = _to_scale_dtype(x, SCALE_DT)
+        bits = r.to(tl.int16, bitcast=True)
+        # sign-magnitude: positive -> bits - 1; negative (and -0) -> bits + 1; +0 -> -smallest subnormal
+        step = tl.where(bits > 0, bits - 1, tl.where(bits == 0, -32767, bits + 1)).to(tl.int16)
+        if SCALE_DT == 0:
+            down = step.to(tl.float16, bitcast=True)
+        else:
+            down = step.to(tl.bfloat16, bitcast=True)
+        rf = r.to(tl.float32)
+        out = tl.where(rf > x, down.to(tl.float32), rf)
+    return out
+
+
+@triton.jit
+def _encode_fp8(y, FP8: tl.constexpr):
+    """fp32 (finite, already clamped to +-max) -> fp8 byte, round to nearest even."""
+    if FP8 == 2:  # e5m2
+        MB: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        MIN_NORMAL: tl.constexpr = 6.103515625e-05  # 2**-14
+        SUB_Q: tl.constexpr = 65536.0  # 1 / 2**-16, the subnormal step
+    else:  # e4m3fn
+        MB: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        MIN_NORMAL: tl.constexpr = 0.015625  # 2**-6
+        SUB_Q: tl.constexpr = 512.0  # 1 / 2**-9
+    SHIFT: tl.constexpr = 23 - MB
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(y)
+    abits = a.to(tl.int32, bitcast=True)
+    # normal numbers: round the fp32 mantissa to MB bits (carry may bump the exponent), rebias
+    r = (abits + ((1 << (SHIFT - 1)) - 1) + ((abits >> SHIFT) & 1)) >> SHIFT
+    code_n = r - ((127 - BIAS) << MB)
+    # subnormals (and the step up to the smallest normal): multiples of the subnormal step
+    code_s = _rne(tl.minimum(a, MIN_NORMAL) * SUB_Q).to(tl.int32)
+    code = tl.where(a < MIN_NORMAL, code_s, code_n)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_store(
+    x_ptr, cache_ptr, scale_ptr, zero_ptr,
+    t, mask_t, dst_base, meta_off, head, offs_d,
+    stride_xt, stride_xh,
+    HEAD_DIM: tl.constexpr, KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr,
+    FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    row = x_ptr + t[:, None] * stride_xt + head * stride_xh
+    if KIND == 2:
+        # int4 packs columns 2j and 2j+1: load whole rows (contiguous, vectorized) and split them
+        BLOCK_T: tl.constexpr = mask_t.shape[0]
+        BLOCK_D: tl.constexpr = offs_d.shape[0]
+        cols = tl.arange(0, 2 * BLOCK_D)
+        x = tl.load(row + cols[None, :], mask=mask_t[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
+        xa, xb = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_T, BLOCK_D, 2)))
+        dmask = offs_d < HEAD_DIM // 2
+    else:
+        dmask = offs_d < HEAD_DIM
+        xa = tl.load(row + offs_d[None, :], mask=mask_t[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        xb = xa
+    m2 = mask_t[:, None] & dmask[None, :]
+
+    if SCALE_MODE == 0:
+        # unquantized: the launcher has already matched x's dtype to the cache's
+        tl.store(cache_ptr + dst_base[:, None] + offs_d[None, :], xa.to(cache_ptr.dtype.element_ty), mask=m2)
+    else:
+        _quantize_rows(xa, xb, m2, mask_t, cache_ptr, scale_ptr, zero_ptr, dst_base, meta_off, head, offs_d,
+                       KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
+
+
+@triton.jit
+def _quantize_rows(
+    xa, xb, m2, mask_t, cache_ptr, scale_ptr, zero_ptr, dst_base, meta_off, head, offs_d,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr,
+    FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    zero = tl.zeros_like(xa)
+    # the scale dtype's smallest normal and largest finite value (torch.finfo tiny / max)
+    if SCALE_DT == 0:
+        TINY: tl.constexpr = 6.103515625e-05
+        BIG: tl.constexpr = 65504.0
+    elif SCALE_DT == 1:
+        TINY: tl.constexpr = 1.1754943508222875e-38
+        BIG: tl.constexpr = 3.3895313892515355e38
+    else:
+        TINY: tl.constexpr = 1.1754943508222875e-38
+        BIG: tl.constexpr = 3.4028234663852886e38
+    if SCALE_MODE == 3:
+        if ASYM:
+            lo = tl.minimum(tl.min(tl.where(m2, xa, float("inf")), 1), tl.min(tl.where(m2, xb, float("inf")), 1))
+            hi = tl.maximum(tl.max(tl.where(m2, xa, -float("inf")), 1), tl.max(tl.where(m2, xb, -float("inf")), 1))
+            z = _round_down(tl.minimum(tl.maximum(lo, -BIG), BIG), SCALE_DT)
+            s = tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32))
+            zero = tl.zeros_like(xa) + z[:, None]
+        else:
+            amax = tl.maximum(tl.max(tl.abs(xa), 1), tl.max(tl.abs(xb), 1))
+            s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+        # clamped like kv_format.dynamic_scales: never zero, never inf (a huge token saturates)
+        s = _round_up(tl.minimum(tl.maximum(s, TINY), BIG), SCALE_DT)
+        tl.store(scale_ptr + meta_off, s.to(scale_ptr.dtype.element_ty), mask=mask_t)
+        if ASYM:
+            tl.store(zero_ptr + meta_off, z.to(zero_ptr.dtype.element_ty), mask=mask_t)
+        s2 = tl.zeros_like(xa) + s[:, None]
+    elif SCALE_MODE == 2:
+        s2 = tl.zeros_like(xa) + tl.load(scale_ptr + head)
+    else:
+        s2 = tl.zeros_like(xa) + tl.load(scale_ptr)
+
+    ya = tl.math.div_rn(xa - zero, s2)
+    ya = tl.minimum(tl.maximum(tl.where(ya != ya, 0.0, ya), QMIN), QMAX)
+    if KIND == 0:
+        out = _encode_fp8(ya, FP8)
+    elif KIND == 1:
+        if ASYM:
+            out = _rne(ya).to(tl.uint8)
+        else:
+            out = _rne(ya).to(tl.int8)
+    else:
+        yb = tl.math.div_rn(xb - zero, s2)
+        yb = tl.minimum(tl.maximum(tl.where(yb != yb, 0.0, yb), QMIN), QMAX)
+        na = _rne(ya).to(tl.int32)
+        nb = _rne(yb).to(tl.int32)
+        if not ASYM:
+            na += 8
+            nb += 8
+        out = (na | (nb << 4)).to(tl.uint8)
+    tl.store(cache_ptr + dst_base[:, None] + offs_d[None, :], out, mask=m2)
+
+
+@triton.jit
+def _write_kv_kernel(
+    K, V, KC, VC, KS, VS, KZ, VZ, SLOTS,
+    num_tokens,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ch, stride_ct,
+    stride_mb, stride_mh,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
+    QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    head = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=-1)
+    mask_t = slot >= 0
+    slot = tl.where(mask_t, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    dst = tl.multiple_of(blk * stride_cb + head * stride_ch + off * stride_ct, 16)
+    meta = blk * stride_mb + head * stride_mh + off
+    offs_d = tl.arange(0, BLOCK_D)
+    _quantize_store(K, KC, KS, KZ, t, mask_t, dst, meta, head, offs_d, stride_kt, stride_kh,
+                    HEAD_DIM, KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
+    _quantize_store(V, VC, VS, VZ, t, mask_t, dst, meta, head, offs_d, stride_vt, stride_vh,
+                    HEAD_DIM, KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
+
+
+def write_kv_launch(
+    cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    block_t: int | None = None, num_warps: int = 4,
+) -> None:
+    """Validate, then launch one program per (BLOCK_T tokens, KV head)."""
+    kf = kernel_format(cache)
+    check_device(cache.k, k, v, slot_mapping)
+    nb, heads, bs, _ = cache.k.shape
+    if k.dim() != 3 or k.shape != v.shape or k.shape[1] != heads or k.shape[2] != kf.head_dim:
+        raise ValueError(
+            f"k and v must both be [tokens, {heads}, {kf.head_dim}] for this cache, "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if k.dtype not in (torch.float16, torch.bfloat16, torch.float32) or v.dtype != k.dtype:
+        raise ValueError(f"k and v must share a float dtype (fp16/bf16/fp32), got {k.dtype} and {v.dtype}")
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    if kf.scale_mode == SCALE_NONE and k.dtype != cache.k.dtype:
+        # A float->float cast is torch's job (the interpreter truncates bf16 casts).
+        k, v = k.to(cache.k.dtype), v.to(cache.k.dtype)
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    slot_mapping = slot_mapping.contiguous()
+    # fp8 pages are written as bytes by the integer encoder.
+    kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if kf.fp8 != FP8_NONE else (cache.k, cache.v)
+    dummy = kc  # stands in for absent scale/zero pointers; the constexpr branches never touch it
+    ks = cache.k_scale if cache.k_scale is not None else dummy
+    vs = cache.v_scale if cache.v_scale is not None else dummy
+    kz = cache.k_zero if cache.k_zero is not None else dummy
+    vz = cache.v_zero if cache.v_zero is not None else dummy
+    stored = cache.k.shape[-1]
+    if block_t is None:
+        block_t = 16 if num_tokens >= 16 * heads else 4
+    grid = (triton.cdiv(num_tokens, block_t), heads)
+    _write_kv_kernel[grid](
+        k, v, kc, vc, ks, vs, kz, vz, slot_mapping,
+        num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        heads * bs, bs,
+        BLOCK_SIZE=bs, HEAD_DIM=kf.head_dim, BLOCK_D=triton.next_power_of_2(stored), BLOCK_T=block_t,
+        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, FP8=kf.fp8,
+        QMIN=kf.qmin, QMAX=kf.qmax, SCALE_DT=kf.scale_dtype,
+        num_warps=num_warps,
+    )
+
+
+def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize k, v [T, kv_heads, head_dim] (after RoPE) into `cache` at `slot_mapping` [T] int64."""
+    write_kv_launch(cache, k, v, slot_mapping)
+

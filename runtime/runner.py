@@ -1,0 +1,154 @@
+"""Model runner: the paged KV pool, its sizing, and one step of the model.
+
+Turns a scheduler `Step` into a flattened `PagedBatch` (decode tokens, then
+prefill sequences), runs the model through the chosen attention backend and
+returns the logits of every sequence's last token.
+
+Pool sizing uses `kv_format.kv_bytes_per_token` -- the same function the
+planner uses -- so planned and allocated pool sizes agree by construction:
+num_blocks = budget // (block_size * bytes_per_token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager
+from .config import ModelConfig
+from .errors import InputError, NumericsError
+from .kv_cache import LayerCache, allocate_layer
+from .kv_format import KVFormat, kv_bytes_per_token
+from .model import LlamaModel, PagedBatch
+from .scheduler import Step
+
+# Without a GPU to measure, a CPU pool defaults to at most this much KV memory.
+CPU_DEFAULT_POOL_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: float
+    source: str  # how the size was chosen: num_blocks / memory_budget / gpu_free_memory / cpu_default
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return int(self.tokens * self.bytes_per_token)
+
+
+def plan_pool(
+    cfg: ModelConfig,
+    fmt: KVFormat,
+    block_size: int,
+    *,
+    num_blocks: int | None = None,
+    memory_budget: int | None = None,
+    gpu_free_budget: int | None = None,
+    default_tokens: int = 0,
+) -> PoolPlan:
+    """Blocks for the pool, from (first given wins) an explicit count, a byte budget,
+    the measured free GPU memory, or a default token count capped for the CPU."""
+    bpt = kv_bytes_per_token(cfg, fmt)
+    per_block = block_size * bpt
+    if num_blocks is not None:
+        n, src = int(num_blocks), "num_blocks"
+    elif memory_budget is not None:
+        n, src = int(memory_budget // per_block), "memory_budget"
+    elif gpu_free_budget is not None:
+        n, src = int(gpu_free_budget // per_block), "gpu_free_memory"
+    else:
+        tokens = min(default_tokens, int(CPU_DEFAULT_POOL_BYTES // bpt))
+        n, src = -(-tokens // block_size), "cpu_default"
+    if n < 1:
+        raise InputError(
+            f"the KV pool would hold no block ({src}: {block_size} tokens x {bpt:.0f} bytes/token per block); "
+            "raise memory_budget / num_blocks / gpu_memory_fraction, or use a smaller KV format."
+        )
+    return PoolPlan(n, block_size, bpt, src)
+
+
+def allocate_pool(
+    cfg: ModelConfig,
+    fmt: KVFormat,
+    plan: PoolPlan,
+    device: torch.device,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+) -> list[LayerCache]:
+    """One LayerCache per layer; static scales are [layers] or [layers, kv_heads]."""
+    return [
+        allocate_layer(
+            fmt, plan.num_blocks, plan.block_size, cfg.num_kv_heads, cfg.head_dim, device,
+            k_scales[i] if k_scales is not None else None,
+            v_scales[i] if v_scales is not None else None,
+        )
+        for i in range(cfg.num_layers)
+    ]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, caches: list[LayerCache], blocks: BlockManager, backend):
+        self.model = model
+        self.caches = caches
+        self.blocks = blocks
+        self.backend = backend
+        self.device = model.device
+
+    def build_batch(self, step: Step) -> PagedBatch:
+        bs = self.blocks.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        for seq in step.decode:
+            pos = seq.num_tokens - 1
+            table = self.blocks.block_table(seq.request_id)
+            ids.append(seq.token_ids[-1])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+            seq_lens.append(seq.num_tokens)
+        cu = [0]
+        last = list(range(len(step.decode)))
+        for seq in step.prefill:
+            n = seq.num_tokens
+            table = self.blocks.block_table(seq.request_id)
+            ids.extend(seq.token_ids)
+            positions.extend(range(n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+            cu.append(cu[-1] + n)
+            last.append(len(step.decode) + cu[-1] - 1)
+        width = max((len(t) for t in tables), default=1)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+
+        return PagedBatch(
+            input_ids=tensor(ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            num_decode=len(step.decode),
+            block_tables=tensor(padded, torch.int32).view(len(padded), width),
+            seq_lens=tensor(seq_lens, torch.int32),
+            cu_seqlens=tensor(cu, torch.int32),
+            logits_indices=tensor(last, torch.int64),
+        )
+
+    def run(self, step: Step) -> torch.Tensor:
+        """fp32 logits [len(step.sequences), vocab]."""
+        logits = self.model.forward_paged(self.build_batch(step), self.caches, self.backend)
+        if not bool(torch.isfinite(logits).all()):
+            raise NumericsError(
+                "the model produced NaN/Inf logits; check the weights (convert stage), use float32/bfloat16 "
+                "instead of float16, or check the KV scales (calibrate stage)."
+            )
+        return logits

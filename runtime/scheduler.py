@@ -1,0 +1,144 @@
+"""Continuous batching: which sequences run in the next step.
+
+Every step first gives each running sequence room for one decode token
+(oldest first); when the pool is out of blocks the newest running sequence is
+preempted -- its blocks freed, its prompt plus the tokens it generated so far
+queued at the front to be recomputed by a later prefill. Then waiting requests
+are admitted as prefills while the batch, the per-step token budget and the
+free blocks allow, so new requests join while others decode, in the same step.
+
+Recompute (rather than swapping pages out) keeps the pool the only KV memory
+and costs one prefill per preemption; the oldest request always progresses,
+so nothing starves.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .sampling import SamplingParams
+
+TokenCallback = Callable[[int | None, bool, str | None], None]
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    on_token: TokenCallback | None = None
+    output_ids: list[int] = field(default_factory=list)
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    preemptions: int = 0
+    error: Exception | None = None  # why the engine failed this request (finish_reason "error")
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Step:
+    decode: list[Sequence]
+    prefill: list[Sequence]
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(s.num_tokens for s in self.prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_tokens_per_step: int):
+        self.blocks = blocks
+        self.max_batch_size = max_batch_size
+        self.max_tokens_per_step = max_tokens_per_step
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival order: the last one is the newest
+        self.num_preemptions = 0
+        # Admit a new prefill only if this many blocks stay free for the running sequences'
+        # next decode tokens (vLLM's 1% watermark): otherwise a fresh prefill is preempted
+        # again on the very next step and its compute wasted.
+        self.watermark_blocks = max(1, blocks.num_blocks // 100)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.request_id)
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> Step:
+        decode: list[Sequence] = []
+        queue = deque(self.running)
+        while queue:
+            seq = queue.popleft()
+            while not self.blocks.can_append(seq.request_id):
+                if queue:
+                    self._preempt(queue.pop())  # the newest still-running sequence
+                else:
+                    self._preempt(seq)
+                    seq = None
+                    break
+            if seq is not None:
+                self.blocks.append(seq.request_id)
+                decode.append(seq)
+        self.running = list(decode)
+
+        prefill: list[Sequence] = []
+        budget = self.max_tokens_per_step - len(decode)
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = seq.num_tokens
+            # A prompt longer than the budget still runs, alone, rather than never.
+            if n > budget and (decode or prefill):
+                break
+            reserve = self.watermark_blocks if self.running else 0
+            if self.blocks.blocks_for(n) + reserve > self.blocks.num_free_blocks:
+                break
+            self.blocks.allocate(seq.request_id, n)
+            self.waiting.popleft()
+            self.running.append(seq)
+            prefill.append(seq)
+            budget -= n
+        # Keep arrival order, so a recomputed old request is not mistaken for the newest.
+        self.running.sort(key=lambda s: s.arrival)
+        return Step(decode, prefill)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Drop a sequence (done, cancelled or failed) and give back its blocks."""
+        seq.finish_reason = reason
+        self.blocks.free(seq.request_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

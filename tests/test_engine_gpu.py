@@ -1,0 +1,67 @@
+"""The engine on CUDA: Triton kernels vs the reference path, GPU pool sizing, synthetic weights.
+
+Runs only where a CUDA device exists (the GPU machine); CI on CPU covers the
+same engine through the reference path in test_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers_runtime import tiny_llama_dir
+
+from runtime.config import PRESETS, ModelConfig
+from runtime.engine import Engine
+from runtime.kv_format import KVFormat, static_scale_from_amax
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPTS = [[(5 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([4, 33, 7, 61, 18, 2])]
+FORMATS = [KVFormat("bf16")] + [
+    KVFormat(d, g) for d in ("fp8_e4m3", "int8", "int4") for g in ("per_tensor", "per_head", "per_token")
+] + [KVFormat("int4", "per_token", False)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_triton_backend_matches_reference_tokens(tmp_path_factory, fmt):
+    d = tiny_llama_dir(tmp_path_factory)
+    cfg = ModelConfig.from_dir(d)
+    scales = None
+    if fmt.static:
+        shape = (cfg.num_layers,) if fmt.granularity == "per_tensor" else (cfg.num_layers, cfg.num_kv_heads)
+        s = static_scale_from_amax(torch.full(shape, 6.0), fmt)
+        scales = {"k_scale": s, "v_scale": s}
+    outs = {}
+    for attention in ("reference", "auto"):
+        eng = Engine.from_dir(d, device="cuda", dtype="float32", kv_format=fmt, kv_scales=scales,
+                              num_blocks=64, block_size=16, attention=attention)
+        try:
+            outs[eng.backend.name] = [g.token_ids for g in eng.generate(PROMPTS, max_tokens=24, ignore_eos=True)]
+        finally:
+            eng.shutdown()
+    assert "reference" in outs and any(k.startswith("triton") for k in outs), outs.keys()
+    ref, tri = outs.pop("reference"), next(iter(outs.values()))
+    agree = sum(a == b for r, t in zip(ref, tri) for a, b in zip(r, t)) / sum(map(len, ref))
+    assert agree >= 0.95, agree
+
+
+def test_pool_sized_from_free_gpu_memory_with_synthetic_weights(tmp_path):
+    cfg = PRESETS["llama3-8b"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
+    (tmp_path / "synthetic.json").write_text(json.dumps({"seed": 0}))
+    (tmp_path / "engine.json").write_text(json.dumps({"max_batch_size": 16, "max_input_len": 512, "max_seq_len": 4096,
+                                                      "block_size": 16, "gpu_memory_fraction": 0.5}))
+    fmt = KVFormat("int8", "per_token")
+    free_before, _ = torch.cuda.mem_get_info()
+    eng = Engine.from_dir(tmp_path, kv_format=fmt)
+    try:
+        st = eng.stats
+        assert st.pool_source == "gpu_free_memory" and st.dtype == "bfloat16"
+        # Half of what was free after ~16 GB of weights: between a quarter and a half of the pre-load free memory.
+        assert 0.2 * (free_before - st.weight_bytes) < st.pool_bytes <= 0.5 * free_before
+        out = eng.generate([p for p in PROMPTS] * 2, max_tokens=8, ignore_eos=True)
+        assert all(len(g.token_ids) == 8 for g in out) and max(st.step_batch_sizes) == 12
+    finally:
+        eng.shutdown()

@@ -1,0 +1,299 @@
+"""Triton KV kernels against kv_format's reference math and an fp64 attention.
+
+On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1,
+set below before the kernels are imported) at small, odd shapes; on a CUDA
+machine the same tests compile the kernels and add real (Llama-sized) shapes.
+
+* write: the bytes, scales and zero points must equal `kv_format.quantize` /
+  `dynamic_scales` exactly (same IEEE division, same roundings), slots not in
+  the mapping must stay untouched.
+* decode: the relative oracle of shared/reference/style.md: the kernel's error
+  against an fp64 attention over the *same stored bytes* (dequantized with
+  kv_format.dequantize) must be at most 2x the error of plain PyTorch attention
+  at the query's precision, plus a small floor; pages come from randperm,
+  lengths are not multiples of the page, split-K on and off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from runtime.kv_cache import allocate_layer  # noqa: E402
+from runtime.kv_format import KVFormat, dequantize, dynamic_scales, quantize  # noqa: E402
+
+
+def _load_kernels():
+    """Import runtime.kernels, which must see TRITON_INTERPRET=1 on a CPU machine.
+
+    @triton.jit decides at decoration (import) time whether it interprets, and
+    re-importing the modules does not give working interpreted kernels, so an
+    earlier uninterpreted import is an error here (tests/conftest.py should set
+    TRITON_INTERPRET=1 when no GPU is present).
+    """
+    already = sys.modules.get("runtime.kernels.write_kv")
+    if not CUDA and already is not None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(already._write_kv_kernel, InterpretedFunction):
+            raise RuntimeError("runtime.kernels was imported before TRITON_INTERPRET=1 was set; "
+                               "set it in tests/conftest.py (no GPU) before anything imports the kernels.")
+    return importlib.import_module("runtime.kernels")
+
+
+K = _load_kernels()
+from runtime.kernels.decode_attention import decode_attention_launch  # noqa: E402
+from runtime.kernels.split_k import choose_num_splits  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+# Every dtype x granularity x symmetry the runtime supports.
+FORMATS = [
+    KVFormat("fp16"),
+    KVFormat("bf16"),
+    KVFormat("fp8_e4m3", "per_tensor"),
+    KVFormat("fp8_e4m3", "per_head"),
+    KVFormat("fp8_e4m3", "per_token"),
+    KVFormat("fp8_e5m2", "per_tensor"),
+    KVFormat("fp8_e5m2", "per_head"),
+    KVFormat("fp8_e5m2", "per_token", scale_dtype="bfloat16"),
+    KVFormat("int8", "per_tensor"),
+    KVFormat("int8", "per_head"),
+    KVFormat("int8", "per_token"),
+    KVFormat("int8", "per_token", symmetric=False),
+    KVFormat("int8", "per_token", symmetric=False, scale_dtype="bfloat16"),
+    KVFormat("int4", "per_tensor"),
+    KVFormat("int4", "per_head"),
+    KVFormat("int4", "per_token", scale_dtype="float32"),
+    KVFormat("int4", "per_token", symmetric=False),
+]
+FMT_IDS = [f"{f.name}-{f.scale_dtype}" if f.dynamic else f.name for f in FORMATS]
+
+# (batch, q heads, kv heads, head_dim, block_size, seq_lens) -- odd on purpose:
+# group 3 with 3 KV heads (SmolLM2), page size 5, lengths not multiples of the page.
+SHAPES = {
+    "gqa3-page5": (3, 9, 3, 16, 5, [17, 3, 29]),
+    "mha1-page16": (2, 2, 2, 32, 16, [33, 1]),
+}
+if CUDA:  # real sizes on the GPU machine: Llama-3-8B attention, SmolLM2 heads
+    SHAPES["llama8b"] = (8, 32, 8, 128, 16, [4000, 1, 17, 2048, 333, 1024, 4096, 77])
+    SHAPES["smollm2"] = (4, 9, 3, 64, 16, [900, 64, 1, 2500])
+
+
+def _static_scales(fmt: KVFormat, amax: torch.Tensor) -> torch.Tensor:
+    """Calibrated-style scales from amax; per_tensor takes the max over heads."""
+    if fmt.granularity == "per_tensor":
+        amax = amax.max()
+    return (amax / fmt.qmax).to(torch.float32)
+
+
+def _make_cache(fmt, num_blocks, block_size, kv_heads, head_dim, k_amax=None, v_amax=None):
+    ks = vs = None
+    if fmt.static:
+        ks, vs = _static_scales(fmt, k_amax), _static_scales(fmt, v_amax)
+    cache = allocate_layer(fmt, num_blocks, block_size, kv_heads, head_dim, DEV, ks, vs)
+    # poison: untouched slots must keep these bytes, and pages are never zeros
+    for t in (cache.k, cache.v):
+        t.view(torch.uint8).fill_(0x3C)
+    return cache
+
+
+def _kv(tokens, kv_heads, head_dim, dtype, gen):
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen) * 2.0
+    k[:, :, 1] += 4.0  # an outlier channel, as real keys have
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    return k.to(dtype).to(DEV), v.to(dtype).to(DEV)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+# ------------------------------------------------------------------- write
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
+def test_write_kv_bytes_equal_reference(fmt):
+    gen = torch.Generator().manual_seed(1)
+    kv_heads, head_dim, bs, nb, tokens = 3, 16, 5, 9, 23
+    k, v = _kv(tokens, kv_heads, head_dim, torch.bfloat16, gen)
+    k[3] = 0.0  # an all-zero token: the scale floor (tiny) must match too
+    k[5, 1, 2] = 3.0e7  # a token beyond the fp16 scale range: the scale saturates at its max
+    # static scales from half the amax, so the write path must clamp out-of-range values
+    cache = _make_cache(fmt, nb, bs, kv_heads, head_dim,
+                        k.float().abs().amax((0, 2)).cpu() / 2, v.float().abs().amax((0, 2)).cpu() / 2)
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
+    before_k = _bytes(cache.k).clone()
+    K.write_kv(cache, k, v, slots)
+
+    blk, off = (slots // bs).cpu(), (slots % bs).cpu()
+    for name, x in (("k", k), ("v", v)):
+        stored = getattr(cache, name).cpu()[blk, :, off]
+        if fmt.dynamic:
+            s_ref, z_ref = dynamic_scales(x.cpu(), fmt)
+            s_got = getattr(cache, f"{name}_scale").cpu()[blk, :, off]
+            assert torch.equal(s_got, s_ref), f"{name} scales differ: {(s_got != s_ref).sum()} of {s_ref.numel()}"
+            if z_ref is not None:
+                z_got = getattr(cache, f"{name}_zero").cpu()[blk, :, off]
+                assert torch.equal(z_got, z_ref), f"{name} zero points differ"
+            q_ref = quantize(x.cpu(), fmt, s_ref, z_ref)
+        elif fmt.static:
+            q_ref = quantize(x.cpu(), fmt, getattr(cache, f"{name}_scale").cpu())
+        else:
+            q_ref = quantize(x.cpu(), fmt)
+        diff = _bytes(stored) != _bytes(q_ref)
+        if diff.any():
+            i = diff.nonzero()[0].tolist()
+            pytest.fail(f"{fmt.name} {name}: {int(diff.sum())} elements differ, first at {i}: "
+                        f"kernel {_bytes(stored)[tuple(i)]} reference {_bytes(q_ref)[tuple(i)]} (x={x.cpu()[tuple(i)]})")
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    after_k = _bytes(cache.k).cpu().permute(0, 2, 1, 3).reshape(nb * bs, kv_heads, -1)
+    ref_k = before_k.cpu().permute(0, 2, 1, 3).reshape(nb * bs, kv_heads, -1)
+    assert torch.equal(after_k[untouched], ref_k[untouched]), "write touched slots outside the mapping"
+
+
+def test_write_kv_skips_negative_slots():
+    fmt = KVFormat("int8", "per_token")
+    cache = _make_cache(fmt, 4, 16, 2, 32)
+    k, v = _kv(3, 2, 32, torch.float16, torch.Generator().manual_seed(2))
+    before = cache.k.clone()
+    K.write_kv(cache, k, v, torch.tensor([5, -1, 40], device=DEV))
+    changed = (cache.k != before).any(-1).any(1).flatten().nonzero().flatten().tolist()  # touched slots
+    assert changed == [5, 40]
+
+
+def test_write_kv_rejects_bad_input():
+    cache = _make_cache(KVFormat("int8", "per_token"), 4, 16, 2, 32)
+    k, v = _kv(3, 2, 32, torch.float16, torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        K.write_kv(cache, k, v, torch.arange(3, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match=r"k and v must both be \[tokens, 2, 32\]"):
+        K.write_kv(cache, k[:, :1], v[:, :1], torch.arange(3, device=DEV))
+
+
+# ------------------------------------------------------------------ decode
+def _gather(cache, name, blocks, offs, dtype):
+    """Dequantize one sequence's tokens [L, kv_heads, head_dim] with kv_format."""
+    x = getattr(cache, name)[blocks, :, offs]
+    fmt = cache.fmt
+    if fmt.dynamic:
+        s = getattr(cache, f"{name}_scale")[blocks, :, offs]
+        z = getattr(cache, f"{name}_zero")
+        return dequantize(x, fmt, s, None if z is None else z[blocks, :, offs], dtype)
+    return dequantize(x, fmt, getattr(cache, f"{name}_scale"), dtype=dtype)
+
+
+def _attention_ref(q, cache, block_tables, seq_lens, sm_scale, dtype):
+    """Gather pages, dequantize, attend. fp64 = the truth; q's dtype = plain PyTorch at that precision."""
+    batch, heads, _ = q.shape
+    group = heads // cache.kv_heads
+    out = torch.empty(q.shape, dtype=dtype)
+    for b in range(batch):
+        t = torch.arange(int(seq_lens[b]))
+        blocks = block_tables[b, t // cache.block_size].long()
+        offs = t % cache.block_size
+        k = _gather(cache, "k", blocks, offs, dtype).repeat_interleave(group, 1).transpose(0, 1)  # [H, L, D]
+        v = _gather(cache, "v", blocks, offs, dtype).repeat_interleave(group, 1).transpose(0, 1)
+        scores = (q[b].to(dtype)[:, None, :] @ k.transpose(1, 2))[:, 0] * sm_scale  # [H, L]
+        p = torch.softmax(scores.to(torch.float64 if dtype == torch.float64 else torch.float32), -1).to(dtype)
+        out[b] = (p[:, None, :] @ v)[:, 0]
+    return out
+
+
+def _relerr(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen):
+    blocks_per_seq = [math.ceil(n / bs) for n in seq_lens]
+    max_blocks = max(blocks_per_seq)
+    num_blocks = sum(blocks_per_seq) + 3  # a few pages nobody owns
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    slots, used = [], 0
+    for b, nblk in enumerate(blocks_per_seq):
+        block_tables[b, :nblk] = perm[used:used + nblk].to(torch.int32)
+        used += nblk
+        t = torch.arange(seq_lens[b])
+        slots.append(block_tables[b, t // bs].long() * bs + t % bs)
+    slots = torch.cat(slots)
+    k, v = _kv(len(slots), kv_heads, head_dim, torch.bfloat16, gen)
+    cache = _make_cache(fmt, num_blocks, bs, kv_heads, head_dim,
+                        k.float().abs().amax((0, 2)).cpu(), v.float().abs().amax((0, 2)).cpu())
+    K.write_kv(cache, k, v, slots.to(DEV))
+    return cache, block_tables.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-split", "split-k"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
+def test_decode_attention_relative_oracle(fmt, shape, split):
+    batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES[shape]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{shape}{fmt.name}".encode()))
+    cache, block_tables, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    qdtype = torch.float16 if fmt.dtype == "fp16" or shape == "mha1-page16" else torch.bfloat16
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    num_splits = 3 if split else 1
+    # one split: the shipped default tiles and V orientation; split-K: 16-token tiles (so the
+    # short CPU sequences really split) and the V tile loaded as [head_dim, tokens]
+    tiles = dict(block_n=16, v_transposed=True) if split else {}
+    out = decode_attention_launch(q, cache, block_tables, lens, sm_scale, num_splits=num_splits, **tiles)
+    assert out.dtype == q.dtype and out.shape == q.shape
+
+    cpu = lambda t: t.cpu() if t is not None else None  # noqa: E731
+    from dataclasses import replace
+
+    host = replace(cache, k=cache.k.cpu(), v=cache.v.cpu(), k_scale=cpu(cache.k_scale), v_scale=cpu(cache.v_scale),
+                   k_zero=cpu(cache.k_zero), v_zero=cpu(cache.v_zero))
+    args = (q.cpu(), host, block_tables.cpu(), lens.cpu(), sm_scale)
+    truth = _attention_ref(*args, torch.float64)
+    torch_err = _relerr(_attention_ref(*args, qdtype), truth)
+    kernel_err = _relerr(out.cpu(), truth)
+    worst = (out.cpu().double() - truth).abs().flatten().argmax().item()
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
+    assert kernel_err <= 2 * torch_err + 1e-5, (
+        f"kernel error {kernel_err:.3e} > 2 x PyTorch {qdtype} error {torch_err:.3e}; worst element {worst}: "
+        f"kernel {out.cpu().flatten()[worst].item():.6f} vs fp64 {truth.flatten()[worst].item():.6f}"
+    )
+
+
+def test_decode_default_launch_matches_forced_split():
+    """The public signature (heuristic split count) agrees with a forced single split."""
+    batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES["gqa3-page5"]
+    gen = torch.Generator().manual_seed(7)
+    cache, bt, lens = _fill_cache(KVFormat("int8", "per_token"), batch, kv_heads, head_dim, bs, seq_lens, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).half().to(DEV)
+    a = K.decode_attention(q, cache, bt, lens, 0.25)
+    b = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=1)
+    assert _relerr(a.cpu(), b.cpu().double()) < 2e-3
+
+
+def test_decode_rejects_bad_input():
+    cache = _make_cache(KVFormat("int8", "per_token"), 4, 16, 2, 32)
+    q = torch.randn(1, 3, 32, dtype=torch.float16, device=DEV)
+    bt = torch.zeros(1, 2, dtype=torch.int32, device=DEV)
+    lens = torch.ones(1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="not a multiple"):
+        K.decode_attention(q, cache, bt, lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        K.decode_attention(q[:, :2], cache, bt.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        K.decode_attention(q[:, :2], cache, bt, lens.long(), 1.0)
+
+
+def test_split_count_policy():
+    # plenty of (sequence, head) pairs: no split; one long sequence: many; short contexts: capped
+    assert choose_num_splits(128, 8, 4096, 64, 132) == 1
+    assert choose_num_splits(1, 8, 131072, 64, 132) == 33
+    assert choose_num_splits(16, 8, 32768, 64, 132) == 3
+    assert choose_num_splits(1, 8, 600, 64, 132) == 2
