@@ -1,0 +1,148 @@
+"""The README accuracy table for SmolLM2-135M: every KV dtype x granularity vs unquantized KV.
+
+One run: convert the builtin SmolLM2 (or use --model-dir), calibrate on the
+built-in corpus (64 x 512 tokens, `max` policy; `mse` rows for int4 derived
+from the same statistics), run ModelOpt's FP8 KV calibration on the same token
+windows, then evaluate every engine with calibration.evaluate.run_evaluation.
+Writes <out>/accuracy_smollm2.json and .md (the table) and prints the table.
+
+    python benchmarks/accuracy_table.py --out benchmarks/results [--device cuda] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from calibration.calibrate import calibration_windows, run_calibration, scales_for
+from calibration.evaluate import EngineKV, EvalSettings, run_evaluation
+from calibration.files import write_json_atomic, write_text_atomic
+from calibration.peer_modelopt import modelopt_fp8_scales, modelopt_kv_amax
+from calibration.report import markdown_table
+from runtime.config import ModelConfig
+from runtime.kv_format import KVFormat
+
+DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
+GRANULARITIES = ("per_tensor", "per_head", "per_token")
+
+
+def engines(calib: Path, mo_amax: tuple[torch.Tensor, torch.Tensor] | None) -> list[EngineKV]:
+    out = []
+    for d in DTYPES:
+        for g in GRANULARITIES:
+            f = KVFormat(d, g)
+            k, v = scales_for(calib, f) if f.static else (None, None)
+            out.append(EngineKV(f.name, f, k, v, "max policy" if f.static else "dynamic per-token scales"))
+    for g in ("per_tensor", "per_head"):
+        f = KVFormat("int4", g)
+        k, v = scales_for(calib, f, policy="mse")
+        out.append(EngineKV(f"{f.name}-mse", f, k, v, "mse policy"))
+    if mo_amax is not None:
+        f = KVFormat("fp8_e4m3", "per_tensor")
+        for clamp in (False, True):
+            k, v = modelopt_fp8_scales(*mo_amax, clamp=clamp)
+            name = "modelopt-fp8-per_tensor" + ("-clamped" if clamp else "")
+            note = "ModelOpt FP8_KV_CFG amax/448" + (", clamped to >= 1.0 as its TRT-LLM export does" if clamp else "")
+            out.append(EngineKV(name, f, k, v, note))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--model-dir", default=None, help="a converted SmolLM2 directory (default: convert the builtin)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--greedy-prompts", type=int, default=8)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--passkey-lengths", default="320,1024,2048")
+    ap.add_argument("--passkey-trials", type=int, default=20)
+    ap.add_argument("--no-modelopt", action="store_true")
+    ap.add_argument("--modelopt-amax", default=None,
+                    help="JSON {k: [...], v: [...]} of ModelOpt amax measured elsewhere on the same windows "
+                         "(e.g. on a machine without modelopt); --save-modelopt-amax writes one")
+    ap.add_argument("--save-modelopt-amax", default=None)
+    ap.add_argument("--modelopt-only", action="store_true", help="stop after ModelOpt calibration")
+    ap.add_argument("--workers", type=int, default=1, help="evaluation processes (engines split between them)")
+    ap.add_argument("--calib-samples", type=int, default=64)
+    ap.add_argument("--calib-len", type=int, default=512)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvq-acc-"))
+    t0 = time.perf_counter()
+    model_dir = Path(args.model_dir) if args.model_dir else work / "model"
+    if not args.model_dir:
+        from builder.convert import convert_source  # benchmarks may use the builder
+
+        model_dir.mkdir()
+        convert_source("smollm2-135m", None, model_dir, "float32")
+    mo_amax = None
+    if args.modelopt_amax:
+        d = json.loads(Path(args.modelopt_amax).read_text())
+        mo_amax = (torch.tensor(d["k"]), torch.tensor(d["v"]))
+    elif not args.no_modelopt:
+        from transformers import AutoModelForCausalLM
+
+        windows, _ = calibration_windows(model_dir, ModelConfig.from_dir(model_dir), "builtin", args.calib_samples,
+                                         args.calib_len, 0)
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        mo_amax = modelopt_kv_amax(hf, windows)
+        del hf
+        print("modelopt calibrated", flush=True)
+        if args.save_modelopt_amax:
+            write_json_atomic(Path(args.save_modelopt_amax), {"k": mo_amax[0].tolist(), "v": mo_amax[1].tolist(),
+                                                              "samples": args.calib_samples, "seq_len": args.calib_len})
+        if args.modelopt_only:
+            return
+    calib = work / "calib"
+    calib.mkdir()
+    cal = run_calibration(model_dir, calib, num_samples=args.calib_samples,
+                          seq_len=args.calib_len, policy="max", seed=0, device=args.device)
+    print(f"calibrated in {cal['seconds']} s", flush=True)
+    settings = EvalSettings(
+        perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
+        greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
+        passkey_trials=args.passkey_trials, attention_tokens=512,
+    )
+    specs = engines(calib, mo_amax)
+    if args.workers <= 1:
+        res = run_evaluation(model_dir, specs, None, settings, device=args.device)
+    else:  # each worker scores the baseline too; engines are dealt out round-robin
+        groups = [specs[i :: args.workers] for i in range(args.workers)]
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=torch.set_num_threads,
+                                 initargs=(max(1, args.threads),)) as ex:
+            parts = list(ex.map(run_evaluation, [model_dir] * len(groups), groups, [None] * len(groups),
+                                [settings] * len(groups), [None] * len(groups), [args.device] * len(groups)))
+        res = parts[0]
+        order = [e.name for e in specs]
+        merged = {k: v for p in parts for k, v in p["engines"].items()}
+        res["engines"] = {n: merged[n] for n in order}
+        res["timing_s"] = {f"worker{i}": p["timing_s"] for i, p in enumerate(parts)}
+    res["calibration"] = {**cal, "report": json.loads((calib / "calibration.json").read_text())["timing_s"]}
+    if mo_amax is not None:
+        res["modelopt_amax"] = {"k": mo_amax[0].tolist(), "v": mo_amax[1].tolist()}
+    res["host"] = {"machine": platform.machine(), "device": args.device, "torch": torch.__version__,
+                   "threads": torch.get_num_threads(), "python": sys.version.split()[0],
+                   "wall_s": round(time.perf_counter() - t0, 1)}
+    write_json_atomic(out / "accuracy_smollm2.json", res)
+    table = markdown_table(res)
+    write_text_atomic(out / "accuracy_smollm2.md", "# SmolLM2-135M: quantized KV vs unquantized KV\n\n" + table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

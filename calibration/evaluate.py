@@ -1,0 +1,179 @@
+"""The `evaluate` stage: every engine's KV format against the same model with unquantized KV.
+
+Metrics (see perplexity.py, passkey.py, accuracy.py): perplexity on held-out
+text and its relative change, teacher-forced greedy-token agreement, passkey
+retrieval rate and mean digit log-probability per context length, per-layer
+attention-output relative error. All engines of a model share its weights, so
+the model is loaded once and each engine contributes only its KV format and
+scales. Results: `accuracy.json` and `accuracy.md` (a readable table), plus
+budget violations when a budget is given.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import load_file
+
+from runtime.config import ModelConfig
+from runtime.errors import InputError
+from runtime.kv_format import KVFormat
+
+from . import corpus
+from .accuracy import (
+    PROMPTS,
+    attention_error,
+    baseline_layer_inputs,
+    chat_prompt_ids,
+    greedy_agreement,
+    greedy_continuations,
+)
+from .budget import check_budget
+from .engine_check import engine_greedy
+from .files import write_json_atomic, write_text_atomic
+from .kvsim import PATH_NAME, DenseScorer, KVRoundTrip
+from .loading import load_model, load_tokenizer
+from .passkey import make_trials, passkey
+from .perplexity import eval_windows, perplexity
+from .report import markdown_table
+
+PATH_NOTE = ("dense forward of the runtime model in which every layer's K and V pass through "
+             "runtime.kv_format quantize/dequantize with the engine's scales before attention "
+             "(dynamic per-token scales for per_token formats); the paged engine has no scoring API yet.")
+
+
+@dataclass
+class EvalSettings:
+    """Names match recipes.schema.AccuracySection; defaults are CI-sized."""
+
+    perplexity_tokens: int = 1024
+    perplexity_window: int = 1024
+    greedy_prompts: int = 4
+    greedy_tokens: int = 32
+    passkey_lengths: list[int] = field(default_factory=lambda: [256, 1024])
+    passkey_trials: int = 20
+    attention_tokens: int = 256
+    engine_greedy: bool = True  # also generate through the real paged engine (engine_check.py)
+    dataset: str = corpus.BUILTIN
+    seed: int = 0
+
+    @classmethod
+    def from_any(cls, src: Any = None) -> "EvalSettings":
+        """From an AccuracySection (or dict): fields with our names are taken, others ignored."""
+        if src is None:
+            return cls()
+        get = src.get if isinstance(src, Mapping) else lambda k, d=None: getattr(src, k, d)
+        kw = {f.name: get(f.name) for f in fields(cls) if get(f.name) is not None}
+        return cls(**kw)
+
+
+@dataclass
+class EngineKV:
+    name: str
+    fmt: KVFormat
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    note: str = ""
+
+
+def engine_kv_from_dir(path: str | Path, name: str | None = None) -> EngineKV:
+    """An engine directory's KV format (kv_format.json) and static scales (kv_scales.safetensors)."""
+    d = Path(path)
+    fpath = d / "kv_format.json"
+    if not fpath.is_file():
+        return EngineKV(name or d.name, KVFormat("fp32"), note="no kv_format.json: unquantized KV")
+    try:
+        fmt = KVFormat(**json.loads(fpath.read_text()))
+    except (OSError, json.JSONDecodeError, TypeError) as e:
+        raise InputError(f"{fpath} is not a valid KV format ({e}); rebuild the engine.") from None
+    k = v = None
+    if fmt.static:
+        spath = d / "kv_scales.safetensors"
+        try:
+            t = load_file(str(spath))
+            k, v = t["k_scale"], t["v_scale"]
+        except Exception as e:  # missing file, corrupt file, missing tensor
+            raise InputError(f"{spath} has no readable k_scale/v_scale ({e}); rebuild the engine.") from None
+    return EngineKV(name or d.name, fmt, k, v)
+
+
+def _pct(a: float, b: float) -> float:
+    return (a / b - 1.0) * 100.0
+
+
+def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], out_dir: str | Path | None = None,
+                   settings: Any = None, budget: Any = None, device: str = "cpu",
+                   dtype: str | None = None) -> dict:
+    """Evaluate `engines` (EngineKV or engine directories) against unquantized KV on `model_dir`.
+
+    Writes accuracy.json and accuracy.md into `out_dir` when given. Returns the
+    results dict (the same content as accuracy.json).
+    """
+    s = EvalSettings.from_any(settings)
+    specs = [e if isinstance(e, EngineKV) else engine_kv_from_dir(e) for e in engines]
+    names = [e.name for e in specs]
+    if len(set(names)) != len(names):
+        raise InputError(f"engine names must be unique, got {names}.")
+    t0 = time.perf_counter()
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, device=device, dtype=dtype)
+    base = DenseScorer(model)
+
+    windows = eval_windows(tok, s.perplexity_tokens, s.perplexity_window, s.dataset)
+    prompts = [chat_prompt_ids(tok, p) for p in (PROMPTS * 8)[: s.greedy_prompts]]
+    trials = make_trials(tok, s.passkey_lengths, s.passkey_trials, s.seed, cfg.max_position_embeddings)
+    attn_ids = windows[0, : s.attention_tokens]
+
+    timing: dict[str, float] = {}
+    t = time.perf_counter()
+    base_ppl = perplexity(base, windows)
+    conts = greedy_continuations(base, prompts, s.greedy_tokens, cfg.eos_token_id)
+    base_passkey = passkey(base, trials)
+    inputs, ref_attn = baseline_layer_inputs(model, attn_ids)
+    timing["baseline"] = round(time.perf_counter() - t, 2)
+
+    results: dict[str, Any] = {
+        "path": PATH_NAME, "path_note": PATH_NOTE, "model_dir": str(Path(model_dir).resolve()),
+        "model_dtype": str(model.dtype).replace("torch.", ""), "device": device, "settings": asdict(s),
+        "baseline": {"kv": f"unquantized ({str(model.dtype).replace('torch.', '')})", "perplexity": base_ppl,
+                     "greedy": {"tokens": sum(c.numel() for c in conts)}, "passkey": base_passkey},
+        "engines": {},
+    }
+    for e in specs:
+        t = time.perf_counter()
+        if not e.fmt.quantized:
+            results["engines"][e.name] = {"kv_format": asdict(e.fmt), "note": e.note or "unquantized KV"}
+            continue
+        kv = KVRoundTrip(e.fmt, cfg.num_layers, e.k_scale, e.v_scale)
+        sc = DenseScorer(model, kv)
+        ppl = perplexity(sc, windows)
+        pk = passkey(sc, trials)
+        r = {
+            "kv_format": asdict(e.fmt), "note": e.note,
+            "perplexity": {**ppl, "change_pct": _pct(ppl["perplexity"], base_ppl["perplexity"])},
+            "greedy": greedy_agreement(sc, prompts, conts),
+            "passkey": {**pk, "rate_relative": pk["rate"] / base_passkey["rate"] if base_passkey["rate"] else None},
+            "attention_error": attention_error(model, kv, inputs, ref_attn),
+        }
+        if s.engine_greedy:
+            r["engine_greedy"] = engine_greedy(model_dir, e.fmt, e.k_scale, e.v_scale, prompts, conts, device, dtype)
+        results["engines"][e.name] = r
+        timing[e.name] = round(time.perf_counter() - t, 2)
+    timing["total"] = round(time.perf_counter() - t0, 2)
+    results["timing_s"] = timing
+    if budget is not None:
+        results["budget"] = {k: getattr(budget, k, None) if not isinstance(budget, Mapping) else budget.get(k)
+                             for k in ("max_perplexity_increase_pct", "min_passkey_rate_relative",
+                                       "min_greedy_agreement")}
+        results["violations"] = [v.to_dict() for v in check_budget(results, budget)]
+    if out_dir is not None:
+        out = Path(out_dir)
+        write_json_atomic(out / "accuracy.json", results)
+        write_text_atomic(out / "accuracy.md", markdown_table(results))
+    return results

@@ -1,0 +1,189 @@
+"""Accuracy checks: quantized-KV scoring path, metrics, budget and the `kvq eval` command.
+
+Fast tests use a tiny random Llama with SmolLM2's tokenizer; the slow ones check
+the metrics on the real SmolLM2 against transformers as an independent reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import helpers_calibration as H  # noqa: E402
+
+from calibration.budget import check_budget, enforce_budget  # noqa: E402
+from calibration.calibrate import run_calibration, scales_for  # noqa: E402
+from calibration.evaluate import EngineKV, EvalSettings, run_evaluation  # noqa: E402
+from calibration.kvsim import DenseScorer, KVRoundTrip  # noqa: E402
+from calibration.loading import load_model  # noqa: E402
+from runtime.errors import AccuracyBudgetError, InputError  # noqa: E402
+from runtime.kv_format import KVFormat, dynamic_scales  # noqa: E402
+
+TINY_SETTINGS = EvalSettings(perplexity_tokens=128, perplexity_window=128, greedy_prompts=2, greedy_tokens=6,
+                             passkey_lengths=[128], passkey_trials=2, attention_tokens=64)
+
+
+# ------------------------------------------------------------ round trip
+def test_roundtrip_error_is_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(37, 2, 16, generator=g) * 3
+    v = torch.randn(37, 2, 16, generator=g)
+    s = torch.tensor([[0.05, 0.02], [0.1, 0.1]])  # [layers, heads]
+    rt = KVRoundTrip(KVFormat("int8", "per_head"), 2, s, s)
+    k1, v1 = rt(1, k, v)
+    inside = k.abs() <= 127 * 0.1
+    assert float(((k1 - k).abs() - 0.05)[inside].max()) <= 1e-6  # half of step 0.1
+    assert torch.equal(k1[~inside].abs(), torch.full_like(k1[~inside], 12.7))  # saturates, never NaN
+    k0, _ = rt(0, k, v)
+    assert float(((k0 - k).abs() - torch.tensor([0.025, 0.01])[None, :, None])[k.abs() < 2].max()) <= 1e-6
+    dyn = KVRoundTrip(KVFormat("int4", "per_token"), 2)
+    kd, _ = dyn(0, k, v)
+    step = dynamic_scales(k, KVFormat("int4", "per_token"))[0].float()
+    assert bool(((kd - k).abs() <= step[..., None] / 2 + 1e-6).all())
+
+
+def test_roundtrip_rejects_bad_scales():
+    with pytest.raises(InputError, match="needs calibrated k/v scales"):
+        KVRoundTrip(KVFormat("int8"), 2)
+    with pytest.raises(InputError, match="does not fit int8-per_head"):
+        KVRoundTrip(KVFormat("int8", "per_head"), 2, torch.ones(2), torch.ones(2))
+    with pytest.raises(InputError, match="not a quantized KV format"):
+        KVRoundTrip(KVFormat("fp16"), 2)
+
+
+def test_coarser_formats_move_logits_more():
+    model = load_model(H.tiny_model_dir())
+    ids = torch.arange(100, 164)
+    base = DenseScorer(model).logits(ids)
+    diffs = {}
+    for dtype in ("int8", "fp8_e4m3", "int4"):
+        out = DenseScorer(model, KVRoundTrip(KVFormat(dtype, "per_token"), 2)).logits(ids)
+        diffs[dtype] = float((out - base).abs().max())
+    assert 0 < diffs["int8"] < diffs["fp8_e4m3"] < diffs["int4"]
+
+
+# ------------------------------------------------------------- evaluation
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    d = H.tiny_model_dir()
+    calib = tmp_path_factory.mktemp("calib")
+    run_calibration(d, calib, num_samples=2, seq_len=64)
+    out = tmp_path_factory.mktemp("eval")
+    int4 = KVFormat("int4", "per_tensor")
+    engines = [EngineKV("int8-tok", KVFormat("int8", "per_token")), EngineKV("int4-tensor", int4, *scales_for(calib, int4))]
+    budget = {"max_perplexity_increase_pct": 0.0, "min_greedy_agreement": 1.0, "min_passkey_rate_relative": None}
+    return run_evaluation(d, engines, out, TINY_SETTINGS, budget=budget), out, budget, calib
+
+
+def test_evaluation_writes_results_and_flags_budget(tiny_results):
+    res, out, budget, _ = tiny_results
+    on_disk = json.loads((out / "accuracy.json").read_text())
+    assert on_disk["engines"].keys() == {"int8-tok", "int4-tensor"} and on_disk["path"] == "dense-kv-roundtrip"
+    e = on_disk["engines"]["int4-tensor"]
+    assert e["perplexity"]["change_pct"] == pytest.approx(
+        (e["perplexity"]["perplexity"] / on_disk["baseline"]["perplexity"]["perplexity"] - 1) * 100)
+    assert len(e["attention_error"]["per_layer"]) == 2 and e["passkey"]["trials"] == 2
+    g8 = on_disk["engines"]["int8-tok"]["engine_greedy"]  # the real paged engine with int8 per-token KV
+    assert g8["prompts"] == 2 and 0.0 <= g8["position_match"] <= 1.0
+    assert "| int4-tensor | int4 per_tensor |" in (out / "accuracy.md").read_text()
+    bad = {(v["engine"], v["metric"]) for v in on_disk["violations"]}
+    assert ("int4-tensor", "perplexity_change_pct") in bad
+    with pytest.raises(AccuracyBudgetError, match="int4-tensor: perplexity .* exceeds the budget"):
+        enforce_budget(res, budget)
+    assert enforce_budget(res, budget, allow_regression=True)
+    assert check_budget(res, {"max_perplexity_increase_pct": 1e9, "min_greedy_agreement": 0.0}) == []
+
+
+def test_budget_messages_say_by_how_much():
+    res = {"engines": {"e": {"perplexity": {"change_pct": 2.5}, "greedy": {"agreement": 0.5},
+                             "passkey": {"rate_relative": 0.6}}}}
+    msgs = [v.message for v in check_budget(res, {"max_perplexity_increase_pct": 1.0, "min_greedy_agreement": 0.8,
+                                                  "min_passkey_rate_relative": 0.9})]
+    assert "exceeds the budget +1.00% by 1.50 points" in msgs[0]
+    assert "below the budget 80.0% by 30.0%" in msgs[1]
+    assert "short by 0.30" in msgs[2]
+
+
+def test_eval_cli_exit_codes(tiny_results, tmp_path):
+    _, _, _, calib = tiny_results
+    args = ["eval", "--model", str(H.tiny_model_dir()), "--calib", str(calib), "--format", "int4:per_tensor",
+            "--ppl-tokens", "64", "--greedy-prompts", "1", "--greedy-tokens", "4", "--passkey-lengths", "64",
+            "--passkey-trials", "1", "--min-greedy-agreement", "1.0"]
+    fail = H.kvq_cli(*args, "--out", str(tmp_path / "a"))
+    assert fail.returncode == AccuracyBudgetError.exit_code, fail.stderr
+    assert "int4-per_tensor: greedy-token agreement 75.0% is below" in fail.stderr
+    assert "Traceback" not in fail.stderr
+    assert (tmp_path / "a" / "accuracy.json").is_file()  # results are kept for inspection
+    ok = H.kvq_cli(*args, "--out", str(tmp_path / "b"), "--allow-accuracy-regression")
+    assert ok.returncode == 0, ok.stderr
+    assert "warning (allowed)" in ok.stderr
+    missing = H.kvq_cli("eval", "--model", str(H.tiny_model_dir()), "--format", "int8:per_head", "--out",
+                        str(tmp_path / "c"))
+    assert missing.returncode == InputError.exit_code and "add --calib DIR" in missing.stderr
+    assert not (tmp_path / "c").exists()
+
+
+# ------------------------------------------------------- real SmolLM2
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(H.smollm2_dir()), H.load_tokenizer_fast()
+
+
+@pytest.mark.slow
+def test_perplexity_matches_transformers(smol):
+    from calibration.perplexity import eval_windows, perplexity
+
+    model, tok = smol
+    windows = eval_windows(tok, 512, 256)
+    ours = perplexity(DenseScorer(model), windows)["perplexity"]
+    hf = H.smollm2_hf_model()
+    with torch.inference_mode():
+        losses = [float(hf(input_ids=w[None], labels=w[None]).loss) for w in windows]
+    ref = float(torch.tensor(losses).mean().exp())
+    assert ours == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_greedy_continuation_matches_transformers_generate(smol):
+    from calibration.accuracy import chat_prompt_ids, greedy_continuations
+
+    model, tok = smol
+    p = chat_prompt_ids(tok, "What is the capital of France?")
+    ours = greedy_continuations(DenseScorer(model), [p], 8, eos_token_id=2)[0]
+    hf = H.smollm2_hf_model()
+    with torch.inference_mode():
+        ref = hf.generate(p[None], max_new_tokens=8, do_sample=False)[0, p.numel():]
+    assert ours.tolist() == ref.tolist()
+    assert "Paris" in tok.decode(ours)
+
+
+@pytest.mark.slow
+def test_passkey_baseline_and_int8(smol):
+    """Measured baseline: SmolLM2 finds the key 5/5 at ~325 tokens."""
+    from calibration.passkey import make_trials, passkey
+
+    model, tok = smol
+    trials = make_trials(tok, [320], 5)
+    base = passkey(DenseScorer(model), trials)
+    int8 = passkey(DenseScorer(model, KVRoundTrip(KVFormat("int8", "per_token"), 30)), trials)
+    assert base["found"] >= 4 and int8["found"] == base["found"]
+    assert base["by_length"]["320"]["tokens_mean"] == pytest.approx(320, abs=25)
+    assert abs(int8["by_length"]["320"]["mean_logprob"] - base["by_length"]["320"]["mean_logprob"]) < 0.05
+
+
+@pytest.mark.slow
+def test_attention_error_orders_formats(smol):
+    from calibration.accuracy import attention_error, baseline_layer_inputs
+
+    model, tok = smol
+    ids = torch.tensor(tok(" ".join(["The quick brown fox jumps over the lazy dog."] * 20))["input_ids"][:160])
+    inputs, ref = baseline_layer_inputs(model, ids)
+    err = {d: attention_error(model, KVRoundTrip(KVFormat(d, "per_token"), 30), inputs, ref)["mean"]
+           for d in ("int8", "fp8_e4m3", "int4")}
+    assert 0 < err["int8"] < err["fp8_e4m3"] < err["int4"] < 1.0
+    assert err["int8"] < 0.02  # ~1/127 per element before softmax amplification
