@@ -67,10 +67,13 @@ def _pool_bytes(engine: Any) -> int:
     return total
 
 
-def _peak_device_bytes(device: str) -> int | None:
+def _peak_memory_bytes(device: str) -> int:
+    """CUDA: peak allocated device memory. CPU: the process's resident set after the runs."""
     if device.startswith("cuda"):
         return int(torch.cuda.max_memory_allocated())
-    return None
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str, Any]:
@@ -119,7 +122,7 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
             "planner_error_pct": 100 * (measured - planned) / planned if planned else float("nan"),
             "max_concurrency": max_conc,
             "context_len": ctx_len,
-            "peak_device_bytes": _peak_device_bytes(device),
+            "peak_memory_bytes": _peak_memory_bytes(device),
             "runs": runs,
             "accuracy": eut.accuracy,
         }

@@ -41,15 +41,16 @@ def markdown(report: dict[str, Any]) -> str:
              f"EOS ignored; KV pool budget per engine: {budget}.", ""]
     lines += ["## Memory", "",
               "| engine | KV format | KiB/token | pool tokens | max concurrent @ctx | vs baseline | planned pool MiB | "
-              "measured pool MiB | planner error |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "measured pool MiB | planner error | peak memory MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['kv_format']} | {r['bytes_per_token'] / KIB:.2f} | {r['pool_tokens']:,} | "
             f"{r['max_concurrency']} @{r['context_len']} | {r['pool_tokens'] / base['pool_tokens']:.2f}x | "
             f"{r['planned_pool_bytes'] / MIB:.1f} | {r['measured_pool_bytes'] / MIB:.1f} | "
-            f"{r['planner_error_pct']:+.2f}% |")
-    lines += ["", "## Throughput and latency", "",
+            f"{r['planner_error_pct']:+.2f}% | {r['peak_memory_bytes'] / MIB:.0f} |")
+    lines += ["", "Peak memory: the device's peak allocation on CUDA, the process's resident set on CPU "
+              "(weights, pool and everything else).", "", "## Throughput and latency", "",
               "| engine | concurrency | tokens/s | vs baseline @same conc. | TTFT p50 ms | TTFT p99 ms | "
               "ITL p50 ms | ITL p99 ms | mean batch | errors |",
               "|---|---|---|---|---|---|---|---|---|---|"]

@@ -31,10 +31,9 @@ from .accuracy import (
     baseline_layer_inputs,
     chat_prompt_ids,
     greedy_agreement,
-    greedy_continuations,
 )
 from .budget import check_budget
-from .engine_check import engine_greedy
+from .engine_check import engine_continuations, engine_greedy
 from .files import write_json_atomic, write_text_atomic
 from .kvsim import PATH_NAME, DenseScorer, KVRoundTrip
 from .loading import load_model, load_tokenizer
@@ -133,7 +132,7 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
     timing: dict[str, float] = {}
     t = time.perf_counter()
     base_ppl = perplexity(base, windows)
-    conts = greedy_continuations(base, prompts, s.greedy_tokens, cfg.eos_token_id)
+    conts = engine_continuations(model_dir, prompts, s.greedy_tokens, device, dtype)
     base_passkey = passkey(base, trials)
     inputs, ref_attn = baseline_layer_inputs(model, attn_ids)
     timing["baseline"] = round(time.perf_counter() - t, 2)

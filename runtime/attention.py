@@ -118,15 +118,16 @@ def prefill_attention(
         if b == a:
             continue
         qs, ks, vs = (t[a:b].transpose(0, 1).to(math_dtype) for t in (q, k, v))
+        # 4-D [batch, heads, T, D] inputs: with 3-D ones SDPA takes its slow math kernel
+        # (a [heads, T, T] matrix per layer), on CUDA and on the CPU alike.
         if q.is_cuda and ks.shape[0] != qs.shape[0]:
-            # SDPA's flash kernel does not take enable_gqa; without it a 8k prompt falls back to the
-            # math kernel (a [heads, T, T] matrix per layer). Expanding K/V costs T x heads x D.
-            # Flash also wants 4-D [batch, heads, T, D] inputs.
+            # The flash kernel does not take enable_gqa; expanding K/V costs T x heads x D.
             group = qs.shape[0] // ks.shape[0]
             ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
             o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=sm_scale)[0]
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=sm_scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=sm_scale,
+                                               enable_gqa=True)[0]
         out[a:b] = o.transpose(0, 1).to(q.dtype)
     return out
 
