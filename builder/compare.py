@@ -9,7 +9,6 @@ next to what the engine actually allocated.
 from __future__ import annotations
 
 import gc
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,9 +17,8 @@ from typing import Any
 import torch
 
 from recipes import Recipe, load_recipe
-from runtime.config import ModelConfig
 from runtime.errors import StageError
-from runtime.kv_format import KVFormat, kv_bytes_per_token
+from runtime.kv_format import kv_bytes_per_token
 
 from .loadgen import random_prompts, run_closed_loop
 from .pipeline import Context, read_manifest
@@ -50,23 +48,6 @@ class EngineUnderTest:
     accuracy: dict[str, Any] | None = None
 
 
-def read_kv_format(engine_dir: Path) -> KVFormat:
-    p = engine_dir / "kv_format.json"
-    if not p.is_file():
-        return KVFormat("fp32")
-    return KVFormat(**json.loads(p.read_text()))
-
-
-def _pool_bytes(engine: Any) -> int:
-    """Bytes the engine really allocated for its KV pool (every layer's tensors)."""
-    total = 0
-    for layer in engine.runner.caches:
-        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero):
-            if t is not None and t.dim() >= 3:  # static scales are per layer, not pool memory
-                total += t.numel() * t.element_size()
-    return total
-
-
 def _peak_memory_bytes(device: str) -> int:
     """CUDA: peak allocated device memory. CPU: the process's resident set after the runs."""
     if device.startswith("cuda"):
@@ -79,17 +60,16 @@ def _peak_memory_bytes(device: str) -> int:
 def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str, Any]:
     from runtime.engine import Engine, SamplingParams
 
-    cfg = ModelConfig.from_dir(eut.engine_dir)
-    fmt = read_kv_format(eut.engine_dir)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     engine = Engine.from_dir(eut.engine_dir, device=device, memory_budget=wl.memory_budget)
+    cfg, fmt = engine.cfg, engine.fmt
     try:
         bpt = kv_bytes_per_token(cfg, fmt)
         block = engine.stats.block_size
         blocks = engine.stats.pool_blocks
         planned_blocks = int(wl.memory_budget // (bpt * block)) if wl.memory_budget else blocks
-        measured = _pool_bytes(engine)
+        measured = engine.stats.pool_allocated_bytes  # summed over the tensors really allocated
         planned = planned_blocks * block * bpt
         ctx_len = wl.prompt_len + wl.output_len
         per_request_blocks = math.ceil(ctx_len / block)
@@ -167,7 +147,8 @@ def compare_recipe(ctx: Context, out: Path) -> dict[str, Any]:
         if name == ctx.recipe.name:
             sub = ctx
         else:
-            sub = Context(load_recipe(name), ctx.work_dir, ctx.device, frozenset(), True, ctx.console)
+            sub = Context(load_recipe(name), ctx.work_dir, ctx.device, frozenset(), True, ctx.console,
+                          spinner=False)
             run_stages(sub, until="evaluate", stop_on_budget=False)
         if "build" not in sub.dirs:
             raise StageError(f"compare: variant {name} has no built engine.")

@@ -132,11 +132,15 @@ def plot_throughput(report: dict[str, Any], path: Path) -> None:
 
 def plot_accuracy(report: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    pts = [(r["bytes_per_token"] / KIB, (r.get("accuracy") or {}).get("perplexity_increase_pct"), r["label"])
-           for r in report["engines"]]
-    pts = [p for p in pts if p[1] is not None]
-    for x, y, label in pts:
-        ax.scatter([x], [y])
+    pts = []
+    for i, r in enumerate(report["engines"]):  # colour i matches the throughput plot's line i
+        acc = r.get("accuracy")
+        if acc is None:
+            continue
+        # an evaluated engine without a perplexity change is the unquantized reference: 0 by definition
+        pts.append((r["bytes_per_token"] / KIB, acc.get("perplexity_increase_pct", 0.0), r["label"], f"C{i}"))
+    for x, y, label, colour in pts:
+        ax.scatter([x], [y], color=colour)
         ax.annotate(label, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
     if not pts:
         ax.text(0.5, 0.5, "no accuracy results (evaluate stage off)", ha="center", transform=ax.transAxes)

@@ -19,6 +19,7 @@ import json
 import platform
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -76,6 +77,7 @@ class Context:
     console: Console = field(default_factory=lambda: Console(stderr=True))
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     dirs: dict[str, Path] = field(default_factory=dict)
+    spinner: bool = True  # off for pipelines nested in a running stage (rich allows one live display)
 
     def section_digest(self, *sections: str) -> str:
         return recipe_digest(self.recipe, sections)
@@ -131,7 +133,9 @@ def run_stage(stage: Stage, ctx: Context, dry_run: bool = False) -> StageResult:
     t0 = time.perf_counter()
     ctx.console.print(f"[bold]{stage.name}[/bold] → {out}")
     with atomic_dir(out, overwrite=True) as tmp:
-        outputs = stage.run(ctx, tmp)
+        live = ctx.console.status(f"[bold]{stage.name}[/bold] running…") if ctx.spinner else nullcontext()
+        with live:  # a spinner with the stage name on a terminal
+            outputs = stage.run(ctx, tmp)
         manifest = {
             "stage": stage.name,
             "recipe": ctx.recipe.name,
