@@ -95,10 +95,12 @@ def markdown(report: dict[str, Any]) -> str:
 def plot_concurrency(report: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     max_ctx = max(r["pool_tokens"] for r in report["engines"])
-    ctxs = [2**k for k in range(7, 18) if 2**k <= max_ctx]
+    ctxs = [2**k for k in range(4, 18) if 2**k <= max_ctx]
     for r in report["engines"]:
-        fits = [r["pool_blocks"] // -(-c // r["block_size"]) for c in ctxs]  # whole blocks per request
-        ax.plot(ctxs, fits, marker="o", label=f"{r['label']} ({r['kv_format']})")
+        fits = [(c, r["pool_blocks"] // -(-c // r["block_size"])) for c in ctxs]  # whole blocks per request
+        fits = [(c, n) for c, n in fits if n > 0]  # a log axis has no zero
+        if fits:
+            ax.plot(*zip(*fits), marker="o", label=f"{r['label']} ({r['kv_format']})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("context length per request (tokens)")

@@ -390,3 +390,17 @@ def test_start_server_reports_why_a_model_failed_to_load(tmp_path):
     )
     with pytest.raises(ServerError, match="kvq-test: engine dir is unreadable"):
         start_server(tmp_path / "repo", ready_timeout_s=120, log_dir=tmp_path)
+
+
+def test_compare_measures_a_deployment_through_triton(served, engine_dir, tmp_path):
+    """kvq compare --triton: the same concurrency levels through the real server, in the report."""
+    from builder.compare import EngineUnderTest, Workload, compare_engines
+
+    wl = Workload(prompt_len=16, output_len=4, concurrency=[1, 2], num_requests=2, seed=0, memory_budget=2**20)
+    res = compare_engines([EngineUnderTest("fp8", engine_dir)], wl, "cpu", tmp_path, "t",
+                          triton=[("fp8-triton", served["grpc"])])
+    report = json.loads((tmp_path / "report.json").read_text())
+    (t,) = report["triton"]
+    assert [r["concurrency"] for r in t["runs"]] == [1, 2]
+    assert all(r["errors"] == 0 and r["completed"] == 2 and r["output_tokens"] > 0 for r in t["runs"])
+    assert "Through Triton" in (tmp_path / "report.md").read_text() and res["baseline"] == "fp8"
