@@ -19,6 +19,7 @@ import torch
 from recipes import Recipe, load_recipe
 from runtime.errors import StageError
 from runtime.kv_format import kv_bytes_per_token
+from runtime.runner import plan_pool
 
 from .loadgen import random_prompts, run_closed_loop
 from .pipeline import Context, read_manifest
@@ -68,7 +69,10 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
         bpt = kv_bytes_per_token(cfg, fmt)
         block = engine.stats.block_size
         blocks = engine.stats.pool_blocks
-        planned_blocks = int(wl.memory_budget // (bpt * block)) if wl.memory_budget else blocks
+        # The runtime's own sizing rule (plan_pool, on the planner's bytes/token) predicts the pool;
+        # `measured` is what the engine really allocated.
+        planned_blocks = plan_pool(cfg, fmt, block, memory_budget=wl.memory_budget).num_blocks \
+            if wl.memory_budget else blocks
         measured = engine.stats.pool_allocated_bytes  # summed over the tensors really allocated
         planned = planned_blocks * block * bpt
         ctx_len = wl.prompt_len + wl.output_len
