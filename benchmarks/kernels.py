@@ -34,6 +34,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
+from runtime.kernels.decode_attention import _tuned  # noqa: E402
+from runtime.kernels.formats import kernel_format  # noqa: E402
 from runtime.kv_cache import allocate_layer  # noqa: E402
 from runtime.kv_format import KVFormat, dequantize  # noqa: E402
 
@@ -54,6 +56,7 @@ GRID = [(1, 131072), (16, 32768), (64, 8192), (128, 4096)]
 BLOCK_SIZE = 16
 DEVICE = "cuda"
 # (block_n, num_warps, num_stages, V tile loaded transposed) candidates for the tuning pass
+# (None = the launcher's defaults, chosen with benchmarks/kernel_variants.py; --tune-tiles adds the rest)
 CONFIGS_16BIT = [(64, 4, 3, 0), (128, 4, 3, 0)]
 CONFIGS_8BIT = [(32, 4, 2, 0), (64, 4, 1, 0), (64, 4, 2, 0), (64, 4, 2, 1), (128, 4, 2, 0)]
 
@@ -162,7 +165,11 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
         write_bytes = 2 * case.k.numel() * 2 + case.kv_bytes(fmt)
         best = None
         tried = []
-        for bn, warps, stages, vt in configs:
+        for cfg in configs:
+            if cfg is None:  # the launcher's own per-format choice (decode_attention._TUNED)
+                tuned = _tuned(kernel_format(cache))
+                cfg = (tuned[0], 4, tuned[1], 0)
+            bn, warps, stages, vt = cfg
             try:
                 ms = median_ms(partial(
                     decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale,
@@ -272,6 +279,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only llama3-8b 16x32768")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--tune", default="16x32768", help="batch x ctx whose runs try every tile config")
+    ap.add_argument("--tune-tiles", action="store_true", help="also try the tile configs at the tuning shape")
     ap.add_argument("--configs", default="", help="fixed 'bn,warps,stages,vT' per format, e.g. int4=64,4,3,1;bf16=32,4,2,0")
     ap.add_argument("--profile", default="", help="only run FORMAT's decode at 16x32768 a few times (under ncu)")
     ap.add_argument("--e2e", default="", help="only the end-to-end greedy check, on this device (cuda)")
@@ -323,7 +331,9 @@ def main() -> None:
             case = Case(model, batch, ctx)
             tune = model == "llama3-8b" and f"{batch}x{ctx}" == args.tune
             for name in fmt_names:
-                full = CONFIGS_8BIT if FORMATS[name].quantized else CONFIGS_16BIT
+                full = [None]
+                if args.tune_tiles:
+                    full += CONFIGS_8BIT if FORMATS[name].quantized else CONFIGS_16BIT
                 cfgs = fixed.get(name) or (full if tune or name not in tuned else tuned[name])
                 before = len(rows)
                 run_case(case, [name], cfgs, rows, sink, check=tune)

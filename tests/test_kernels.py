@@ -267,6 +267,30 @@ def test_decode_attention_relative_oracle(fmt, shape, split):
     )
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["tokens-as-N", "tokens-as-M"])
+@pytest.mark.parametrize("p_scale", [False, True], ids=["v-scaled", "p-scaled"])
+@pytest.mark.parametrize("v_t", [False, True], ids=["v-rows", "v-cols"])
+@pytest.mark.parametrize("fmt", [KVFormat("int8", "per_token", symmetric=False), KVFormat("int4", "per_token"),
+                                 KVFormat("int4", "per_token", symmetric=False), KVFormat("fp8_e4m3", "per_tensor")],
+                         ids=["int8-tok-asym", "int4-tok", "int4-tok-asym", "fp8-tensor"])
+def test_decode_every_kernel_variant(fmt, swap, p_scale, v_t):
+    """Each non-default code path of the kernel (the defaults pick per format) meets the oracle too."""
+    batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES["gqa3-page5"]
+    gen = torch.Generator().manual_seed(11)
+    cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).half().to(DEV)
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=2, block_n=16,
+                                  swap=swap, p_scale=p_scale, v_transposed=v_t, dot_fp16=True)
+    cpu = lambda t: t.cpu() if t is not None else None  # noqa: E731
+    from dataclasses import replace
+
+    host = replace(cache, k=cache.k.cpu(), v=cache.v.cpu(), k_scale=cpu(cache.k_scale), v_scale=cpu(cache.v_scale),
+                   k_zero=cpu(cache.k_zero), v_zero=cpu(cache.v_zero))
+    args = (q.cpu(), host, bt.cpu(), lens.cpu(), 0.25)
+    truth = _attention_ref(*args, torch.float64)
+    assert _relerr(out.cpu(), truth) <= 2 * _relerr(_attention_ref(*args, torch.float16), truth) + 1e-5
+
+
 def test_decode_default_launch_matches_forced_split():
     """The public signature (heuristic split count) agrees with a forced single split."""
     batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES["gqa3-page5"]

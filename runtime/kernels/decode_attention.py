@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..kv_cache import LayerCache
-from .formats import KIND_INT4, SCALE_TOKEN, check_device, kernel_format
+from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, check_device, kernel_format
 from .split_k import choose_num_splits, merge_splits, sm_count
 
 _LOG2E = 1.4426950408889634
@@ -84,19 +84,19 @@ def _load_q(Q, q_row, heads_mask, cols, dmask):
 
 @triton.jit
 def _unpack(raw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr,
-            I4_LO: tl.constexpr, I4_HI: tl.constexpr, dt: tl.constexpr):
+            ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, dt: tl.constexpr):
     """Stored tile -> integer/fp values (exact). For int4, HALF 0 = low nibbles, 1 = high.
 
-    I4_LO/I4_HI (GPU only, else ""): the PTX of `_int4_asm`, which turns 4 packed bytes
+    ASM_LO/ASM_HI (GPU only, else ""): the PTX of `_int4_asm`, which turns 4 packed bytes
     into 4 fp16/bf16 values with an AND, two byte permutes and two packed FMAs -- the
     generic nibble code costs ~5 instructions per value (KERNEL_NOTES.md).
     """
     if KIND == 2:
-        if I4_LO != "":
+        if ASM_LO != "":
             if HALF == 0:
-                out = tl.inline_asm_elementwise(I4_LO, "=r,=r,r", [raw], dtype=dt.value, is_pure=True, pack=4)
+                out = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r", [raw], dtype=dt.value, is_pure=True, pack=4)
             else:
-                out = tl.inline_asm_elementwise(I4_HI, "=r,=r,r", [raw], dtype=dt.value, is_pure=True, pack=4)
+                out = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r", [raw], dtype=dt.value, is_pure=True, pack=4)
         else:
             if HALF == 0:
                 nib = raw & 0xF
@@ -139,12 +139,12 @@ def _int4_asm(dtype: torch.dtype, symmetric: bool) -> tuple[str, str]:
 @triton.jit
 def _dequant_v(vraw, HALF: tl.constexpr, VS, VZ, meta, nmask, KIND: tl.constexpr, SCALE_MODE: tl.constexpr,
                ASYM: tl.constexpr, dt: tl.constexpr, DOT: tl.constexpr, V_T: tl.constexpr,
-               CVT_EARLY: tl.constexpr, I4_LO: tl.constexpr, I4_HI: tl.constexpr):
+               CVT_EARLY: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr):
     """V tile [BLOCK_N, D] in the dot dtype: per-token formats dequantized in fp32 first, others exact raw values.
 
     With V_T the tile was loaded as [D, BLOCK_N] and is transposed here, after the cast.
     """
-    v = _unpack(vraw, HALF, KIND, ASYM, I4_LO, I4_HI, dt)
+    v = _unpack(vraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt)
     if SCALE_MODE == 3:
         if V_T:
             v = v.to(tl.float32) * tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -169,7 +169,8 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    FULL_D: tl.constexpr, V_T: tl.constexpr, CVT_EARLY: tl.constexpr, I4_LO: tl.constexpr, I4_HI: tl.constexpr,
+    FULL_D: tl.constexpr, V_T: tl.constexpr, CVT_EARLY: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr,
+    DOT_F16: tl.constexpr, P_SCALE: tl.constexpr, SWAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -177,7 +178,10 @@ def _decode_kernel(
     seq_len = tl.load(SEQ + b)
     start = sp * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
-    dt = Q.dtype.element_ty
+    if DOT_F16:
+        dt = tl.float16
+    else:
+        dt = Q.dtype.element_ty
 
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < GROUP
@@ -192,27 +196,33 @@ def _decode_kernel(
         dmask = offs_d < HEAD_DIM
         cols_a = offs_d
         cols_b = offs_d
-    q_a = _load_q(Q, q_row, hmask, cols_a, dmask)
+    # fp16 dots take q / 16 (exact: a power of two), so q may reach 16 x fp16's 65504
+    q_pre = 0.0625 if DOT_F16 else 1.0
+    q_a = (_load_q(Q, q_row, hmask, cols_a, dmask).to(tl.float32) * q_pre).to(dt)
     q_b = q_a
     if KIND == 2:
-        q_b = _load_q(Q, q_row, hmask, cols_b, dmask)
+        q_b = (_load_q(Q, q_row, hmask, cols_b, dmask).to(tl.float32) * q_pre).to(dt)
     qsum = tl.sum(q_a.to(tl.float32), 1)
     if KIND == 2:
         qsum += tl.sum(q_b.to(tl.float32), 1)
 
-    k_fold = qk_scale
+    k_fold = qk_scale / q_pre
     v_fold = 1.0
     if SCALE_MODE == 1:
-        k_fold = qk_scale * tl.load(KS)
+        k_fold = k_fold * tl.load(KS)
         v_fold = tl.load(VS)
     elif SCALE_MODE == 2:
-        k_fold = qk_scale * tl.load(KS + kvh)
+        k_fold = k_fold * tl.load(KS + kvh)
         v_fold = tl.load(VS + kvh)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc_a = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    acc_b = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if SWAP:
+        acc_a = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
+        acc_b = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        acc_b = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     bt_row = BT + b * stride_btb
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -234,28 +244,83 @@ def _decode_kernel(
             vraw = tl.load(V + base[None, :] + offs_d[:, None], mask=m2t, other=0.0)
         else:
             vraw = tl.load(V + base[:, None] + offs_d[None, :], mask=m2, other=0.0)
-
-        s = _dot(q_a, tl.trans(_operand(_unpack(kraw, 0, KIND, ASYM, I4_LO, I4_HI, dt), dt, DOT, CVT_EARLY)), DOT)
-        if KIND == 2:
-            s += _dot(q_b, tl.trans(_operand(_unpack(kraw, 1, KIND, ASYM, I4_LO, I4_HI, dt), dt, DOT, CVT_EARLY)), DOT)
         meta = page * stride_mb + kvh * stride_mh + slot
-        if SCALE_MODE == 3:
-            s = s * tl.load(KS + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            if ASYM:
-                s += qsum[:, None] * tl.load(KZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        s = tl.where(nmask[None, :], s * k_fold, float("-inf"))
+        if SWAP:
+            # transposed products: tokens are the M dimension (64/128 rows, wgmma-sized) and the
+            # padded query-head group the N dimension; acc holds out^T [D, H]
+            sT = _dot(_operand(_unpack(kraw, 0, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT, CVT_EARLY), tl.trans(q_a), DOT)
+            if KIND == 2:
+                sT += _dot(_operand(_unpack(kraw, 1, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT, CVT_EARLY), tl.trans(q_b), DOT)
+            if SCALE_MODE == 3:
+                sT = sT * tl.load(KS + meta, mask=nmask, other=0.0).to(tl.float32)[:, None]
+                if ASYM:
+                    sT += qsum[None, :] * tl.load(KZ + meta, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            sT = tl.where(nmask[:, None], sT * k_fold, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sT, 0))
+            alpha = tl.math.exp2(m_i - m_new)
+            pT = tl.math.exp2(sT - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(pT, 0)
+            m_i = m_new
+            if P_SCALE:
+                vs = tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)
+                vs_max = tl.max(vs, 0) + 1e-30
+                pd = _operand(pT * (vs / vs_max)[:, None], dt, DOT, False)
+                vA = tl.trans(_dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, 0, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
+                acc_a = acc_a * alpha[None, :] + vs_max * _dot(vA, pd, DOT)
+                if KIND == 2:
+                    vB = tl.trans(_dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, 0, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
+                    acc_b = acc_b * alpha[None, :] + vs_max * _dot(vB, pd, DOT)
+                if ASYM:
+                    pz = tl.sum(pT * tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)[:, None], 0)
+                    acc_a += pz[None, :]
+                    if KIND == 2:
+                        acc_b += pz[None, :]
+            else:
+                pd = _operand(pT, dt, DOT, False)
+                vA = tl.trans(_dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
+                acc_a = acc_a * alpha[None, :] + _dot(vA, pd, DOT)
+                if KIND == 2:
+                    vB = tl.trans(_dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
+                    acc_b = acc_b * alpha[None, :] + _dot(vB, pd, DOT)
+        else:
+            s = _dot(q_a, tl.trans(_operand(_unpack(kraw, 0, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT, CVT_EARLY)), DOT)
+            if KIND == 2:
+                s += _dot(q_b, tl.trans(_operand(_unpack(kraw, 1, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT, CVT_EARLY)), DOT)
+            if SCALE_MODE == 3:
+                s = s * tl.load(KS + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                if ASYM:
+                    s += qsum[:, None] * tl.load(KZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            s = tl.where(nmask[None, :], s * k_fold, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
 
-        pd = _operand(p, dt, DOT, False)
-        acc_a = acc_a * alpha[:, None] + _dot(pd, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, I4_LO, I4_HI), DOT)
-        if KIND == 2:
-            acc_b = acc_b * alpha[:, None] + _dot(pd, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, I4_LO, I4_HI), DOT)
+            if P_SCALE:
+                # per-token V scales applied to p (exact algebra: sum_n p_n s_n v_n), so V stays raw
+                # integers like a static format; p * s / max(s) keeps the fp16/bf16 operand in [0, 1]
+                vs = tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)
+                vs_max = tl.max(vs, 0) + 1e-30
+                pd = _operand(p * (vs / vs_max)[None, :], dt, DOT, False)
+                acc_a = acc_a * alpha[:, None] + vs_max * _dot(pd, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, 0, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
+                if KIND == 2:
+                    acc_b = acc_b * alpha[:, None] + vs_max * _dot(pd, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, 0, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
+                if ASYM:  # + sum_n p_n z_n, the same for every column
+                    pz = tl.sum(p * tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :], 1)
+                    acc_a += pz[:, None]
+                    if KIND == 2:
+                        acc_b += pz[:, None]
+            else:
+                pd = _operand(p, dt, DOT, False)
+                acc_a = acc_a * alpha[:, None] + _dot(pd, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
+                if KIND == 2:
+                    acc_b = acc_b * alpha[:, None] + _dot(pd, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
 
+    if SWAP:
+        acc_a = tl.trans(acc_a)
+        acc_b = tl.trans(acc_b)
     acc_a = acc_a * v_fold
     acc_b = acc_b * v_fold
     if SPLIT:
@@ -288,12 +353,39 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return DOT_NATIVE
 
 
+# Fastest options per format, measured side by side on the H200 at Llama-3-8B 16 x 32k
+# (benchmarks/kernel_variants.py; results/kernel_variants*.jsonl, KERNEL_NOTES.md):
+# (block_n, num_stages, cvt_early, dot_fp16, p_scale, swap), keyed by (kind, per-token scales).
+_TUNED = {
+    ("float", False): (128, 3, False, False, False, False),  # bf16/fp16: 0.493 ms
+    ("fp8", False): (64, 2, False, True, False, False),  # 0.478 ms (bf16 dots: 0.524)
+    ("int8", False): (128, 2, True, False, False, False),  # 0.464 ms (fp16 dots: >= 0.567)
+    ("int4", False): (128, 2, False, False, False, False),  # 0.308 ms (early widening: 0.432)
+    ("fp8", True): (64, 2, False, True, True, False),  # 0.606 ms (before: 0.683)
+    ("int8", True): (64, 2, False, True, True, False),  # 0.641 ms (before: 0.691)
+    ("int4", True): (64, 2, True, True, False, True),  # 0.527 / asym 0.560 ms (before: 0.678 / 0.752)
+}
+
+
+def _tuned(kf) -> tuple:
+    kind = "int4" if kf.kind == KIND_INT4 else "int8" if kf.kind == KIND_INT8 else "fp8" if kf.fp8 else "float"
+    return _TUNED[(kind, kf.scale_mode == SCALE_TOKEN)]
+
+
 def decode_attention_launch(
     q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-    v_transposed: bool | None = None, cvt_early: bool | None = None,
+    v_transposed: bool = False, cvt_early: bool | None = None, dot_fp16: bool | None = None,
+    p_scale: bool | None = None, swap: bool | None = None,
 ) -> torch.Tensor:
-    """Validate shapes, pick the split count, launch the attention (and merge) kernels."""
+    """Validate shapes, pick the split count, launch the attention (and merge) kernels.
+
+    Options left at None take the format's measured best (`_TUNED`). v_transposed: load V
+    tiles as [D, tokens]. cvt_early: widen 8-/4-bit tiles before the shared-memory staging
+    (`_operand`). dot_fp16: dots in fp16 whatever q's dtype (exact for raw 8-/4-bit values,
+    finer than bf16 for q and p). p_scale: per-token V scales multiply p, V stays raw.
+    swap: transposed products, tokens as the tensor-core M dimension.
+    """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
     nb, kv_heads, bs, stored = cache.k.shape
@@ -319,26 +411,22 @@ def decode_attention_launch(
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
     group = num_heads // kv_heads
-    narrow = cache.v.element_size() == 1  # 8-bit and packed 4-bit pages
-    # defaults = the fastest tiles measured on the H200 at 16 x 32k (benchmarks/results/kernels.md)
-    static_fp8 = kf.fp8 != 0 and kf.scale_mode != SCALE_TOKEN
-    if block_n is None:
-        block_n = 64 if kf.scale_mode == SCALE_TOKEN or static_fp8 else 128
-    if num_stages is None:
-        num_stages = 2 if narrow else 3
+    tuned = _tuned(kf)
+    block_n = tuned[0] if block_n is None else block_n
+    num_stages = tuned[1] if num_stages is None else num_stages
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     dot_mode = _dot_mode(q.dtype)
     # The fast widening paths are validated on the GPU for tiles of >= 64 tokens only: with
     # 16-token tiles the H200 test run gave wrong int8/int4 results (cause not established).
     fast_tile = block_n >= 64
-    if cvt_early is None:
-        # not for static fp8: widened early, fp8 -> bf16 goes through fp16 with two slow F2F
-        # conversions per value and measured 10% slower (0.574 vs 0.524 ms at 16 x 32k)
-        cvt_early = narrow and fast_tile and not static_fp8
+    narrow = cache.v.element_size() == 1  # 8-bit and packed 4-bit pages
+    cvt_early = (tuned[2] if cvt_early is None else cvt_early) and narrow and fast_tile
+    # fp16 dots need native tensor-core dots (not the interpreter's upcast or fp32 parity runs)
+    dot_fp16 = (tuned[3] if dot_fp16 is None else dot_fp16) and dot_mode == DOT_NATIVE
+    p_scale = (tuned[4] if p_scale is None else p_scale) and kf.scale_mode == SCALE_TOKEN
+    swap = tuned[5] if swap is None else swap
     fast_int4 = kf.kind == KIND_INT4 and dot_mode == DOT_NATIVE and q.device.type == "cuda" and fast_tile
-    i4_asm = _int4_asm(q.dtype, not kf.asym) if fast_int4 else ("", "")
-    if v_transposed is None:
-        v_transposed = False
+    asm = _int4_asm(torch.float16 if dot_fp16 else q.dtype, not kf.asym) if fast_int4 else ("", "")
     block_d = max(16, triton.next_power_of_2(stored))
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device))
@@ -366,7 +454,8 @@ def decode_attention_launch(
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, SPLIT=split, DOT=dot_mode,
-        FULL_D=block_d == stored, V_T=v_transposed, CVT_EARLY=cvt_early, I4_LO=i4_asm[0], I4_HI=i4_asm[1],
+        FULL_D=block_d == stored, V_T=v_transposed, CVT_EARLY=cvt_early, ASM_LO=asm[0], ASM_HI=asm[1],
+        DOT_F16=dot_fp16, P_SCALE=p_scale, SWAP=swap,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -1,0 +1,117 @@
+"""Side-by-side timing of decode-kernel variants at one shape (GPU machine), for choosing defaults.
+
+    python3 benchmarks/kernel_variants.py --out DIR [--shape 16x32768] [--formats int8,fp8_e4m3]
+
+Each variant is a set of `decode_attention_launch` options (dot dtype, widening path, where
+the V scale goes, operand order, tile); every one is timed in the same run as cuDNN SDPA on
+dense BF16 KV and checked against an fp32 attention over the dequantized cache. Rows go to
+DIR/kernel_variants.jsonl. On CPU (TRITON_INTERPRET=1, tiny --shape) it checks the variants only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels as kb  # noqa: E402  (benchmarks/kernels.py: shapes, formats, the fp32 reference)
+
+from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
+
+# name -> launch options. Rounds 1-3 (results/kernel_variants_round*.jsonl) also timed options
+# since removed from the kernel: V pages stored dim-major (2-3x slower), an int8 -> fp16
+# magic-number widening in PTX (slower than Triton's own), and runs that left V out.
+VARIANTS = {
+    "default": {},
+    "cvt0": dict(cvt_early=False),
+    "cvt1": dict(cvt_early=True),
+    "bf16dot": dict(dot_fp16=False),
+    "f16-cvt0": dict(dot_fp16=True, cvt_early=False),
+    "f16-cvt1": dict(dot_fp16=True, cvt_early=True),
+    "f16-cvt0-n128": dict(dot_fp16=True, cvt_early=False, block_n=128),
+    "f16-cvt0-s3": dict(dot_fp16=True, cvt_early=False, num_stages=3),
+    "f16-cvt0-pscale": dict(dot_fp16=True, cvt_early=False, p_scale=True),
+    "f16-cvt1-pscale": dict(dot_fp16=True, cvt_early=True, p_scale=True),
+    "swap": dict(swap=True),
+    "swap-f16-cvt0": dict(swap=True, dot_fp16=True, cvt_early=False),
+    "swap-f16-cvt1": dict(swap=True, dot_fp16=True, cvt_early=True),
+    "swap-f16-n128": dict(swap=True, dot_fp16=True, cvt_early=False, block_n=128),
+    "swap-f16-s3": dict(swap=True, dot_fp16=True, cvt_early=False, num_stages=3),
+    "swap-f16-pscale": dict(swap=True, dot_fp16=True, cvt_early=False, p_scale=True),
+}
+PER_TOKEN_ONLY = {"f16-cvt0-pscale", "f16-cvt1-pscale", "swap-f16-pscale"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="16x32768")
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--formats", default="bf16,int8,fp8_e4m3,int4,int8-tok,int4-tok-asym,fp8_e4m3-tok")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--profile", default="", help="FORMAT:VARIANT: only launch it 3 times (run under ncu)")
+    args = ap.parse_args()
+    if args.profile:
+        profile(args.model, args.shape, *args.profile.split(":"))
+        return
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        kb.DEVICE = "cpu"
+    batch, ctx = (int(x) for x in args.shape.split("x"))
+    case = kb.Case(args.model, batch, ctx)
+    sdpa_ms, backend = (float("nan"), "none") if cpu else case.sdpa_ms()
+    print(f"{args.model} {batch}x{ctx}: SDPA[{backend}] {sdpa_ms:.3f} ms", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "kernel_variants.jsonl", "a") as sink:
+        for name in args.formats.split(","):
+            fmt = kb.FORMATS[name]
+            cache = case.cache(fmt)
+            write_kv_launch(cache, case.k, case.v, case.slots)
+            ref = case.reference(cache)
+            for var in args.variants.split(","):
+                opts = VARIANTS[var]
+                if var in PER_TOKEN_ONLY and not fmt.dynamic:
+                    continue
+                if not fmt.quantized and var not in ("default", "swap"):
+                    continue
+                fn = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, **opts)
+                try:
+                    o = fn()
+                    err = ((o.float() - ref).norm() / ref.norm()).item()
+                    ms = float("nan") if cpu else kb.median_ms(fn)
+                except Exception as e:  # a variant that does not compile: say so, go on
+                    print(f"  {name:14s} {var:16s} {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                kvb = case.kv_bytes(fmt)
+                row = {"model": args.model, "batch": batch, "ctx": ctx, "format": name, "variant": var,
+                       "opts": opts, "ms": ms, "gbps": kvb / ms / 1e6, "sdpa_ms": sdpa_ms,
+                       "speedup": sdpa_ms / ms, "relerr_vs_fp32": err}
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                print(f"  {name:14s} {var:16s} {ms:.4f} ms {row['gbps']:6.0f} GB/s x{row['speedup']:.2f} err={err:.2e}",
+                      flush=True)
+            del cache
+            if not cpu:
+                torch.cuda.empty_cache()
+
+
+def profile(model: str, shape: str, fmt_name: str, variant: str) -> None:
+    batch, ctx = (int(x) for x in shape.split("x"))
+    case = kb.Case(model, batch, ctx)
+    cache = case.cache(kb.FORMATS[fmt_name])
+    write_kv_launch(cache, case.k, case.v, case.slots)
+    opts = VARIANTS[variant]
+    for _ in range(3):
+        decode_attention_launch(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, **opts)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
