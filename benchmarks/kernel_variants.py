@@ -38,7 +38,19 @@ VARIANTS = {
     "f16-cvt0-s3": dict(dot_fp16=True, cvt_early=False, num_stages=3),
     "f16-cvt0-pscale": dict(dot_fp16=True, cvt_early=False, p_scale=True),
     "f16-cvt1-pscale": dict(dot_fp16=True, cvt_early=True, p_scale=True),
+    "n64": dict(block_n=64),
+    "n64-s3": dict(block_n=64, num_stages=3),
+    "n128": dict(block_n=128),
     "swap": dict(swap=True),
+    "r128": dict(maxnreg=128),
+    "r128-sp8": dict(maxnreg=128, num_splits=8),
+    "sp8": dict(num_splits=8),
+    "n64-r128": dict(block_n=64, maxnreg=128),
+    "n64-r128-sp8": dict(block_n=64, maxnreg=128, num_splits=8),
+    "n64-r96": dict(block_n=64, maxnreg=96),
+    "n64-r96-sp8": dict(block_n=64, maxnreg=96, num_splits=8),
+    "n64-s3-r128": dict(block_n=64, num_stages=3, maxnreg=128),
+    "n64-s3-r128-sp8": dict(block_n=64, num_stages=3, maxnreg=128, num_splits=8),
     "swap-f16-cvt0": dict(swap=True, dot_fp16=True, cvt_early=False),
     "swap-f16-cvt1": dict(swap=True, dot_fp16=True, cvt_early=True),
     "swap-f16-n128": dict(swap=True, dot_fp16=True, cvt_early=False, block_n=128),
@@ -79,7 +91,7 @@ def main() -> None:
                 opts = VARIANTS[var]
                 if var in PER_TOKEN_ONLY and not fmt.dynamic:
                     continue
-                if not fmt.quantized and var not in ("default", "swap"):
+                if not fmt.quantized and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):
                     continue
                 fn = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, **opts)
                 try:

@@ -168,7 +168,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
         for cfg in configs:
             if cfg is None:  # the launcher's own per-format choice (decode_attention._TUNED)
                 tuned = _tuned(kernel_format(cache))
-                cfg = (tuned[0], 4, tuned[1], 0)
+                cfg = (tuned.block_n, 4, tuned.num_stages, 0)
             bn, warps, stages, vt = cfg
             try:
                 ms = median_ms(partial(

@@ -85,9 +85,14 @@ def gather_kv(cache: LayerCache, block_tables: torch.Tensor, max_len: int) -> tu
 
 # ---------------------------------------------------------------- decode
 def decode_attention(
-    q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float
+    q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+    p_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """q [B, num_heads, head_dim]; seq_lens include the token just written. Out in q.dtype."""
+    """q [B, num_heads, head_dim]; seq_lens include the token just written. Out in q.dtype.
+
+    p_dtype: round the probabilities to it before p . V, as a tensor-core kernel does (to tell
+    a kernel's rounding from a kernel bug; benchmarks/e2e_smollm2.py).
+    """
     b, nh, d = q.shape
     h = cache.kv_heads
     max_len = int(seq_lens.max().item())
@@ -97,7 +102,10 @@ def decode_attention(
     scores = torch.matmul(qf, k.transpose(-1, -2)) * sm_scale  # [B, H, G, L]
     pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens.to(q.device).long()[:, None]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, H, G, D]
+    p = torch.softmax(scores, dim=-1)
+    if p_dtype is not None:
+        p = p.to(p_dtype).to(torch.float32)
+    out = torch.matmul(p, v)  # [B, H, G, D]
     return out.reshape(b, nh, d).to(q.dtype)
 
 

@@ -81,3 +81,23 @@ def test_prefill_is_causal_per_sequence_with_gqa():
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         ref = _dense_attention(q[a:b], k[a:b], v[a:b], 0.3, causal=True)
         assert (out[a:b].double() - ref).abs().max().item() <= 1e-5
+
+
+def test_decode_probability_rounding_matches_rounded_fp64():
+    """p_dtype rounds the softmax output before p . V, exactly as computed by hand in fp64."""
+    g = torch.Generator().manual_seed(3)
+    fmt = KVFormat("fp32")
+    cache = allocate_layer(fmt, 4, BS, H, D, "cpu")
+    k, v = torch.randn(7, H, D, generator=g) * 3, torch.randn(7, H, D, generator=g)
+    write_kv(cache, k, v, torch.arange(7))
+    bt, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
+    q = torch.randn(1, H * G, D, generator=g)
+    plain = decode_attention(q, cache, bt, lens, D**-0.5)
+    rounded = decode_attention(q, cache, bt, lens, D**-0.5, p_dtype=torch.bfloat16)
+    kr = k.double().repeat_interleave(G, dim=1).transpose(0, 1)  # [H*G, L, D]
+    vr = v.double().repeat_interleave(G, dim=1).transpose(0, 1)
+    p = torch.softmax(q[0].double()[:, None, :] @ kr.transpose(-1, -2) * D**-0.5, -1)  # [H*G, 1, L]
+    want = (p.to(torch.bfloat16).double() @ vr)[:, 0]
+    assert (rounded[0].double() - want).abs().max() <= 1e-5
+    # bf16 probabilities (8 significant bits) move the output by far more than fp32 rounding
+    assert (rounded - plain).abs().max() > 1e-4

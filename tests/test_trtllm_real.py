@@ -17,9 +17,9 @@ from safetensors import safe_open
 
 tensorrt_llm = pytest.importorskip("tensorrt_llm")
 
-from helpers_convert import make_hf_dir, tiny_cfg
+from helpers_convert import make_hf_dir, tiny_cfg  # noqa: E402  (after the importorskip)
 
-from builder.trtllm import run_trtllm_build, trtllm_build_command, write_trtllm_checkpoint
+from builder.trtllm import run_trtllm_build, trtllm_build_command, write_trtllm_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.trtllm
 

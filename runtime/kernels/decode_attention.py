@@ -27,6 +27,8 @@ writes the output directly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -353,30 +355,46 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return DOT_NATIVE
 
 
+class Tuned(NamedTuple):
+    block_n: int
+    num_stages: int
+    cvt_early: bool
+    dot_fp16: bool
+    p_scale: bool
+    swap: bool
+    maxnreg: int | None  # a register cap lets 4 programs share an SM instead of 3
+    programs_per_sm: int  # split-K target: programs per SM (choose_num_splits)
+
+
 # Fastest options per format, measured side by side on the H200 at Llama-3-8B 16 x 32k
-# (benchmarks/kernel_variants.py; results/kernel_variants*.jsonl, KERNEL_NOTES.md):
-# (block_n, num_stages, cvt_early, dot_fp16, p_scale, swap), keyed by (kind, per-token scales).
+# (benchmarks/kernel_variants.py; results/kernel_variants_round*.jsonl, KERNEL_NOTES.md),
+# keyed by (kind, per-token scales). Times: before -> with these options, same runs.
 _TUNED = {
-    ("float", False): (128, 3, False, False, False, False),  # bf16/fp16: 0.493 ms
-    ("fp8", False): (64, 2, False, True, False, False),  # 0.478 ms (bf16 dots: 0.524)
-    ("int8", False): (128, 2, True, False, False, False),  # 0.464 ms (fp16 dots: >= 0.567)
-    ("int4", False): (128, 2, False, False, False, False),  # 0.308 ms (early widening: 0.432)
-    ("fp8", True): (64, 2, False, True, True, False),  # 0.606 ms (before: 0.683)
-    ("int8", True): (64, 2, False, True, True, False),  # 0.641 ms (before: 0.691)
-    ("int4", True): (64, 2, True, True, False, True),  # 0.527 / asym 0.560 ms (before: 0.678 / 0.752)
+    ("float", False): Tuned(128, 3, False, False, False, False, None, 2),  # bf16/fp16: 0.50 ms
+    ("fp8", False): Tuned(64, 3, False, True, False, False, 128, 8),  # 0.524 -> 0.417 ms
+    ("int8", False): Tuned(128, 2, True, False, False, False, 128, 2),  # 0.464 -> 0.450 (73.7 KB smem: 3/SM)
+    ("int4", False): Tuned(128, 2, False, False, False, False, 128, 8),  # 0.432 -> 0.296 ms
+    ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 8),  # as int8 per-token (not timed alone)
+    ("int8", True): Tuned(64, 2, False, True, True, False, 128, 8),  # 0.691 -> 0.618 ms
+    ("int4", True): Tuned(64, 2, True, True, False, True, None, 8),  # asym 0.752 -> 0.479 (128 regs already)
 }
 
 
-def _tuned(kf) -> tuple:
+def _tuned(kf) -> Tuned:
     kind = "int4" if kf.kind == KIND_INT4 else "int8" if kf.kind == KIND_INT8 else "fp8" if kf.fp8 else "float"
     return _TUNED[(kind, kf.scale_mode == SCALE_TOKEN)]
+
+
+def probability_dtype(cache: LayerCache, q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the default launch rounds softmax probabilities to before p . V (on the GPU)."""
+    return torch.float16 if _tuned(kernel_format(cache)).dot_fp16 else q_dtype
 
 
 def decode_attention_launch(
     q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
     v_transposed: bool = False, cvt_early: bool | None = None, dot_fp16: bool | None = None,
-    p_scale: bool | None = None, swap: bool | None = None,
+    p_scale: bool | None = None, swap: bool | None = None, maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -384,7 +402,8 @@ def decode_attention_launch(
     tiles as [D, tokens]. cvt_early: widen 8-/4-bit tiles before the shared-memory staging
     (`_operand`). dot_fp16: dots in fp16 whatever q's dtype (exact for raw 8-/4-bit values,
     finer than bf16 for q and p). p_scale: per-token V scales multiply p, V stays raw.
-    swap: transposed products, tokens as the tensor-core M dimension.
+    swap: transposed products, tokens as the tensor-core M dimension. maxnreg: cap registers
+    per thread (more resident programs per SM; GPU only).
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -412,24 +431,27 @@ def decode_attention_launch(
     seq_lens = seq_lens.contiguous()
     group = num_heads // kv_heads
     tuned = _tuned(kf)
-    block_n = tuned[0] if block_n is None else block_n
-    num_stages = tuned[1] if num_stages is None else num_stages
+    block_n = tuned.block_n if block_n is None else block_n
+    num_stages = tuned.num_stages if num_stages is None else num_stages
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     dot_mode = _dot_mode(q.dtype)
-    # The fast widening paths are validated on the GPU for tiles of >= 64 tokens only: with
-    # 16-token tiles the H200 test run gave wrong int8/int4 results (cause not established).
-    fast_tile = block_n >= 64
+    # The fast widening paths (early cast, int4 PTX) are validated on the GPU for tiles of >= 64
+    # tokens x >= 64 stored columns only: with 16-token tiles, or head_dim 16 with 128-token
+    # tiles, the H200 tests gave wrong int8/int4 results (a miscompile; cause not established).
+    block_d = max(16, triton.next_power_of_2(stored))
+    fast_tile = block_n >= 64 and block_d >= 64
     narrow = cache.v.element_size() == 1  # 8-bit and packed 4-bit pages
-    cvt_early = (tuned[2] if cvt_early is None else cvt_early) and narrow and fast_tile
+    cvt_early = (tuned.cvt_early if cvt_early is None else cvt_early) and narrow and fast_tile
     # fp16 dots need native tensor-core dots (not the interpreter's upcast or fp32 parity runs)
-    dot_fp16 = (tuned[3] if dot_fp16 is None else dot_fp16) and dot_mode == DOT_NATIVE
-    p_scale = (tuned[4] if p_scale is None else p_scale) and kf.scale_mode == SCALE_TOKEN
-    swap = tuned[5] if swap is None else swap
+    dot_fp16 = (tuned.dot_fp16 if dot_fp16 is None else dot_fp16) and dot_mode == DOT_NATIVE
+    p_scale = (tuned.p_scale if p_scale is None else p_scale) and kf.scale_mode == SCALE_TOKEN
+    swap = tuned.swap if swap is None else swap
+    maxnreg = tuned.maxnreg if maxnreg is None else maxnreg
     fast_int4 = kf.kind == KIND_INT4 and dot_mode == DOT_NATIVE and q.device.type == "cuda" and fast_tile
     asm = _int4_asm(torch.float16 if dot_fp16 else q.dtype, not kf.asym) if fast_int4 else ("", "")
-    block_d = max(16, triton.next_power_of_2(stored))
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device))
+        num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device),
+                                       programs_per_sm=tuned.programs_per_sm)
     tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
     split = num_splits > 1
@@ -457,6 +479,7 @@ def decode_attention_launch(
         FULL_D=block_d == stored, V_T=v_transposed, CVT_EARLY=cvt_early, ASM_LO=asm[0], ASM_HI=asm[1],
         DOT_F16=dot_fp16, P_SCALE=p_scale, SWAP=swap,
         num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}),
     )
     if split:
         merge_splits(pm, pl, pacc, out, num_splits)

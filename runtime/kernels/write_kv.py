@@ -17,7 +17,9 @@ dynamic, quantizes, and stores the bytes at each token's slot
   encoder). The fp8 encoder exists because float->fp8 casts differ between
   back ends (the interpreter misrounds at binade edges, torch gives NaN out of
   range, Triton on GPU saturates); the integer encoder is one definition that
-  is exact on CPU and GPU alike.
+  is exact everywhere. On the GPU the value is already clamped and NaN-free, so
+  the hardware's saturating round-to-nearest-even conversion gives the same
+  byte in one instruction per two values; the GPU tests check that byte for byte.
 
 Negative slots are skipped (padding tokens), as in vLLM.
 """
@@ -114,13 +116,8 @@ def _encode_fp8(y, FP8: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(
-    x_ptr, cache_ptr, scale_ptr, zero_ptr,
-    t, mask_t, dst_base, meta_off, head, offs_d,
-    stride_xt, stride_xh,
-    HEAD_DIM: tl.constexpr, KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr,
-    FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
-):
+def _load_rows(x_ptr, t, mask_t, head, offs_d, stride_xt, stride_xh, HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
+    """Rows [BLOCK_T, BLOCK_D] of x in fp32, and their mask; for int4 the even and odd columns."""
     row = x_ptr + t[:, None] * stride_xt + head * stride_xh
     if KIND == 2:
         # int4 packs columns 2j and 2j+1: load whole rows (contiguous, vectorized) and split them
@@ -134,8 +131,15 @@ def _quantize_store(
         dmask = offs_d < HEAD_DIM
         xa = tl.load(row + offs_d[None, :], mask=mask_t[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         xb = xa
-    m2 = mask_t[:, None] & dmask[None, :]
+    return xa, xb, mask_t[:, None] & dmask[None, :]
 
+
+@triton.jit
+def _store_rows(
+    xa, xb, m2, cache_ptr, scale_ptr, zero_ptr, mask_t, dst_base, meta_off, head, offs_d,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr,
+    FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
+):
     if SCALE_MODE == 0:
         # unquantized: the launcher has already matched x's dtype to the cache's
         tl.store(cache_ptr + dst_base[:, None] + offs_d[None, :], xa.to(cache_ptr.dtype.element_ty), mask=m2)
@@ -185,7 +189,12 @@ def _quantize_rows(
     ya = tl.math.div_rn(xa - zero, s2)
     ya = tl.minimum(tl.maximum(tl.where(ya != ya, 0.0, ya), QMIN), QMAX)
     if KIND == 0:
-        out = _encode_fp8(ya, FP8)
+        if FP8 == 3:  # GPU: cvt.rn.satfinite, the same RNE on the already clamped value
+            out = ya.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        elif FP8 == 4:
+            out = ya.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            out = _encode_fp8(ya, FP8)
     elif KIND == 1:
         if ASYM:
             out = _rne(ya).to(tl.uint8)
@@ -225,10 +234,14 @@ def _write_kv_kernel(
     dst = tl.multiple_of(blk * stride_cb + head * stride_ch + off * stride_ct, 16)
     meta = blk * stride_mb + head * stride_mh + off
     offs_d = tl.arange(0, BLOCK_D)
-    _quantize_store(K, KC, KS, KZ, t, mask_t, dst, meta, head, offs_d, stride_kt, stride_kh,
-                    HEAD_DIM, KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
-    _quantize_store(V, VC, VS, VZ, t, mask_t, dst, meta, head, offs_d, stride_vt, stride_vh,
-                    HEAD_DIM, KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
+    # both loads before any store: the compiler may not move a load across a store that could
+    # alias it, and two loads in flight halve the latency each program waits on
+    ka, kb, m2 = _load_rows(K, t, mask_t, head, offs_d, stride_kt, stride_kh, HEAD_DIM, KIND)
+    va, vb, _ = _load_rows(V, t, mask_t, head, offs_d, stride_vt, stride_vh, HEAD_DIM, KIND)
+    _store_rows(ka, kb, m2, KC, KS, KZ, mask_t, dst, meta, head, offs_d,
+                KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
+    _store_rows(va, vb, m2, VC, VS, VZ, mask_t, dst, meta, head, offs_d,
+                KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
 
 
 def write_kv_launch(
@@ -265,6 +278,8 @@ def write_kv_launch(
     kz = cache.k_zero if cache.k_zero is not None else dummy
     vz = cache.v_zero if cache.v_zero is not None else dummy
     stored = cache.k.shape[-1]
+    # on the GPU the hardware conversion (one instruction per two values) replaces the encoder
+    fp8 = kf.fp8 + 2 if kf.fp8 != FP8_NONE and cache.k.device.type == "cuda" else kf.fp8
     if block_t is None:
         block_t = 16 if num_tokens >= 16 * heads else 4
     grid = (triton.cdiv(num_tokens, block_t), heads)
@@ -275,7 +290,7 @@ def write_kv_launch(
         kc.stride(0), kc.stride(1), kc.stride(2),
         heads * bs, bs,
         BLOCK_SIZE=bs, HEAD_DIM=kf.head_dim, BLOCK_D=triton.next_power_of_2(stored), BLOCK_T=block_t,
-        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, FP8=kf.fp8,
+        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, FP8=fp8,
         QMIN=kf.qmin, QMAX=kf.qmax, SCALE_DT=kf.scale_dtype,
         num_warps=num_warps,
     )
