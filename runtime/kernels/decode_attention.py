@@ -163,6 +163,27 @@ def _dequant_v(vraw, HALF: tl.constexpr, VS, VZ, meta, nmask, KIND: tl.constexpr
 
 
 @triton.jit
+def _p_operand(p, VS, meta, nmask, TOKEN_AXIS: tl.constexpr, P_SCALE: tl.constexpr, dt: tl.constexpr,
+               DOT: tl.constexpr):
+    """p as the p.V operand, and the factor its product with raw V takes.
+
+    With P_SCALE the per-token V scales s_n are applied to p (exact algebra: sum_n p_n s_n v_n),
+    so V stays raw integers like a static format; p * s / max(s) keeps the fp16/bf16 operand in
+    [0, 1] and max(s) multiplies the product instead.
+    """
+    if P_SCALE:
+        vs = tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)
+        vs_max = tl.max(vs, 0) + 1e-30
+        if TOKEN_AXIS == 0:
+            pw = p * (vs / vs_max)[:, None]
+        else:
+            pw = p * (vs / vs_max)[None, :]
+        return _operand(pw, dt, DOT, False), vs_max
+    else:
+        return _operand(p, dt, DOT, False), 1.0
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
     qk_scale, tokens_per_split, num_splits,
@@ -184,6 +205,8 @@ def _decode_kernel(
         dt = tl.float16
     else:
         dt = Q.dtype.element_ty
+    # with P_SCALE the per-token V scale goes into p, so V is widened like a static format's
+    V_SCALE: tl.constexpr = 0 if P_SCALE else SCALE_MODE
 
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < GROUP
@@ -263,27 +286,17 @@ def _decode_kernel(
             pT = tl.math.exp2(sT - m_new[None, :])
             l_i = l_i * alpha + tl.sum(pT, 0)
             m_i = m_new
-            if P_SCALE:
-                vs = tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)
-                vs_max = tl.max(vs, 0) + 1e-30
-                pd = _operand(pT * (vs / vs_max)[:, None], dt, DOT, False)
-                vA = tl.trans(_dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, 0, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
-                acc_a = acc_a * alpha[None, :] + vs_max * _dot(vA, pd, DOT)
+            pd, vs_max = _p_operand(pT, VS, meta, nmask, 0, P_SCALE, dt, DOT)
+            vA = tl.trans(_dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, V_SCALE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
+            acc_a = acc_a * alpha[None, :] + vs_max * _dot(vA, pd, DOT)
+            if KIND == 2:
+                vB = tl.trans(_dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, V_SCALE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
+                acc_b = acc_b * alpha[None, :] + vs_max * _dot(vB, pd, DOT)
+            if P_SCALE and ASYM:  # + sum_n p_n z_n, the same for every column
+                pz = tl.sum(pT * tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)[:, None], 0)
+                acc_a += pz[None, :]
                 if KIND == 2:
-                    vB = tl.trans(_dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, 0, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
-                    acc_b = acc_b * alpha[None, :] + vs_max * _dot(vB, pd, DOT)
-                if ASYM:
-                    pz = tl.sum(pT * tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)[:, None], 0)
-                    acc_a += pz[None, :]
-                    if KIND == 2:
-                        acc_b += pz[None, :]
-            else:
-                pd = _operand(pT, dt, DOT, False)
-                vA = tl.trans(_dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
-                acc_a = acc_a * alpha[None, :] + _dot(vA, pd, DOT)
-                if KIND == 2:
-                    vB = tl.trans(_dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI))
-                    acc_b = acc_b * alpha[None, :] + _dot(vB, pd, DOT)
+                    acc_b += pz[None, :]
         else:
             s = _dot(q_a, tl.trans(_operand(_unpack(kraw, 0, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT, CVT_EARLY)), DOT)
             if KIND == 2:
@@ -300,25 +313,15 @@ def _decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
 
-            if P_SCALE:
-                # per-token V scales applied to p (exact algebra: sum_n p_n s_n v_n), so V stays raw
-                # integers like a static format; p * s / max(s) keeps the fp16/bf16 operand in [0, 1]
-                vs = tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)
-                vs_max = tl.max(vs, 0) + 1e-30
-                pd = _operand(p * (vs / vs_max)[None, :], dt, DOT, False)
-                acc_a = acc_a * alpha[:, None] + vs_max * _dot(pd, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, 0, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
+            pd, vs_max = _p_operand(p, VS, meta, nmask, 1, P_SCALE, dt, DOT)
+            acc_a = acc_a * alpha[:, None] + vs_max * _dot(pd, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, V_SCALE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
+            if KIND == 2:
+                acc_b = acc_b * alpha[:, None] + vs_max * _dot(pd, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, V_SCALE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
+            if P_SCALE and ASYM:  # + sum_n p_n z_n, the same for every column
+                pz = tl.sum(p * tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :], 1)
+                acc_a += pz[:, None]
                 if KIND == 2:
-                    acc_b = acc_b * alpha[:, None] + vs_max * _dot(pd, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, 0, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
-                if ASYM:  # + sum_n p_n z_n, the same for every column
-                    pz = tl.sum(p * tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :], 1)
-                    acc_a += pz[:, None]
-                    if KIND == 2:
-                        acc_b += pz[:, None]
-            else:
-                pd = _operand(p, dt, DOT, False)
-                acc_a = acc_a * alpha[:, None] + _dot(pd, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
-                if KIND == 2:
-                    acc_b = acc_b * alpha[:, None] + _dot(pd, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM, dt, DOT, V_T, CVT_EARLY, ASM_LO, ASM_HI), DOT)
+                    acc_b += pz[:, None]
 
     if SWAP:
         acc_a = tl.trans(acc_a)
