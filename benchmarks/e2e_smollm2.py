@@ -30,7 +30,6 @@ so keep it to e.g. --formats bf16,int8-tok --prompts 1 --max-tokens 4.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -44,6 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+from gguf_parts import assemble_parts  # noqa: E402  (needs the paths above)
 
 DEFAULT_FORMATS = "bf16,fp8_e4m3,int8,int4,fp8_e4m3-tok,int8-tok,int4-tok-asym"
 OUT_FILE = "kernels_e2e_smollm2.jsonl"
@@ -86,47 +86,6 @@ def fail(msg: str) -> None:
     from runtime.errors import InputError
 
     raise InputError(msg)
-
-
-# ----------------------------------------------------------- the GGUF file
-def split_suffixes(n: int) -> list[str]:
-    """`split -a 2` part suffixes in order: aa, ab, ..., az, ba, ..."""
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    return [letters[i // 26] + letters[i % 26] for i in range(n)]
-
-
-def assemble_parts(parts_dir: Path, dest_dir: Path) -> Path:
-    """Join parts_dir/part-* (name order) into dest_dir and check the sha256 in parts_dir/SHA256."""
-    if not parts_dir.is_dir():
-        fail(f"--gguf-parts {parts_dir} is not a directory; copy every part-* and SHA256 into one directory.")
-    sha_file = parts_dir / "SHA256"
-    if not sha_file.is_file():
-        fail(f"{sha_file} is missing; it holds the sha256 of the whole GGUF (`sha256sum FILE > SHA256`).")
-    fields = sha_file.read_text().split()
-    if not fields or len(fields[0]) != 64:
-        fail(f"{sha_file} does not start with a 64-hex-digit sha256; rewrite it with `sha256sum FILE > SHA256`.")
-    expected, name = fields[0].lower(), (fields[1] if len(fields) > 1 else "model.gguf").lstrip("*")
-    parts = sorted(parts_dir.glob("part-*"))
-    names = [p.name.removeprefix("part-") for p in parts]
-    if not parts or names != split_suffixes(len(parts)):
-        missing = sorted(set(split_suffixes(len(parts) + 1)[:-1]) - set(names)) or ["aa"]
-        fail(f"{parts_dir}: parts {', '.join('part-' + m for m in missing)} missing (found: "
-             f"{', '.join(p.name for p in parts) or 'none'}); copy every part of the split file there.")
-    out = dest_dir / name
-    h = hashlib.sha256()
-    with open(out, "wb") as f:
-        for p in parts:
-            with open(p, "rb") as src:
-                while chunk := src.read(16 << 20):
-                    h.update(chunk)
-                    f.write(chunk)
-    if h.hexdigest() != expected:
-        out.unlink()
-        sizes = ", ".join(f"{p.name} {p.stat().st_size} B" for p in parts)
-        fail(f"{parts_dir}: the joined parts ({sizes}) have sha256 {h.hexdigest()}, SHA256 says {expected}; "
-             "a part is missing, truncated or from another file: copy the parts again.")
-    print(f"reassembled {out.name} from {len(parts)} parts, sha256 ok", flush=True)
-    return out
 
 
 # ------------------------------------------------------------- the model
@@ -216,7 +175,7 @@ class RoundedReference:
     """The reference decode attention with its probabilities rounded as the kernel rounds them.
 
     The kernel multiplies p by V on tensor cores, so p is rounded to fp16/bf16 first
-    (runtime.kernels.decode_attention.probability_dtype); the reference keeps fp32. A
+    (runtime.kernels.tuning.probability_dtype); the reference keeps fp32. A
     kernel that matches this reference where it misses the plain one differs by that
     rounding, not by a bug. (Per-token formats also scale p by s/max(s) before rounding;
     this emulation rounds p alone.)
@@ -224,7 +183,7 @@ class RoundedReference:
 
     def __enter__(self):
         import runtime.attention
-        from runtime.kernels.decode_attention import probability_dtype
+        from runtime.kernels.tuning import probability_dtype
 
         self._mod, self._orig = runtime.attention, runtime.attention.decode_attention
         orig = self._orig

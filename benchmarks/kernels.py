@@ -34,8 +34,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
-from runtime.kernels.decode_attention import _tuned  # noqa: E402
 from runtime.kernels.formats import kernel_format  # noqa: E402
+from runtime.kernels.tuning import tuned_for  # noqa: E402
 from runtime.kv_cache import allocate_layer  # noqa: E402
 from runtime.kv_format import KVFormat, dequantize  # noqa: E402
 
@@ -166,8 +166,8 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
         best = None
         tried = []
         for cfg in configs:
-            if cfg is None:  # the launcher's own per-format choice (decode_attention._TUNED)
-                tuned = _tuned(kernel_format(cache))
+            if cfg is None:  # the launcher's own per-format choice (tuning.TUNED)
+                tuned = tuned_for(kernel_format(cache))
                 cfg = (tuned.block_n, 4, tuned.num_stages, 0)
             bn, warps, stages, vt = cfg
             try:

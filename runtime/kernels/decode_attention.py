@@ -27,15 +27,14 @@ writes the output directly.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from ..kv_cache import LayerCache
-from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, check_device, kernel_format
+from .formats import KIND_INT4, SCALE_TOKEN, check_device, kernel_format
 from .split_k import choose_num_splits, merge_splits, sm_count
+from .tuning import tuned_for
 
 _LOG2E = 1.4426950408889634
 
@@ -358,41 +357,6 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return DOT_NATIVE
 
 
-class Tuned(NamedTuple):
-    block_n: int
-    num_stages: int
-    cvt_early: bool
-    dot_fp16: bool
-    p_scale: bool
-    swap: bool
-    maxnreg: int | None  # a register cap lets 4 programs share an SM instead of 3
-    programs_per_sm: int  # split-K target: programs per SM (choose_num_splits)
-
-
-# Fastest options per format, measured side by side on the H200 at Llama-3-8B 16 x 32k
-# (benchmarks/kernel_variants.py; results/kernel_variants_round*.jsonl, KERNEL_NOTES.md),
-# keyed by (kind, per-token scales). Times: before -> with these options, same runs.
-_TUNED = {
-    ("float", False): Tuned(128, 3, False, False, False, False, None, 2),  # bf16/fp16: 0.50 ms
-    ("fp8", False): Tuned(64, 3, False, True, False, False, 128, 8),  # 0.524 -> 0.417 ms
-    ("int8", False): Tuned(128, 2, True, False, False, False, 128, 2),  # 0.464 -> 0.450 (73.7 KB smem: 3/SM)
-    ("int4", False): Tuned(128, 2, False, False, False, False, 128, 8),  # 0.432 -> 0.296 ms
-    ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 8),  # as int8 per-token (not timed alone)
-    ("int8", True): Tuned(64, 2, False, True, True, False, 128, 8),  # 0.691 -> 0.618 ms
-    ("int4", True): Tuned(64, 2, True, True, False, True, None, 8),  # asym 0.752 -> 0.479 (128 regs already)
-}
-
-
-def _tuned(kf) -> Tuned:
-    kind = "int4" if kf.kind == KIND_INT4 else "int8" if kf.kind == KIND_INT8 else "fp8" if kf.fp8 else "float"
-    return _TUNED[(kind, kf.scale_mode == SCALE_TOKEN)]
-
-
-def probability_dtype(cache: LayerCache, q_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the default launch rounds softmax probabilities to before p . V (on the GPU)."""
-    return torch.float16 if _tuned(kernel_format(cache)).dot_fp16 else q_dtype
-
-
 def decode_attention_launch(
     q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
@@ -401,7 +365,7 @@ def decode_attention_launch(
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
-    Options left at None take the format's measured best (`_TUNED`). v_transposed: load V
+    Options left at None take the format's measured best (`tuning.TUNED`). v_transposed: load V
     tiles as [D, tokens]. cvt_early: widen 8-/4-bit tiles before the shared-memory staging
     (`_operand`). dot_fp16: dots in fp16 whatever q's dtype (exact for raw 8-/4-bit values,
     finer than bf16 for q and p). p_scale: per-token V scales multiply p, V stays raw.
@@ -433,7 +397,7 @@ def decode_attention_launch(
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
     group = num_heads // kv_heads
-    tuned = _tuned(kf)
+    tuned = tuned_for(kf)
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync

@@ -31,6 +31,8 @@ SCALE_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 # fp8 flavour for the write kernel's bit-exact encoder.
 FP8_NONE, FP8_E4M3, FP8_E5M2 = 0, 1, 2
+# The same encodings through the GPU's saturating conversion instruction instead of the encoder.
+FP8_HARDWARE = {FP8_E4M3: 3, FP8_E5M2: 4}
 
 
 @dataclass(frozen=True)

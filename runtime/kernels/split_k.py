@@ -54,9 +54,12 @@ def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, 
     programs on an SM do best with ~2 waves of them (8 per SM).
     """
     pairs = batch * kv_heads
-    # rounded down: a partial extra wave costs more than the parallelism it adds (measured
-    # 9 splits vs 8 at 16 x 32k, 4 programs/SM: 0.555 vs 0.479 ms for int4 per-token asym)
-    want = max(1, (programs_per_sm * sm_count) // pairs) if programs_per_sm > 2 else math.ceil(2 * sm_count / pairs)
+    target = programs_per_sm * sm_count
+    if programs_per_sm <= 2:  # within one wave of resident programs: round up, every SM gets work
+        want = math.ceil(target / pairs)
+    else:  # several waves: round down, a partial extra wave costs more than it adds (measured 9
+        # splits vs 8 at 16 x 32k, 4 programs/SM: 0.555 vs 0.479 ms for int4 per-token asym)
+        want = target // pairs
     cap = max(1, math.ceil(max_tokens / max(min_tokens_per_split, block_n)))
     return max(1, min(want, cap, max_splits))
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..kv_cache import LayerCache
-from .formats import FP8_NONE, SCALE_NONE, check_device, kernel_format
+from .formats import FP8_HARDWARE, FP8_NONE, SCALE_NONE, check_device, kernel_format
 
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 half-to-even
 
@@ -189,9 +189,9 @@ def _quantize_rows(
     ya = tl.math.div_rn(xa - zero, s2)
     ya = tl.minimum(tl.maximum(tl.where(ya != ya, 0.0, ya), QMIN), QMAX)
     if KIND == 0:
-        if FP8 == 3:  # GPU: cvt.rn.satfinite, the same RNE on the already clamped value
+        if FP8 == 3:  # FP8_HARDWARE e4m3: cvt.rn.satfinite, the same RNE on the already clamped value
             out = ya.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        elif FP8 == 4:
+        elif FP8 == 4:  # FP8_HARDWARE e5m2
             out = ya.to(tl.float8e5).to(tl.uint8, bitcast=True)
         else:
             out = _encode_fp8(ya, FP8)
@@ -279,7 +279,7 @@ def write_kv_launch(
     vz = cache.v_zero if cache.v_zero is not None else dummy
     stored = cache.k.shape[-1]
     # on the GPU the hardware conversion (one instruction per two values) replaces the encoder
-    fp8 = kf.fp8 + 2 if kf.fp8 != FP8_NONE and cache.k.device.type == "cuda" else kf.fp8
+    fp8 = FP8_HARDWARE[kf.fp8] if kf.fp8 != FP8_NONE and cache.k.device.type == "cuda" else kf.fp8
     if block_t is None:
         block_t = 16 if num_tokens >= 16 * heads else 4
     grid = (triton.cdiv(num_tokens, block_t), heads)

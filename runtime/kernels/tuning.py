@@ -1,0 +1,51 @@
+"""The decode kernel's launch options per KV format, as measured on the H200.
+
+`decode_attention_launch` takes every option left at None from here. Each row
+was chosen by timing the alternatives side by side in one run
+(benchmarks/kernel_variants.py; results/kernel_variants_round*.jsonl and
+benchmarks/KERNEL_NOTES.md say what each option does and was worth).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..kv_cache import LayerCache
+from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, KernelFormat, kernel_format
+
+
+class Tuned(NamedTuple):
+    block_n: int
+    num_stages: int
+    cvt_early: bool
+    dot_fp16: bool
+    p_scale: bool
+    swap: bool
+    maxnreg: int | None  # a register cap lets 4 programs share an SM instead of 3
+    programs_per_sm: int  # split-K target: programs per SM (choose_num_splits)
+
+
+# Fastest options per format, measured side by side on the H200 at Llama-3-8B 16 x 32k
+# (benchmarks/kernel_variants.py; results/kernel_variants_round*.jsonl, KERNEL_NOTES.md),
+# keyed by (kind, per-token scales). Times: before -> with these options, same runs.
+TUNED = {
+    ("float", False): Tuned(128, 3, False, False, False, False, None, 2),  # bf16/fp16: 0.50 ms
+    ("fp8", False): Tuned(64, 3, False, True, False, False, 128, 8),  # 0.524 -> 0.417 ms
+    ("int8", False): Tuned(128, 2, True, False, False, False, 128, 2),  # 0.464 -> 0.450 (73.7 KB smem: 3/SM)
+    ("int4", False): Tuned(128, 2, False, False, False, False, 128, 8),  # 0.432 -> 0.296 ms
+    ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 8),  # as int8 per-token (not timed alone)
+    ("int8", True): Tuned(64, 2, False, True, True, False, 128, 8),  # 0.691 -> 0.618 ms
+    ("int4", True): Tuned(64, 2, True, True, False, True, None, 8),  # asym 0.752 -> 0.479 (128 regs already)
+}
+
+
+def tuned_for(kf: KernelFormat) -> Tuned:
+    kind = "int4" if kf.kind == KIND_INT4 else "int8" if kf.kind == KIND_INT8 else "fp8" if kf.fp8 else "float"
+    return TUNED[(kind, kf.scale_mode == SCALE_TOKEN)]
+
+
+def probability_dtype(cache: LayerCache, q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the default launch rounds softmax probabilities to before p . V (on the GPU)."""
+    return torch.float16 if tuned_for(kernel_format(cache)).dot_fp16 else q_dtype
