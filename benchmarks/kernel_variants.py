@@ -56,6 +56,36 @@ VARIANTS = {
     "swap-f16-n128": dict(swap=True, dot_fp16=True, cvt_early=False, block_n=128),
     "swap-f16-s3": dict(swap=True, dot_fp16=True, cvt_early=False, num_stages=3),
     "swap-f16-pscale": dict(swap=True, dot_fp16=True, cvt_early=False, p_scale=True),
+    # the one-softmax-state-per-warp kernel (decode_warps.py): tokens per tile / warps = per warp
+    "w-n64": dict(warps=True, block_n=64),
+    "w-n64-s3": dict(warps=True, block_n=64, num_stages=3),
+    "w-n64-r128": dict(warps=True, block_n=64, maxnreg=128),
+    "w-n128": dict(warps=True, block_n=128),
+    "w8-n128": dict(warps=True, block_n=128, num_warps=8),
+    "w-n64-sp8": dict(warps=True, block_n=64, num_splits=8),
+    "wN-n64": dict(warps=True, heads_n=True, block_n=64),
+    "wN-n64-s3": dict(warps=True, heads_n=True, block_n=64, num_stages=3),
+    "wN-n64-r128": dict(warps=True, heads_n=True, block_n=64, maxnreg=128),
+    "wN-n128": dict(warps=True, heads_n=True, block_n=128),
+    "wN8-n128": dict(warps=True, heads_n=True, block_n=128, num_warps=8),
+    "wN-n64-sp8": dict(warps=True, heads_n=True, block_n=64, num_splits=8),
+    "wN-n64-sp4": dict(warps=True, heads_n=True, block_n=64, num_splits=4),
+    "wN-n64-sp2": dict(warps=True, heads_n=True, block_n=64, num_splits=2),
+    "wN-n64-sp1": dict(warps=True, heads_n=True, block_n=64, num_splits=1),
+    "sp1": dict(num_splits=1),
+    "sp2": dict(num_splits=2),
+    # int8 widened in PTX (dequant._widen_asm; fp16 dots)
+    "wN-n64-asm": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True),
+    "wN-n64-asm-r128": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True, maxnreg=128),
+    "w-n128-asm": dict(warps=True, block_n=128, dot_fp16=True, int8_asm=True),
+    "wN-n64-asm-sp8": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True, num_splits=8),
+    "wN-n64-asm-s3-sp8": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True, num_stages=3,
+                              num_splits=8),
+    "wN-n64-r128-sp8": dict(warps=True, heads_n=True, block_n=64, maxnreg=128, num_splits=8),
+    "w-n128-r128-sp8": dict(warps=True, block_n=128, maxnreg=128, num_splits=8),
+    "wN-n64-f16-r128-sp8": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, maxnreg=128, num_splits=8),
+    "f16-asm": dict(dot_fp16=True, int8_asm=True, cvt_early=False),
+    "f16-asm-cvt1": dict(dot_fp16=True, int8_asm=True, cvt_early=True),
 }
 PER_TOKEN_ONLY = {"f16-cvt0-pscale", "f16-cvt1-pscale", "swap-f16-pscale"}
 
@@ -65,6 +95,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="16x32768")
     ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--block-size", type=int, default=kb.BLOCK_SIZE, help="tokens per KV page")
     ap.add_argument("--formats", default="bf16,int8,fp8_e4m3,int4,int8-tok,int4-tok-asym,fp8_e4m3-tok")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--profile", default="", help="FORMAT:VARIANT: only launch it 3 times (run under ncu)")
@@ -76,9 +107,10 @@ def main() -> None:
     if cpu:
         kb.DEVICE = "cpu"
     batch, ctx = (int(x) for x in args.shape.split("x"))
+    kb.BLOCK_SIZE = args.block_size
     case = kb.Case(args.model, batch, ctx)
     sdpa_ms, backend = (float("nan"), "none") if cpu else case.sdpa_ms()
-    print(f"{args.model} {batch}x{ctx}: SDPA[{backend}] {sdpa_ms:.3f} ms", flush=True)
+    print(f"{args.model} {batch}x{ctx} page {args.block_size}: SDPA[{backend}] {sdpa_ms:.3f} ms", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "kernel_variants.jsonl", "a") as sink:
@@ -88,10 +120,11 @@ def main() -> None:
             write_kv_launch(cache, case.k, case.v, case.slots)
             ref = case.reference(cache)
             for var in args.variants.split(","):
-                opts = VARIANTS[var]
+                # named variants of the query-heads x tokens kernel stay on it whatever the defaults
+                opts = VARIANTS[var] if var == "default" or var.startswith("w") else {"warps": False, **VARIANTS[var]}
                 if var in PER_TOKEN_ONLY and not fmt.dynamic:
                     continue
-                if not fmt.quantized and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):
+                if not fmt.quantized and not var.startswith("w") and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):
                     continue
                 fn = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, **opts)
                 try:
@@ -102,7 +135,8 @@ def main() -> None:
                     print(f"  {name:14s} {var:16s} {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
                 kvb = case.kv_bytes(fmt)
-                row = {"model": args.model, "batch": batch, "ctx": ctx, "format": name, "variant": var,
+                row = {"model": args.model, "batch": batch, "ctx": ctx, "block_size": args.block_size,
+                       "format": name, "variant": var,
                        "opts": opts, "ms": ms, "gbps": kvb / ms / 1e6, "sdpa_ms": sdpa_ms,
                        "speedup": sdpa_ms / ms, "relerr_vs_fp32": err}
                 sink.write(json.dumps(row) + "\n")

@@ -194,6 +194,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
             "sdpa_ms": sdpa_ms, "sdpa_backend": backend, "speedup": sdpa_ms / ms,
             "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6,
             "block_n": bn, "num_warps": warps, "num_stages": stages, "v_transposed": vt, "relerr_vs_fp32": err,
+            "kernel": "per-warp" if tuned_for(kernel_format(cache)).warps else "heads-x-tokens",
             "configs_tried": tried if len(tried) > 1 else None,
             "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim, "block_size": BLOCK_SIZE,
         }
@@ -260,15 +261,17 @@ def markdown(env: dict, rows: list[dict]) -> str:
         "GB/s = KV bytes actually read (values + per-token scales) / median time. "
         "Baseline: torch SDPA (cuDNN backend) on dense BF16 KV of the same shape, same run.",
         "",
-        "| model | batch x ctx | format | ms | GB/s | % read bw | vs cuDNN bf16 | write GB/s | tile (n,warps,stages,vT) | rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Kernel: heads-x-tokens = decode_attention._decode_kernel, per-warp = decode_warps._decode_kernel_warps.",
+        "",
+        "| model | batch x ctx | format | ms | GB/s | % read bw | vs cuDNN bf16 | write GB/s | kernel | tile (n,warps,stages,vT) | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         err = "" if r["relerr_vs_fp32"] is None else f"{r['relerr_vs_fp32']:.1e}"
         lines.append(
             f"| {r['model']} | {r['batch']}x{r['ctx']} | {r['format']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
             f"{100 * r['gbps'] / env['read_gbps']:.0f}% | {r['speedup']:.2f}x ({r['sdpa_ms']:.3f} ms) | "
-            f"{r['write_gbps']:.0f} | ({r['block_n']},{r['num_warps']},{r['num_stages']},{r.get('v_transposed', 0)}) | {err} |"
+            f"{r['write_gbps']:.0f} | {r.get('kernel', 'heads-x-tokens')} | ({r['block_n']},{r['num_warps']},{r['num_stages']},{r.get('v_transposed', 0)}) | {err} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -209,6 +209,18 @@ def _attention_ref(q, cache, block_tables, seq_lens, sm_scale, dtype):
     return out
 
 
+def _oracle(q, cache, block_tables, seq_lens, sm_scale, dtype):
+    """(fp64 attention over the cache's stored bytes, relative error of PyTorch attention in `dtype`)."""
+    from dataclasses import replace
+
+    cpu = lambda t: t.cpu() if t is not None else None  # noqa: E731
+    host = replace(cache, k=cache.k.cpu(), v=cache.v.cpu(), k_scale=cpu(cache.k_scale), v_scale=cpu(cache.v_scale),
+                   k_zero=cpu(cache.k_zero), v_zero=cpu(cache.v_zero))
+    args = (q.cpu(), host, block_tables.cpu(), seq_lens.cpu(), sm_scale)
+    truth = _attention_ref(*args, torch.float64)
+    return truth, _relerr(_attention_ref(*args, dtype), truth)
+
+
 def _relerr(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
@@ -244,20 +256,14 @@ def test_decode_attention_relative_oracle(fmt, shape, split):
     q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
     sm_scale = 1.0 / math.sqrt(head_dim)
     num_splits = 3 if split else 1
-    # one split: the shipped default tiles and V orientation; split-K: 16-token tiles (so the
-    # short CPU sequences really split) and the V tile loaded as [head_dim, tokens]
+    # one split: the shipped default tiles and kernel; split-K: 16-token tiles (so the short CPU
+    # sequences really split; the per-warp kernel then runs one warp) and, in the other kernel,
+    # the V tile loaded as [head_dim, tokens]
     tiles = dict(block_n=16, v_transposed=True) if split else {}
     out = decode_attention_launch(q, cache, block_tables, lens, sm_scale, num_splits=num_splits, **tiles)
     assert out.dtype == q.dtype and out.shape == q.shape
 
-    cpu = lambda t: t.cpu() if t is not None else None  # noqa: E731
-    from dataclasses import replace
-
-    host = replace(cache, k=cache.k.cpu(), v=cache.v.cpu(), k_scale=cpu(cache.k_scale), v_scale=cpu(cache.v_scale),
-                   k_zero=cpu(cache.k_zero), v_zero=cpu(cache.v_zero))
-    args = (q.cpu(), host, block_tables.cpu(), lens.cpu(), sm_scale)
-    truth = _attention_ref(*args, torch.float64)
-    torch_err = _relerr(_attention_ref(*args, qdtype), truth)
+    truth, torch_err = _oracle(q, cache, block_tables, lens, sm_scale, qdtype)
     kernel_err = _relerr(out.cpu(), truth)
     worst = (out.cpu().double() - truth).abs().flatten().argmax().item()
     assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
@@ -274,21 +280,38 @@ def test_decode_attention_relative_oracle(fmt, shape, split):
                                  KVFormat("int4", "per_token", symmetric=False), KVFormat("fp8_e4m3", "per_tensor")],
                          ids=["int8-tok-asym", "int4-tok", "int4-tok-asym", "fp8-tensor"])
 def test_decode_every_kernel_variant(fmt, swap, p_scale, v_t):
-    """Each non-default code path of the kernel (the defaults pick per format) meets the oracle too."""
+    """Each non-default code path of the query-heads x tokens kernel (the defaults pick per format) meets the oracle too."""
     batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES["gqa3-page5"]
     gen = torch.Generator().manual_seed(11)
     cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).half().to(DEV)
-    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=2, block_n=16,
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=2, block_n=16, warps=False,
                                   swap=swap, p_scale=p_scale, v_transposed=v_t, dot_fp16=True)
-    cpu = lambda t: t.cpu() if t is not None else None  # noqa: E731
-    from dataclasses import replace
+    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, torch.float16)
+    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
-    host = replace(cache, k=cache.k.cpu(), v=cache.v.cpu(), k_scale=cpu(cache.k_scale), v_scale=cpu(cache.v_scale),
-                   k_zero=cpu(cache.k_zero), v_zero=cpu(cache.v_zero))
-    args = (q.cpu(), host, bt.cpu(), lens.cpu(), 0.25)
-    truth = _attention_ref(*args, torch.float64)
-    assert _relerr(out.cpu(), truth) <= 2 * _relerr(_attention_ref(*args, torch.float16), truth) + 1e-5
+
+@pytest.mark.parametrize("heads_n", [False, True], ids=["heads-as-M", "heads-as-N"])
+@pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split-k"])
+@pytest.mark.parametrize("shape", ["gqa3-page5"] + (["llama8b"] if CUDA else []))
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
+def test_decode_per_warp_kernel(fmt, shape, split, heads_n):
+    """The one-softmax-state-per-warp kernel (decode_warps.py) meets the same oracle, both operand orders.
+
+    CPU: 2 warps of 16 tokens, so the 17- and 29-token sequences end inside a warp's range and
+    the 3-token one leaves a warp with no tokens at all (its state must merge with weight 0).
+    GPU: also the Llama-3-8B shape with 4 warps of 16 tokens.
+    """
+    batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES[shape]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"warps{shape}{fmt.name}".encode()))
+    cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    qdtype = torch.float16 if fmt.dtype == "fp16" else torch.bfloat16
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
+    tiles = dict(num_warps=2, block_n=32) if shape == "gqa3-page5" else dict(num_warps=4, block_n=64)
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=split, warps=True, heads_n=heads_n, **tiles)
+    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
+    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
 
 def test_decode_default_launch_matches_forced_split():
@@ -321,3 +344,40 @@ def test_split_count_policy():
     assert choose_num_splits(1, 8, 131072, 64, 132) == 33
     assert choose_num_splits(16, 8, 32768, 64, 132) == 3
     assert choose_num_splits(1, 8, 600, 64, 132) == 2
+
+
+# ------------------------------------------------------------ PTX widening
+@pytest.mark.skipif(not CUDA, reason="inline PTX compiles for the GPU only; the interpreter has no PTX")
+@pytest.mark.parametrize("bits,dtype,symmetric", [(4, torch.bfloat16, True), (4, torch.bfloat16, False),
+                                                  (4, torch.float16, True), (4, torch.float16, False),
+                                                  (8, torch.float16, True), (8, torch.float16, False)])
+def test_widen_asm_exact_for_every_byte(bits, dtype, symmetric):
+    """dequant._widen_asm turns each of the 256 stored bytes into exactly its integer value(s)."""
+    import triton
+    import triton.language as tl
+
+    from runtime.kernels.dequant import _unpack, _widen_asm
+
+    @triton.jit
+    def widen(X, Y, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, LO: tl.constexpr,
+              HI: tl.constexpr, DT: tl.constexpr):
+        offs = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        y = _unpack(tl.load(X + offs), HALF, KIND, ASYM, LO, HI, DT)
+        tl.store(Y + offs, y.to(tl.float32))
+
+    lo, hi = _widen_asm(bits, dtype, symmetric)
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if bits == 8 and symmetric:
+        raw = raw.view(torch.int8)
+    x = raw.to(DEV)
+    tl_dt = tl.float16 if dtype == torch.float16 else tl.bfloat16
+    halves = [0, 1] if bits == 4 else [0]
+    for half in halves:
+        y = torch.empty(256, dtype=torch.float32, device=DEV)
+        widen[(1,)](x, y, HALF=half, KIND=2 if bits == 4 else 1, ASYM=not symmetric, LO=lo, HI=hi, DT=tl_dt)
+        if bits == 8:
+            want = raw.to(torch.float32)
+        else:
+            nib = (raw.to(torch.int32) >> (4 * half)) & 0xF
+            want = (nib - (8 if symmetric else 0)).to(torch.float32)
+        assert torch.equal(y.cpu(), want), f"half {half}: first mismatch at byte {(y.cpu() != want).nonzero()[0].item()}"

@@ -19,6 +19,10 @@ see exact operands:
   once at the end (exact and free).
 * softmax: online (running max and sum), fp32, base 2.
 
+`decode_warps.py` holds the other kernel the launcher can pick (per format,
+`tuning.TUNED`): the same math with one softmax state per warp, which the
+8-bit and per-token formats run faster on.
+
 Long contexts with few (sequence, KV head) pairs would leave most SMs idle,
 so the context is split into `num_splits` ranges that write partial (max,
 sum, acc); a second kernel merges them. With one split the first kernel
@@ -32,109 +36,18 @@ import triton
 import triton.language as tl
 
 from ..kv_cache import LayerCache
-from .formats import KIND_INT4, SCALE_TOKEN, check_device, kernel_format
+from .decode_warps import _decode_kernel_warps
+from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack, _widen_asm
+from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, check_device, kernel_format
 from .split_k import choose_num_splits, merge_splits, sm_count
 from .tuning import tuned_for
 
 _LOG2E = 1.4426950408889634
 
 
-# How tl.dot runs: native fp16/bf16 tensor cores; fp32 in IEEE precision (q in
-# fp32, parity runs); or fp32 operands in place of bf16 ones, because the
-# Triton 3.6 interpreter's bf16 tl.dot and int8->bf16 casts return garbage.
-DOT_NATIVE, DOT_IEEE, DOT_UPCAST = 0, 1, 2
-
-
-@triton.jit
-def _dot(a, b, DOT: tl.constexpr):
-    if DOT == 1:
-        return tl.dot(a, b, input_precision="ieee")
-    elif DOT == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _operand(x, dt: tl.constexpr, DOT: tl.constexpr, CVT_EARLY: tl.constexpr):
-    """Cast a K/V tile to the dot dtype.
-
-    With CVT_EARLY the cast is followed by a split/join of column pairs -- an identity the
-    compiler does not move casts across. Without it, Triton 3.6 sinks the cast of an 8-bit
-    tile below the shared-memory staging of the tensor-core operand and then reads that
-    operand back one byte per instruction (LDS.U8); with it, the tile is widened in the
-    registers it was loaded into and staged as 16-bit data read with ldmatrix, as in the
-    bf16 kernel (SASS: ~25% fewer instructions, no LDS.U8; KERNEL_NOTES.md).
-    """
-    if DOT == 2:
-        y = x.to(tl.float32)
-    else:
-        y = x.to(dt)
-    if CVT_EARLY:
-        R: tl.constexpr = y.shape[0]
-        C: tl.constexpr = y.shape[1]
-        a, b = tl.split(tl.reshape(y, (R, C // 2, 2)))
-        y = tl.reshape(tl.join(a, b), (R, C))
-    return y
-
-
 @triton.jit
 def _load_q(Q, q_row, heads_mask, cols, dmask):
     return tl.load(Q + q_row[:, None] + cols[None, :], mask=heads_mask[:, None] & dmask[None, :], other=0.0)
-
-
-@triton.jit
-def _unpack(raw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr,
-            ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, dt: tl.constexpr):
-    """Stored tile -> integer/fp values (exact). For int4, HALF 0 = low nibbles, 1 = high.
-
-    ASM_LO/ASM_HI (GPU only, else ""): the PTX of `_int4_asm`, which turns 4 packed bytes
-    into 4 fp16/bf16 values with an AND, two byte permutes and two packed FMAs -- the
-    generic nibble code costs ~5 instructions per value (KERNEL_NOTES.md).
-    """
-    if KIND == 2:
-        if ASM_LO != "":
-            if HALF == 0:
-                out = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r", [raw], dtype=dt.value, is_pure=True, pack=4)
-            else:
-                out = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r", [raw], dtype=dt.value, is_pure=True, pack=4)
-        else:
-            if HALF == 0:
-                nib = raw & 0xF
-            else:
-                nib = raw >> 4
-            if ASYM:
-                out = nib
-            else:
-                out = nib.to(tl.int8) - 8
-    else:
-        out = raw
-    return out
-
-
-def _int4_asm(dtype: torch.dtype, symmetric: bool) -> tuple[str, str]:
-    """PTX for (low nibbles, high nibbles) of 4 packed bytes -> 4 values of `dtype`.
-
-    A nibble n placed under the exponent byte of 2**7 (bf16 0x43..) or 2**10 (fp16 0x64..)
-    is exactly 128 + n / 1024 + n; one packed FMA removes that offset (and the +8 of
-    symmetric int4). Two values per 32-bit register, element 2i in the low half.
-    """
-    if dtype == torch.bfloat16:
-        magic, one, base, fma = 0x43434343, 0x3F803F80, 128.0, "fma.rn.bf16x2"
-        bias = torch.tensor(-(base + (8 if symmetric else 0)), dtype=torch.bfloat16).view(torch.int16).item()
-    else:
-        magic, one, base, fma = 0x64646464, 0x3C003C00, 1024.0, "fma.rn.f16x2"
-        bias = torch.tensor(-(base + (8 if symmetric else 0)), dtype=torch.float16).view(torch.int16).item()
-    bias2 = ((bias & 0xFFFF) << 16) | (bias & 0xFFFF)
-    progs = []
-    for shift in ("", "shr.b32 t, t, 4; "):
-        progs.append(
-            "{ .reg .b32 t, m, o, b; mov.b32 t, $2; " + shift + "and.b32 t, t, 0x0F0F0F0F; "
-            f"mov.b32 m, {magic:#010x}; mov.b32 o, {one:#010x}; mov.b32 b, {bias2:#010x}; "
-            "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; "
-            f"{fma} $0, $0, o, b; {fma} $1, $1, o, b; }}"
-        )
-    return progs[0], progs[1]
 
 
 @triton.jit
@@ -362,6 +275,7 @@ def decode_attention_launch(
     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
     v_transposed: bool = False, cvt_early: bool | None = None, dot_fp16: bool | None = None,
     p_scale: bool | None = None, swap: bool | None = None, maxnreg: int | None = None,
+    warps: bool | None = None, heads_n: bool | None = None, int8_asm: bool | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -370,7 +284,11 @@ def decode_attention_launch(
     (`_operand`). dot_fp16: dots in fp16 whatever q's dtype (exact for raw 8-/4-bit values,
     finer than bf16 for q and p). p_scale: per-token V scales multiply p, V stays raw.
     swap: transposed products, tokens as the tensor-core M dimension. maxnreg: cap registers
-    per thread (more resident programs per SM; GPU only).
+    per thread (more resident programs per SM; GPU only). warps: the one-softmax-state-per-warp
+    kernel (`decode_warps.py`; block_n tokens per tile, block_n / num_warps per warp, >= 16);
+    heads_n: there, query heads on the mma N dimension. int8_asm: widen int8 with the PTX of
+    `dequant._widen_asm` (with fp16 dots only). swap, v_transposed and cvt_early
+    belong to the other kernel and are ignored by it.
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -414,8 +332,19 @@ def decode_attention_launch(
     p_scale = (tuned.p_scale if p_scale is None else p_scale) and kf.scale_mode == SCALE_TOKEN
     swap = tuned.swap if swap is None else swap
     maxnreg = tuned.maxnreg if maxnreg is None else maxnreg
-    fast_int4 = kf.kind == KIND_INT4 and dot_mode == DOT_NATIVE and q.device.type == "cuda" and fast_tile
-    asm = _int4_asm(torch.float16 if dot_fp16 else q.dtype, not kf.asym) if fast_int4 else ("", "")
+    warps = tuned.warps if warps is None else warps
+    heads_n = tuned.heads_n if heads_n is None else heads_n
+    if warps:  # every warp needs >= 16 tokens (the K dimension of its p . V product)
+        if block_n < 16:
+            raise ValueError(f"the per-warp kernel needs block_n >= 16 tokens, got {block_n}")
+        num_warps = min(num_warps, block_n // 16)
+    int8_asm = tuned.int8_asm if int8_asm is None else int8_asm
+    asm = ("", "")
+    if dot_mode == DOT_NATIVE and q.device.type == "cuda" and fast_tile:
+        if kf.kind == KIND_INT4:
+            asm = _widen_asm(4, torch.float16 if dot_fp16 else q.dtype, not kf.asym)
+        elif kf.kind == KIND_INT8 and int8_asm and dot_fp16:
+            asm = _widen_asm(8, torch.float16, not kf.asym)
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device),
                                        programs_per_sm=tuned.programs_per_sm)
@@ -435,19 +364,23 @@ def decode_attention_launch(
     kz = cache.k_zero if cache.k_zero is not None else dummy
     vz = cache.v_zero if cache.v_zero is not None else dummy
     meta_strides = (kv_heads * bs, bs) if kf.scale_mode == SCALE_TOKEN else (0, 0)
-    _decode_kernel[(batch, kv_heads, num_splits)](
-        q, cache.k, cache.v, ks, vs, kz, vz, block_tables, seq_lens, out, pm, pl, pacc,
-        sm_scale * _LOG2E, tokens_per_split, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), *meta_strides,
-        NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, SPLIT=split, DOT=dot_mode,
-        FULL_D=block_d == stored, V_T=v_transposed, CVT_EARLY=cvt_early, ASM_LO=asm[0], ASM_HI=asm[1],
-        DOT_F16=dot_fp16, P_SCALE=p_scale, SWAP=swap,
-        num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}),
-    )
+    args = (q, cache.k, cache.v, ks, vs, kz, vz, block_tables, seq_lens, out, pm, pl, pacc,
+            sm_scale * _LOG2E, tokens_per_split, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), *meta_strides)
+    common = dict(NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                  KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, SPLIT=split, DOT=dot_mode,
+                  FULL_D=block_d == stored, ASM_LO=asm[0], ASM_HI=asm[1], DOT_F16=dot_fp16, P_SCALE=p_scale,
+                  num_warps=num_warps, num_stages=num_stages,
+                  **({"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}))
+    if warps:
+        _decode_kernel_warps[(batch, kv_heads, num_splits)](
+            *args, BLOCK_H=max(4, triton.next_power_of_2(group)), W=num_warps, NW=block_n // num_warps,
+            HEADS_N=heads_n, **common)
+    else:
+        _decode_kernel[(batch, kv_heads, num_splits)](
+            *args, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+            V_T=v_transposed, CVT_EARLY=cvt_early, SWAP=swap, **common)
     if split:
         merge_splits(pm, pl, pacc, out, num_splits)
     return out if out.dtype == q.dtype else out.to(q.dtype)

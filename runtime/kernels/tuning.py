@@ -25,19 +25,24 @@ class Tuned(NamedTuple):
     swap: bool
     maxnreg: int | None  # a register cap lets 4 programs share an SM instead of 3
     programs_per_sm: int  # split-K target: programs per SM (choose_num_splits)
+    warps: bool = False  # one softmax state per warp (decode_warps.py)
+    heads_n: bool = False  # there: query heads on the mma N dimension
+    int8_asm: bool = False  # int8 -> fp16 through dequant._widen_asm (fp16 dots only)
 
 
 # Fastest options per format, measured side by side on the H200 at Llama-3-8B 16 x 32k
 # (benchmarks/kernel_variants.py; results/kernel_variants_round*.jsonl, KERNEL_NOTES.md),
-# keyed by (kind, per-token scales). Times: before -> with these options, same runs.
+# keyed by (kind, per-token scales). Times: before -> with these options, same runs; the last
+# step of the 8-bit and per-token formats is the per-warp kernel (round 7; int8 widened in
+# PTX), which did not win for bf16 (0.494 -> 0.50-0.61) or int4 per-head (0.297 -> 0.297-0.30).
 TUNED = {
     ("float", False): Tuned(128, 3, False, False, False, False, None, 2),  # bf16/fp16: 0.50 ms
-    ("fp8", False): Tuned(64, 3, False, True, False, False, 128, 8),  # 0.524 -> 0.417 ms
-    ("int8", False): Tuned(128, 2, True, False, False, False, 128, 2),  # 0.464 -> 0.450 (73.7 KB smem: 3/SM)
+    ("fp8", False): Tuned(64, 3, False, True, False, False, 128, 8, True, True),  # 0.524 -> 0.417 -> 0.392 ms
+    ("int8", False): Tuned(64, 2, False, True, False, False, 128, 8, True, True, True),  # 0.464 -> 0.450 -> 0.443
     ("int4", False): Tuned(128, 2, False, False, False, False, 128, 8),  # 0.432 -> 0.296 ms
-    ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 8),  # as int8 per-token (not timed alone)
-    ("int8", True): Tuned(64, 2, False, True, True, False, 128, 8),  # 0.691 -> 0.618 ms
-    ("int4", True): Tuned(64, 2, True, True, False, True, None, 8),  # asym 0.752 -> 0.479 (128 regs already)
+    ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 8, True, True),  # as int8 per-token
+    ("int8", True): Tuned(64, 2, False, True, True, False, 128, 8, True, True, True),  # 0.691 -> 0.618 -> 0.474 ms
+    ("int4", True): Tuned(64, 2, False, True, False, False, 128, 8, True, True),  # asym 0.752 -> 0.479 -> 0.451
 }
 
 

@@ -1,0 +1,268 @@
+"""Paged decode attention with one softmax state per warp (flash-decoding inside a program).
+
+`decode_attention._decode_kernel` gives the tensor cores a [query heads, tokens]
+tile per program: the GQA group (4 heads for Llama-3) is padded to mma's 16 rows,
+so Triton spreads the program's warps over the tokens and every row max, row sum
+and p crosses warps through shared memory -- 8-10 barriers per tile (SASS,
+KERNEL_NOTES.md), and the H200 profile is latency-bound.
+
+Here the token tile is [W, NW]: warp w takes NW consecutive tokens of it and keeps
+its own running max, sum and accumulator. The products are batched dots over the
+leading W axis, which Triton maps one batch per warp, so the softmax reductions are
+warp shuffles and the warps meet only at the shared-memory pipeline of the K/V
+loads and once at the end, where the W partial states merge exactly like split-K
+partials (out = sum_w 2^(m_w - m) acc_w / sum_w 2^(m_w - m) l_w).
+
+HEADS_N puts the query heads on the mma N dimension (acc^T = V^T p^T), which pads
+a group of 4 to 8 columns instead of 16 rows and halves the accumulator registers.
+
+Dequantization follows `_decode_kernel` (same helpers, same exact-operand algebra):
+raw stored values in the dots, K scales on the scores, static V scales on the
+output, per-token V scales on p (P_SCALE) or on V in fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .dequant import _dot, _unpack
+
+
+@triton.jit
+def _cast(x, dt: tl.constexpr, DOT: tl.constexpr):
+    if DOT == 2:
+        y = x.to(tl.float32)
+    else:
+        y = x.to(dt)
+    return y
+
+
+@triton.jit
+def _k_operand(kraw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, ASM_LO: tl.constexpr,
+               ASM_HI: tl.constexpr, dt: tl.constexpr, DOT: tl.constexpr):
+    return _cast(_unpack(kraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT)
+
+
+@triton.jit
+def _v_operand(vraw, HALF: tl.constexpr, vs, vz, V_TOKEN: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr,
+               ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, dt: tl.constexpr, DOT: tl.constexpr):
+    """V tile [W, NW, D] as a dot operand; V_TOKEN: per-token scales (and zero points) applied in fp32."""
+    v = _unpack(vraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt)
+    if V_TOKEN:
+        v = v.to(tl.float32) * vs[:, :, None]
+        if ASYM:
+            v += vz[:, :, None]
+    return _cast(v, dt, DOT)
+
+
+@triton.jit
+def _load_kv(K, V, page, slot, nmask, kvh, stride_cb, stride_ch, stride_ct, offs_d, dmask, FULL_D: tl.constexpr):
+    """Stored K and V of a [W, NW] token tile: [W, NW, BLOCK_D] each."""
+    # rows start 16-byte aligned (strides are multiples of 16 elements), which lets loads vectorize
+    base = tl.multiple_of(page.to(tl.int64) * stride_cb + kvh * stride_ch + slot * stride_ct, (16, 16))
+    ptr = base[:, :, None] + offs_d[None, None, :]
+    if FULL_D:  # no column mask: a mask that varies along head_dim would split the loads
+        m3 = nmask[:, :, None]
+    else:
+        m3 = nmask[:, :, None] & dmask[None, None, :]
+    return tl.load(K + ptr, mask=m3, other=0.0), tl.load(V + ptr, mask=m3, other=0.0)
+
+
+@triton.jit
+def _scores(k, qk, HEADS_N: tl.constexpr, DOT: tl.constexpr):
+    """Scores of one K half against q: [W, NW, H] with HEADS_N, else [W, H, NW]."""
+    if HEADS_N:
+        s = _dot(k, qk, DOT)
+    else:
+        s = _dot(qk, tl.permute(k, (0, 2, 1)), DOT)
+    return s
+
+
+@triton.jit
+def _pv(p, v, HEADS_N: tl.constexpr, DOT: tl.constexpr):
+    """p . V per warp: [W, D, H] with HEADS_N (p is [W, NW, H]), else [W, H, D]."""
+    if HEADS_N:
+        o = _dot(tl.permute(v, (0, 2, 1)), p, DOT)
+    else:
+        o = _dot(p, v, DOT)
+    return o
+
+
+@triton.jit
+def _decode_kernel_warps(
+    Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
+    qk_scale, tokens_per_split, num_splits,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_btb,
+    stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
+    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    FULL_D: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr,
+    DOT_F16: tl.constexpr, P_SCALE: tl.constexpr, HEADS_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    start = sp * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    if DOT_F16:
+        dt = tl.float16
+    else:
+        dt = Q.dtype.element_ty
+    V_TOKEN: tl.constexpr = SCALE_MODE == 3 and not P_SCALE
+
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+    q_row = b * stride_qb + heads * stride_qh
+    offs_d = tl.arange(0, BLOCK_D)
+    if KIND == 2:  # stored dim is head_dim/2: q splits into even and odd columns
+        dmask = offs_d < HEAD_DIM // 2
+        cols_a = 2 * offs_d
+        cols_b = 2 * offs_d + 1
+    else:
+        dmask = offs_d < HEAD_DIM
+        cols_a = offs_d
+        cols_b = offs_d
+    qmask = hmask[:, None] & dmask[None, :]
+    # fp16 dots take q / 16 (exact: a power of two), so q may reach 16 x fp16's 65504
+    q_pre = 0.0625 if DOT_F16 else 1.0
+    q_a = (tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32) * q_pre)
+    qsum = tl.sum(q_a, 1)
+    q_b = q_a
+    if KIND == 2:
+        q_b = (tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qmask, other=0.0).to(tl.float32) * q_pre)
+        qsum += tl.sum(q_b, 1)
+    # every warp multiplies by the same q: [W, D, H] (heads on N) or [W, H, D]
+    if HEADS_N:
+        qk_a = tl.broadcast_to(tl.trans(_cast(q_a, dt, DOT))[None, :, :], (W, BLOCK_D, BLOCK_H))
+        qk_b = tl.broadcast_to(tl.trans(_cast(q_b, dt, DOT))[None, :, :], (W, BLOCK_D, BLOCK_H))
+    else:
+        qk_a = tl.broadcast_to(_cast(q_a, dt, DOT)[None, :, :], (W, BLOCK_H, BLOCK_D))
+        qk_b = tl.broadcast_to(_cast(q_b, dt, DOT)[None, :, :], (W, BLOCK_H, BLOCK_D))
+
+    k_fold = qk_scale / q_pre
+    v_fold = 1.0
+    if SCALE_MODE == 1:
+        k_fold = k_fold * tl.load(KS)
+        v_fold = tl.load(VS)
+    elif SCALE_MODE == 2:
+        k_fold = k_fold * tl.load(KS + kvh)
+        v_fold = tl.load(VS + kvh)
+
+    # token axis of the score tile: 1 with heads on N ([W, NW, H]), else 2 ([W, H, NW])
+    TAX: tl.constexpr = 1 if HEADS_N else 2
+    # a finite start: a warp whose tokens are all masked keeps alpha = 1 and p = 0, not NaN
+    m_i = tl.full([W, BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([W, BLOCK_H], tl.float32)
+    if HEADS_N:
+        acc_a = tl.zeros([W, BLOCK_D, BLOCK_H], tl.float32)
+    else:
+        acc_a = tl.zeros([W, BLOCK_H, BLOCK_D], tl.float32)
+    acc_b = acc_a
+    bt_row = BT + b * stride_btb
+    tok = tl.arange(0, W)[:, None] * NW + tl.arange(0, NW)[None, :]
+    for n0 in range(start, end, W * NW):
+        offs_n = n0 + tok
+        slot = offs_n % BLOCK_SIZE
+        nmask = offs_n < end
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0)
+        kraw, vraw = _load_kv(K, V, page, slot, nmask, kvh, stride_cb, stride_ch, stride_ct, offs_d, dmask, FULL_D)
+        page = page.to(tl.int64)
+        meta = page * stride_mb + kvh * stride_mh + slot
+        vs = 1.0
+        vz = 0.0
+        if SCALE_MODE == 3:
+            vs = tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)
+            if ASYM:
+                vz = tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)
+
+        s = _scores(_k_operand(kraw, 0, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), qk_a, HEADS_N, DOT)
+        if KIND == 2:
+            s += _scores(_k_operand(kraw, 1, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), qk_b, HEADS_N, DOT)
+        if HEADS_N:  # per-token terms broadcast along heads, the last axis
+            tmask = nmask[:, :, None]
+        else:
+            tmask = nmask[:, None, :]
+        if SCALE_MODE == 3:
+            ks = tl.load(KS + meta, mask=nmask, other=0.0).to(tl.float32)
+            if HEADS_N:
+                s = s * ks[:, :, None]
+            else:
+                s = s * ks[:, None, :]
+            if ASYM:
+                kz = tl.load(KZ + meta, mask=nmask, other=0.0).to(tl.float32)
+                if HEADS_N:
+                    s += qsum[None, None, :] * kz[:, :, None]
+                else:
+                    s += qsum[None, :, None] * kz[:, None, :]
+        s = tl.where(tmask, s * k_fold, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, TAX))
+        alpha = tl.math.exp2(m_i - m_new)
+        if HEADS_N:
+            p = tl.math.exp2(s - m_new[:, None, :])
+        else:
+            p = tl.math.exp2(s - m_new[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, TAX)
+        m_i = m_new
+
+        pw = p
+        vs_max = 1.0
+        if P_SCALE:  # sum_n p_n s_n v_n with p * s / max(s) in [0, 1] (see _p_operand)
+            vs_max = tl.max(vs, 1) + 1e-30  # per warp
+            if HEADS_N:
+                pw = p * (vs / vs_max[:, None])[:, :, None]
+            else:
+                pw = p * (vs / vs_max[:, None])[:, None, :]
+        pd = _cast(pw, dt, DOT)
+        if HEADS_N:
+            a_scale = alpha[:, None, :]
+        else:
+            a_scale = alpha[:, :, None]
+        if P_SCALE:
+            pv_scale = vs_max[:, None, None]
+        else:
+            pv_scale = 1.0
+        acc_a = acc_a * a_scale + pv_scale * _pv(pd, _v_operand(vraw, 0, vs, vz, V_TOKEN, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), HEADS_N, DOT)
+        if KIND == 2:
+            acc_b = acc_b * a_scale + pv_scale * _pv(pd, _v_operand(vraw, 1, vs, vz, V_TOKEN, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), HEADS_N, DOT)
+        if P_SCALE and ASYM:  # + sum_n p_n z_n, the same for every column
+            if HEADS_N:
+                pz = tl.sum(p * vz[:, :, None], 1)[:, None, :]
+            else:
+                pz = tl.sum(p * vz[:, None, :], 2)[:, :, None]
+            acc_a += pz
+            if KIND == 2:
+                acc_b += pz
+
+    # merge the W warp states (the split-K rule, within the program)
+    m_w = tl.max(m_i, 0)
+    wgt = tl.math.exp2(m_i - m_w[None, :])
+    l_w = tl.sum(l_i * wgt, 0)
+    if HEADS_N:
+        o_a = tl.trans(tl.sum(acc_a * wgt[:, None, :], 0)) * v_fold
+        o_b = tl.trans(tl.sum(acc_b * wgt[:, None, :], 0)) * v_fold
+    else:
+        o_a = tl.sum(acc_a * wgt[:, :, None], 0) * v_fold
+        o_b = tl.sum(acc_b * wgt[:, :, None], 0) * v_fold
+    if SPLIT:
+        prow = (b * NUM_HEADS + heads) * num_splits + sp
+        # an empty split (past the sequence's end) reports m = -inf: the merge gives it weight 0
+        tl.store(PM + prow, tl.where(l_w > 0, m_w, float("-inf")), mask=hmask)
+        tl.store(PL + prow, l_w, mask=hmask)
+        out_a = PACC + prow[:, None] * HEAD_DIM + cols_a[None, :]
+        out_b = PACC + prow[:, None] * HEAD_DIM + cols_b[None, :]
+        wa = o_a
+        wb = o_b
+    else:
+        o_row = b * stride_ob + heads * stride_oh
+        out_a = OUT + o_row[:, None] + cols_a[None, :]
+        out_b = OUT + o_row[:, None] + cols_b[None, :]
+        wa = (o_a / l_w[:, None]).to(OUT.dtype.element_ty)
+        wb = (o_b / l_w[:, None]).to(OUT.dtype.element_ty)
+    tl.store(out_a, wa, mask=qmask)
+    if KIND == 2:
+        tl.store(out_b, wb, mask=qmask)
