@@ -129,19 +129,20 @@ def _decode_kernel_warps(
     qmask = hmask[:, None] & dmask[None, :]
     # fp16 dots take q / 16 (exact: a power of two), so q may reach 16 x fp16's 65504
     q_pre = 0.0625 if DOT_F16 else 1.0
-    q_a = (tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32) * q_pre)
-    qsum = tl.sum(q_a, 1)
+    q_a = _cast(tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32) * q_pre, dt, DOT)
+    # sum(q) of the rounded q the dots see (for asymmetric K's zero points)
+    qsum = tl.sum(q_a.to(tl.float32), 1)
     q_b = q_a
     if KIND == 2:
-        q_b = (tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qmask, other=0.0).to(tl.float32) * q_pre)
-        qsum += tl.sum(q_b, 1)
+        q_b = _cast(tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qmask, other=0.0).to(tl.float32) * q_pre, dt, DOT)
+        qsum += tl.sum(q_b.to(tl.float32), 1)
     # every warp multiplies by the same q: [W, D, H] (heads on N) or [W, H, D]
     if HEADS_N:
-        qk_a = tl.broadcast_to(tl.trans(_cast(q_a, dt, DOT))[None, :, :], (W, BLOCK_D, BLOCK_H))
-        qk_b = tl.broadcast_to(tl.trans(_cast(q_b, dt, DOT))[None, :, :], (W, BLOCK_D, BLOCK_H))
+        qk_a = tl.broadcast_to(tl.trans(q_a)[None, :, :], (W, BLOCK_D, BLOCK_H))
+        qk_b = tl.broadcast_to(tl.trans(q_b)[None, :, :], (W, BLOCK_D, BLOCK_H))
     else:
-        qk_a = tl.broadcast_to(_cast(q_a, dt, DOT)[None, :, :], (W, BLOCK_H, BLOCK_D))
-        qk_b = tl.broadcast_to(_cast(q_b, dt, DOT)[None, :, :], (W, BLOCK_H, BLOCK_D))
+        qk_a = tl.broadcast_to(q_a[None, :, :], (W, BLOCK_H, BLOCK_D))
+        qk_b = tl.broadcast_to(q_b[None, :, :], (W, BLOCK_H, BLOCK_D))
 
     k_fold = qk_scale / q_pre
     v_fold = 1.0
