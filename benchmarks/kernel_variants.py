@@ -74,6 +74,11 @@ VARIANTS = {
     "wN-n64-sp1": dict(warps=True, heads_n=True, block_n=64, num_splits=1),
     "sp1": dict(num_splits=1),
     "sp2": dict(num_splits=2),
+    # the shipped defaults with a forced split count ("d-": stays on the default kernel)
+    "d-sp1": dict(num_splits=1),
+    "d-sp2": dict(num_splits=2),
+    "d-sp8": dict(num_splits=8),
+    "d-sp64": dict(num_splits=64),
     # int8 widened in PTX (dequant._widen_asm; fp16 dots)
     "wN-n64-asm": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True),
     "wN-n64-asm-r128": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True, maxnreg=128),
@@ -121,10 +126,10 @@ def main() -> None:
             ref = case.reference(cache)
             for var in args.variants.split(","):
                 # named variants of the query-heads x tokens kernel stay on it whatever the defaults
-                opts = VARIANTS[var] if var == "default" or var.startswith("w") else {"warps": False, **VARIANTS[var]}
+                opts = VARIANTS[var] if var == "default" or var.startswith(("w", "d-")) else {"warps": False, **VARIANTS[var]}
                 if var in PER_TOKEN_ONLY and not fmt.dynamic:
                     continue
-                if not fmt.quantized and not var.startswith("w") and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):
+                if not fmt.quantized and not var.startswith(("w", "d-")) and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):
                     continue
                 fn = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, **opts)
                 try:

@@ -339,11 +339,29 @@ def test_decode_rejects_bad_input():
 
 
 def test_split_count_policy():
-    # plenty of (sequence, head) pairs: no split; one long sequence: many; short contexts: capped
-    assert choose_num_splits(128, 8, 4096, 64, 132) == 1
-    assert choose_num_splits(1, 8, 131072, 64, 132) == 33
-    assert choose_num_splits(16, 8, 32768, 64, 132) == 3
-    assert choose_num_splits(1, 8, 600, 64, 132) == 2
+    """Split counts against wave arithmetic worked by hand (132 SMs, 4 resident programs: 528 slots)."""
+    # 1 x 131072, 8 pairs: one wave of 8 x 64 = 512 programs is the best 64 splits allow;
+    # 59 splits (472 programs, one wave) cost 1/59, within 10% of 1/64 -- the fewest that are
+    assert choose_num_splits(1, 8, 131072, 64, 132, 4) == 59
+    # 16 x 32768, 128 pairs: 4 splits = 512 programs, one wave (cost 1/4); 5 would need 2 waves
+    assert choose_num_splits(16, 8, 32768, 64, 132, 4) == 4
+    # 93 x 8192, 744 pairs: 1 split = 2 waves (cost 2), 2 splits = 3 waves of halves (1.5);
+    # the floor is 744/528 = 1.41 (16 splits: 1.44), and 1.5 is within 10% of it
+    assert choose_num_splits(93, 8, 8192, 64, 132, 4) == 2
+    # 128 x 4096, 1024 pairs: 2 waves either way (1.94 of work): no split
+    assert choose_num_splits(128, 8, 4096, 64, 132, 4) == 1
+    # 3 resident programs (396 slots), 16 x 32768: 3 splits = 384 programs, one wave
+    assert choose_num_splits(16, 8, 32768, 128, 132, 3) == 3
+    # short context: splits stay >= 512 tokens (600 tokens: at most 2)
+    assert choose_num_splits(1, 8, 600, 64, 132, 4) == 2
+
+
+def test_wave_cost_counts_partial_waves_whole():
+    from runtime.kernels.split_k import wave_cost
+
+    assert wave_cost(128, 4, 528) == 0.25  # 512 programs: one wave of quarter-length programs
+    assert wave_cost(128, 5, 528) == 2 / 5  # 640 programs: a second, mostly empty wave
+    assert wave_cost(744, 1, 528) == 2.0
 
 
 # ------------------------------------------------------------ PTX widening

@@ -347,7 +347,7 @@ def decode_attention_launch(
             asm = _widen_asm(8, torch.float16, not kf.asym)
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device),
-                                       programs_per_sm=tuned.programs_per_sm)
+                                       tuned.resident_per_sm)
     tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
     split = num_splits > 1

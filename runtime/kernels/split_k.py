@@ -45,23 +45,35 @@ def sm_count(device: torch.device) -> int:
     return 4  # interpreter: any small number exercises the same code
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, sm_count: int,
-                      min_tokens_per_split: int = 512, max_splits: int = 64, programs_per_sm: int = 2) -> int:
-    """About `programs_per_sm` (sequence, head, split) programs per SM, but splits of >= min tokens.
+def wave_cost(pairs: int, splits: int, slots: int) -> float:
+    """Decode time in units of one unsplit program, when `slots` programs run at once.
 
-    Fewer programs than SMs leaves bandwidth unused; tiny splits spend more on
-    the partial write-back and the merge than they save. Kernels that fit 4
-    programs on an SM do best with ~2 waves of them (8 per SM).
+    `pairs * splits` programs of 1/splits the context each run in waves of `slots`; a
+    partial last wave costs a whole one (the kernels are latency-bound, so a program takes
+    about as long whatever else shares its SM).
+    """
+    return math.ceil(pairs * splits / slots) / splits
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, sm_count: int,
+                      resident_per_sm: int, min_tokens_per_split: int = 512, max_splits: int = 64,
+                      tolerance: float = 0.10) -> int:
+    """The fewest splits whose `wave_cost` is within `tolerance` of the best possible.
+
+    Too few programs leave SMs idle (one long sequence); a last wave that is mostly
+    empty wastes up to half the time (measured: 9 splits instead of 8 at 16 x 32k cost
+    int4 per-token asym 0.555 vs 0.479 ms; 1 split instead of 2 at 93 x 8k cost fp8
+    0.653 vs 0.575 ms). More splits cost partial write-backs and a merge, so among
+    near-equal counts the smallest wins; splits stay >= min_tokens_per_split long.
+    resident_per_sm: programs of this kernel an SM holds at once (registers and shared
+    memory of the compiled kernel; tuning.TUNED).
     """
     pairs = batch * kv_heads
-    target = programs_per_sm * sm_count
-    if programs_per_sm <= 2:  # within one wave of resident programs: round up, every SM gets work
-        want = math.ceil(target / pairs)
-    else:  # several waves: round down, a partial extra wave costs more than it adds (measured 9
-        # splits vs 8 at 16 x 32k, 4 programs/SM: 0.555 vs 0.479 ms for int4 per-token asym)
-        want = target // pairs
-    cap = max(1, math.ceil(max_tokens / max(min_tokens_per_split, block_n)))
-    return max(1, min(want, cap, max_splits))
+    slots = max(1, resident_per_sm * sm_count)
+    cap = max(1, min(max_splits, math.ceil(max_tokens / max(min_tokens_per_split, block_n))))
+    costs = [wave_cost(pairs, s, slots) for s in range(1, cap + 1)]
+    best = min(costs)
+    return next(s for s, cost in enumerate(costs, start=1) if cost <= best * (1 + tolerance))
 
 
 def merge_splits(pm: torch.Tensor, pl: torch.Tensor, pacc: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:

@@ -24,7 +24,7 @@ class Tuned(NamedTuple):
     p_scale: bool
     swap: bool
     maxnreg: int | None  # a register cap lets 4 programs share an SM instead of 3
-    programs_per_sm: int  # split-K target: programs per SM (choose_num_splits)
+    resident_per_sm: int  # programs an SM holds at once (regs, shared memory): the split-K waves
     warps: bool = False  # one softmax state per warp (decode_warps.py)
     heads_n: bool = False  # there: query heads on the mma N dimension
     int8_asm: bool = False  # int8 -> fp16 through dequant._widen_asm (fp16 dots only)
@@ -35,14 +35,17 @@ class Tuned(NamedTuple):
 # keyed by (kind, per-token scales). Times: before -> with these options, same runs; the last
 # step of the 8-bit and per-token formats is the per-warp kernel (round 7; int8 widened in
 # PTX), which did not win for bf16 (0.494 -> 0.50-0.61) or int4 per-head (0.297 -> 0.297-0.30).
+# resident_per_sm from the sm_90 compile of each row (H200: 64K registers, 228 KB shared memory
+# per SM): bf16 168 registers and 74 KB -> 3; the others are capped at 128 registers with
+# <= 25 KB of shared memory -> 4.
 TUNED = {
-    ("float", False): Tuned(128, 3, False, False, False, False, None, 2),  # bf16/fp16: 0.50 ms
-    ("fp8", False): Tuned(64, 3, False, True, False, False, 128, 8, True, True),  # 0.524 -> 0.417 -> 0.392 ms
-    ("int8", False): Tuned(64, 2, False, True, False, False, 128, 8, True, True, True),  # 0.464 -> 0.450 -> 0.443
-    ("int4", False): Tuned(128, 2, False, False, False, False, 128, 8),  # 0.432 -> 0.296 ms
-    ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 8, True, True),  # 0.553 -> 0.421 ms
-    ("int8", True): Tuned(64, 2, False, True, True, False, 128, 8, True, True, True),  # 0.691 -> 0.618 -> 0.474 ms
-    ("int4", True): Tuned(64, 2, False, True, False, False, 128, 8, True, True),  # asym 0.752 -> 0.479 -> 0.451
+    ("float", False): Tuned(128, 3, False, False, False, False, None, 3),  # bf16/fp16: 0.50 ms
+    ("fp8", False): Tuned(64, 3, False, True, False, False, 128, 4, True, True),  # 0.524 -> 0.417 -> 0.392 ms
+    ("int8", False): Tuned(64, 2, False, True, False, False, 128, 4, True, True, True),  # 0.464 -> 0.450 -> 0.443
+    ("int4", False): Tuned(128, 2, False, False, False, False, 128, 4),  # 0.432 -> 0.296 ms
+    ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 4, True, True),  # 0.553 -> 0.421 ms
+    ("int8", True): Tuned(64, 2, False, True, True, False, 128, 4, True, True, True),  # 0.691 -> 0.618 -> 0.474 ms
+    ("int4", True): Tuned(64, 2, False, True, False, False, 128, 4, True, True),  # asym 0.752 -> 0.479 -> 0.451
 }
 
 
