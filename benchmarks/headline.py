@@ -12,7 +12,9 @@ What it measures, per KV format, with kvq's engine and fused Triton kernels:
     decode time does not depend on the values), then full-model decode steps
     (all 32 layers, write + paged attention + MLP + LM head) are timed with CUDA events;
   * prefill time of one 8192-token request, and the end-to-end estimate for a
-    batch of max-concurrency requests (prefill each, then decode OUTPUT tokens).
+    batch of max-concurrency requests (prefill each, then decode OUTPUT tokens);
+  * all of it --rounds times (formats in turn each round): medians, and ratios to
+    BF16 taken within a round, with their range over rounds.
 Prefilling hundreds of 8k requests for real would take minutes of device time per
 format; the decode phase is where KV capacity and KV bytes decide throughput.
 """
@@ -23,6 +25,7 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -172,13 +175,15 @@ def measure_format(args, name: str, root: Path, eq: int | None) -> dict:
         eq = eq or max_conc  # the first format (bf16) sets the equal-concurrency load
         for label, n in (("max", max_conc), ("equal", min(eq, max_conc))):
             batch = decode_batch(engine, tables[:n], ctx)
-            ms = time_ms(lambda b=batch: engine.model.forward_paged(b, engine.runner.caches, engine.backend))
+            ms = time_ms(lambda b=batch: engine.model.forward_paged(b, engine.runner.caches, engine.backend),
+                         reps=args.reps)
             row[f"decode_step_ms_{label}"] = ms
             row[f"decode_tok_s_{label}"] = n / ms * 1e3
             row[f"concurrency_{label}"] = n
         # continuous batching of max_conc requests: each prefilled once, then out_len decode steps
         e2e_s = max_conc * pf / 1e3 + out_len * row["decode_step_ms_max"] / 1e3
         row["e2e_tok_s_est"] = max_conc * out_len / e2e_s
+        row["output_len"] = out_len
         if torch.cuda.is_available():
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         return row
@@ -187,38 +192,80 @@ def measure_format(args, name: str, root: Path, eq: int | None) -> dict:
 
 
 def run(args) -> list[dict]:
+    """Every format, `args.rounds` times over (formats in turn each round): raw rows, one per (round, format).
+
+    Each format needs the whole KV budget, so formats cannot share the GPU; repeating the
+    sequence shows how much of a ratio is the machine drifting between two engines.
+    """
     root = Path(tempfile.mkdtemp())
     rows: list[dict] = []
     t_start = time.perf_counter()
-    for name in args.formats:
-        if time.perf_counter() - t_start > args.time_budget_s:
-            print(f"skipping {name}: time budget of {args.time_budget_s:.0f} s spent", flush=True)
-            continue
-        try:
-            row = measure_format(args, name, root, rows[0]["max_concurrency"] if rows else None)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.progress:
-                with open(args.progress, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-        except Exception as e:  # keep the other formats' numbers; report the failure
-            print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
-            if not rows:
-                raise
-        finally:
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+    eq = None
+    for rnd in range(args.rounds):
+        (root / f"round{rnd}").mkdir()
+        for name in args.formats:
+            if time.perf_counter() - t_start > args.time_budget_s:
+                print(f"skipping {name} (round {rnd}): time budget of {args.time_budget_s:.0f} s spent", flush=True)
+                continue
+            try:
+                row = {"round": rnd, **measure_format(args, name, root / f"round{rnd}", eq)}
+                eq = eq or row["max_concurrency"]  # the first format (bf16) sets the equal load
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.progress:
+                    with open(args.progress, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+            except Exception as e:  # keep the other formats' numbers; report the failure
+                print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
+                if not rows:
+                    raise
+            finally:
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
     return rows
 
 
+def summarize(raw: list[dict]) -> list[dict]:
+    """One row per format: median step and prefill times over rounds, and each throughput ratio to
+    the first format (bf16) as the median and range of the per-round ratios (same round, same drift)."""
+    base_name = raw[0]["format"]
+    base = {r["round"]: r for r in raw if r["format"] == base_name}
+    out = []
+    for name in dict.fromkeys(r["format"] for r in raw):
+        mine = [r for r in raw if r["format"] == name]
+        row = dict(mine[0])
+        row.pop("round")
+        row["rounds"] = len(mine)
+        for key in ("prefill_8k_ms", "decode_step_ms_max", "decode_step_ms_equal"):
+            row[key] = statistics.median(r[key] for r in mine)
+        for label in ("max", "equal"):
+            row[f"decode_tok_s_{label}"] = row[f"concurrency_{label}"] / row[f"decode_step_ms_{label}"] * 1e3
+        e2e_s = row["max_concurrency"] * row["prefill_8k_ms"] / 1e3 + row["output_len"] * row["decode_step_ms_max"] / 1e3
+        row["e2e_tok_s_est"] = row["max_concurrency"] * row["output_len"] / e2e_s
+        for key in ("decode_tok_s_max", "decode_tok_s_equal", "e2e_tok_s_est"):
+            ratios = [r[key] / base[r["round"]][key] for r in mine if r["round"] in base]
+            row[f"{key}_x_base"] = statistics.median(ratios) if ratios else float("nan")
+            row[f"{key}_x_base_range"] = [min(ratios), max(ratios)] if ratios else None
+        out.append(row)
+    return out
+
+
 def markdown(rows: list[dict], args) -> str:
-    base = rows[0]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+    def ratio(r: dict, key: str) -> str:
+        lo_hi = r[f"{key}_x_base_range"]
+        spread = f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi and r["rounds"] > 1 else ""
+        return f"{r[f'{key}_x_base']:.2f}{spread}"
+
+    base = rows[0]
     lines = [f"{args.preset} geometry, synthetic bf16 weights, "
              f"{args.prompt}-token prompts + {args.output} output, one KV budget of {args.kv_gib:g} GiB, "
-             f"block {args.block}, {gpu}, torch {torch.__version__}.", "",
+             f"block {args.block}, {gpu}, torch {torch.__version__}. {base['rounds']} round(s) of every format in "
+             f"turn, {args.reps} timed steps each: times are medians over rounds; x FP16 is the median of the "
+             "per-round ratios (range over rounds in brackets).", "",
              "| KV format | KiB/token | pool tokens | max concurrent | x FP16 | decode tok/s @max | x FP16 | "
              "decode tok/s @equal | x FP16 | step ms @max | prefill 8k ms | e2e tok/s est. | x FP16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -226,9 +273,9 @@ def markdown(rows: list[dict], args) -> str:
         lines.append(
             f"| {r['format']} | {r['bytes_per_token'] / 1024:.1f} | {r['pool_tokens']:,} | {r['max_concurrency']} | "
             f"{r['max_concurrency'] / base['max_concurrency']:.2f} | {r['decode_tok_s_max']:.0f} | "
-            f"{r['decode_tok_s_max'] / base['decode_tok_s_max']:.2f} | {r['decode_tok_s_equal']:.0f} | "
-            f"{r['decode_tok_s_equal'] / base['decode_tok_s_equal']:.2f} | {r['decode_step_ms_max']:.1f} | "
-            f"{r['prefill_8k_ms']:.0f} | {r['e2e_tok_s_est']:.0f} | {r['e2e_tok_s_est'] / base['e2e_tok_s_est']:.2f} |")
+            f"{ratio(r, 'decode_tok_s_max')} | {r['decode_tok_s_equal']:.0f} | {ratio(r, 'decode_tok_s_equal')} | "
+            f"{r['decode_step_ms_max']:.1f} | {r['prefill_8k_ms']:.0f} | {r['e2e_tok_s_est']:.0f} | "
+            f"{ratio(r, 'e2e_tok_s_est')} |")
     return "\n".join(lines)
 
 
@@ -244,13 +291,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=1e9, help="Start no new format after this long.")
     ap.add_argument("--progress", type=Path, default=None, help="Append each row here as soon as it is measured.")
+    ap.add_argument("--rounds", type=int, default=3, help="Measure every format this many times, in turn.")
+    ap.add_argument("--reps", type=int, default=10, help="Timed decode steps per measurement (median).")
     args = ap.parse_args()
-    rows = run(args)
+    raw = run(args)
+    rows = summarize(raw)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "headline.jsonl", "w") as f:
-        for r in rows:
-            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-            f.write(json.dumps({**r, "gpu": gpu, "torch": torch.__version__, "preset": args.preset}) + "\n")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    for name, data in (("headline.jsonl", rows), ("headline_rounds.jsonl", raw)):
+        with open(args.out / name, "w") as f:
+            for r in data:
+                f.write(json.dumps({**r, "gpu": gpu, "torch": torch.__version__, "preset": args.preset}) + "\n")
     md = markdown(rows, args)
     (args.out / "headline.md").write_text(md + "\n")
     print(md)
