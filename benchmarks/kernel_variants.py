@@ -60,6 +60,10 @@ VARIANTS = {
     "w-n64": dict(warps=True, block_n=64),
     "w-n64-s3": dict(warps=True, block_n=64, num_stages=3),
     "w-n64-r128": dict(warps=True, block_n=64, maxnreg=128),
+    # heads on M without the 8-bit formats' register cap (maxnreg=0): 167 registers, no spills,
+    # K and V both through cp.async (SASS); not yet timed
+    "w-n64-nocap": dict(warps=True, block_n=64, maxnreg=0),
+    "w-n64-s3-nocap": dict(warps=True, block_n=64, num_stages=3, maxnreg=0),
     "w-n128": dict(warps=True, block_n=128),
     "w8-n128": dict(warps=True, block_n=128, num_warps=8),
     "w-n64-sp8": dict(warps=True, block_n=64, num_splits=8),

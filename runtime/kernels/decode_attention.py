@@ -284,7 +284,7 @@ def decode_attention_launch(
     (`_operand`). dot_fp16: dots in fp16 whatever q's dtype (exact for raw 8-/4-bit values,
     finer than bf16 for q and p). p_scale: per-token V scales multiply p, V stays raw.
     swap: transposed products, tokens as the tensor-core M dimension. maxnreg: cap registers
-    per thread (more resident programs per SM; GPU only). warps: the one-softmax-state-per-warp
+    per thread (more resident programs per SM; GPU only; 0 = no cap). warps: the one-softmax-state-per-warp
     kernel (`decode_warps.py`; block_n tokens per tile, block_n / num_warps per warp, >= 16);
     heads_n: there, query heads on the mma N dimension. int8_asm: widen int8 with the PTX of
     `dequant._widen_asm` (with fp16 dots only). swap, v_transposed and cvt_early
