@@ -14,7 +14,10 @@ loads and once at the end, where the W partial states merge exactly like split-K
 partials (out = sum_w 2^(m_w - m) acc_w / sum_w 2^(m_w - m) l_w).
 
 HEADS_N puts the query heads on the mma N dimension (acc^T = V^T p^T), which pads
-a group of 4 to 8 columns instead of 16 rows and halves the accumulator registers.
+a group of 4 to 8 columns instead of 16 rows and halves the accumulator registers;
+its price: V becomes the transposed A operand, which Triton 3.6 loads into
+registers instead of through its cp.async pipeline, and uses in the same
+iteration (SASS; KERNEL_NOTES.md, "What limits it now").
 
 Dequantization follows `_decode_kernel` (same helpers, same exact-operand algebra):
 raw stored values in the dots, K scales on the scores, static V scales on the
@@ -26,22 +29,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .dequant import _dot, _unpack
-
-
-@triton.jit
-def _cast(x, dt: tl.constexpr, DOT: tl.constexpr):
-    if DOT == 2:
-        y = x.to(tl.float32)
-    else:
-        y = x.to(dt)
-    return y
+from .dequant import _dot, _operand, _unpack
 
 
 @triton.jit
 def _k_operand(kraw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, ASM_LO: tl.constexpr,
                ASM_HI: tl.constexpr, dt: tl.constexpr, DOT: tl.constexpr):
-    return _cast(_unpack(kraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT)
+    return _operand(_unpack(kraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT, False)
 
 
 @triton.jit
@@ -53,7 +47,7 @@ def _v_operand(vraw, HALF: tl.constexpr, vs, vz, V_TOKEN: tl.constexpr, KIND: tl
         v = v.to(tl.float32) * vs[:, :, None]
         if ASYM:
             v += vz[:, :, None]
-    return _cast(v, dt, DOT)
+    return _operand(v, dt, DOT, False)
 
 
 @triton.jit
@@ -129,12 +123,14 @@ def _decode_kernel_warps(
     qmask = hmask[:, None] & dmask[None, :]
     # fp16 dots take q / 16 (exact: a power of two), so q may reach 16 x fp16's 65504
     q_pre = 0.0625 if DOT_F16 else 1.0
-    q_a = _cast(tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32) * q_pre, dt, DOT)
+    q_a = tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32)
+    q_a = _operand(q_a * q_pre, dt, DOT, False)
     # sum(q) of the rounded q the dots see (for asymmetric K's zero points)
     qsum = tl.sum(q_a.to(tl.float32), 1)
     q_b = q_a
     if KIND == 2:
-        q_b = _cast(tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qmask, other=0.0).to(tl.float32) * q_pre, dt, DOT)
+        q_b = tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qmask, other=0.0).to(tl.float32)
+        q_b = _operand(q_b * q_pre, dt, DOT, False)
         qsum += tl.sum(q_b.to(tl.float32), 1)
     # every warp multiplies by the same q: [W, D, H] (heads on N) or [W, H, D]
     if HEADS_N:
@@ -218,7 +214,7 @@ def _decode_kernel_warps(
                 pw = p * (vs / vs_max[:, None])[:, :, None]
             else:
                 pw = p * (vs / vs_max[:, None])[:, None, :]
-        pd = _cast(pw, dt, DOT)
+        pd = _operand(pw, dt, DOT, False)
         if HEADS_N:
             a_scale = alpha[:, None, :]
         else:
