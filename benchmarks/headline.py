@@ -155,6 +155,12 @@ def prefill_ms(engine: Engine, ctx: int) -> float:
     return ms
 
 
+def e2e_tok_s(row: dict) -> float:
+    """Continuous batching of max_concurrency requests: each prefilled once, then output_len decode steps."""
+    seconds = (row["max_concurrency"] * row["prefill_8k_ms"] + row["output_len"] * row["decode_step_ms_max"]) / 1e3
+    return row["max_concurrency"] * row["output_len"] / seconds
+
+
 def measure_format(args, name: str, root: Path, eq: int | None) -> dict:
     """One engine: everything it allocates dies with this frame, so the next format gets the GPU back."""
     cfg = PRESETS[args.preset]
@@ -180,10 +186,8 @@ def measure_format(args, name: str, root: Path, eq: int | None) -> dict:
             row[f"decode_step_ms_{label}"] = ms
             row[f"decode_tok_s_{label}"] = n / ms * 1e3
             row[f"concurrency_{label}"] = n
-        # continuous batching of max_conc requests: each prefilled once, then out_len decode steps
-        e2e_s = max_conc * pf / 1e3 + out_len * row["decode_step_ms_max"] / 1e3
-        row["e2e_tok_s_est"] = max_conc * out_len / e2e_s
         row["output_len"] = out_len
+        row["e2e_tok_s_est"] = e2e_tok_s(row)
         if torch.cuda.is_available():
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         return row
@@ -242,8 +246,7 @@ def summarize(raw: list[dict]) -> list[dict]:
             row[key] = statistics.median(r[key] for r in mine)
         for label in ("max", "equal"):
             row[f"decode_tok_s_{label}"] = row[f"concurrency_{label}"] / row[f"decode_step_ms_{label}"] * 1e3
-        e2e_s = row["max_concurrency"] * row["prefill_8k_ms"] / 1e3 + row["output_len"] * row["decode_step_ms_max"] / 1e3
-        row["e2e_tok_s_est"] = row["max_concurrency"] * row["output_len"] / e2e_s
+        row["e2e_tok_s_est"] = e2e_tok_s(row)
         for key in ("decode_tok_s_max", "decode_tok_s_equal", "e2e_tok_s_est"):
             ratios = [r[key] / base[r["round"]][key] for r in mine if r["round"] in base]
             row[f"{key}_x_base"] = statistics.median(ratios) if ratios else float("nan")

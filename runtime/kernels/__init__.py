@@ -16,7 +16,8 @@ defaults are the fastest tiles measured on the H200 (benchmarks/KERNEL_NOTES.md)
 Files: formats.py (KV format -> compile-time constants, cache checks),
 write_kv.py, decode_attention.py (launcher and the query-heads x tokens kernel),
 decode_warps.py (the one-softmax-state-per-warp kernel the 8-bit and per-token
-formats use), dequant.py (widening helpers both kernels share), tuning.py
+formats use), dequant.py (widening helpers both kernels share), group_io.py
+(their q load, scale folding and output/partial store), tuning.py
 (per-format launch defaults), split_k.py (split count, merge kernel).
 Kernels run on CUDA tensors; on CPU only under TRITON_INTERPRET=1 (set before
 this package is imported), otherwise they raise UnsupportedError.

@@ -39,15 +39,11 @@ from ..kv_cache import LayerCache
 from .decode_warps import _decode_kernel_warps
 from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack, _widen_asm
 from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, check_device, kernel_format
+from .group_io import _group_q, _static_folds, _store_group
 from .split_k import choose_num_splits, merge_splits, sm_count
 from .tuning import tuned_for
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_q(Q, q_row, heads_mask, cols, dmask):
-    return tl.load(Q + q_row[:, None] + cols[None, :], mask=heads_mask[:, None] & dmask[None, :], other=0.0)
 
 
 @triton.jit
@@ -120,37 +116,10 @@ def _decode_kernel(
     # with P_SCALE the per-token V scale goes into p, so V is widened like a static format's
     V_SCALE: tl.constexpr = 0 if P_SCALE else SCALE_MODE
 
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < GROUP
-    heads = kvh * GROUP + offs_h
-    q_row = b * stride_qb + heads * stride_qh
+    q_a, q_b, qsum, q_pre, heads, hmask, cols_a, cols_b, dmask = _group_q(
+        Q, b, kvh, stride_qb, stride_qh, GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, KIND, DOT_F16, dt, DOT)
     offs_d = tl.arange(0, BLOCK_D)
-    if KIND == 2:  # stored dim is head_dim/2: q splits into even and odd columns
-        dmask = offs_d < HEAD_DIM // 2
-        cols_a = 2 * offs_d
-        cols_b = 2 * offs_d + 1
-    else:
-        dmask = offs_d < HEAD_DIM
-        cols_a = offs_d
-        cols_b = offs_d
-    # fp16 dots take q / 16 (exact: a power of two), so q may reach 16 x fp16's 65504
-    q_pre = 0.0625 if DOT_F16 else 1.0
-    q_a = (_load_q(Q, q_row, hmask, cols_a, dmask).to(tl.float32) * q_pre).to(dt)
-    q_b = q_a
-    if KIND == 2:
-        q_b = (_load_q(Q, q_row, hmask, cols_b, dmask).to(tl.float32) * q_pre).to(dt)
-    qsum = tl.sum(q_a.to(tl.float32), 1)
-    if KIND == 2:
-        qsum += tl.sum(q_b.to(tl.float32), 1)
-
-    k_fold = qk_scale / q_pre
-    v_fold = 1.0
-    if SCALE_MODE == 1:
-        k_fold = k_fold * tl.load(KS)
-        v_fold = tl.load(VS)
-    elif SCALE_MODE == 2:
-        k_fold = k_fold * tl.load(KS + kvh)
-        v_fold = tl.load(VS + kvh)
+    k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, q_pre, SCALE_MODE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -238,26 +207,8 @@ def _decode_kernel(
     if SWAP:
         acc_a = tl.trans(acc_a)
         acc_b = tl.trans(acc_b)
-    acc_a = acc_a * v_fold
-    acc_b = acc_b * v_fold
-    if SPLIT:
-        prow = (b * NUM_HEADS + heads) * num_splits + sp
-        tl.store(PM + prow, m_i, mask=hmask)
-        tl.store(PL + prow, l_i, mask=hmask)
-        out_a = PACC + prow[:, None] * HEAD_DIM + cols_a[None, :]
-        out_b = PACC + prow[:, None] * HEAD_DIM + cols_b[None, :]
-        wa = acc_a
-        wb = acc_b
-    else:
-        o_row = b * stride_ob + heads * stride_oh
-        out_a = OUT + o_row[:, None] + cols_a[None, :]
-        out_b = OUT + o_row[:, None] + cols_b[None, :]
-        wa = (acc_a / l_i[:, None]).to(OUT.dtype.element_ty)
-        wb = (acc_b / l_i[:, None]).to(OUT.dtype.element_ty)
-    omask = hmask[:, None] & dmask[None, :]
-    tl.store(out_a, wa, mask=omask)
-    if KIND == 2:
-        tl.store(out_b, wb, mask=omask)
+    _store_group(OUT, PM, PL, PACC, acc_a * v_fold, acc_b * v_fold, m_i, l_i, b, sp, heads, hmask, cols_a, cols_b,
+                 dmask, num_splits, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, KIND, SPLIT)
 
 
 def _dot_mode(dtype: torch.dtype) -> int:

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .dequant import _dot, _operand, _unpack
+from .group_io import _group_q, _static_folds, _store_group
 
 
 @triton.jit
@@ -107,31 +108,9 @@ def _decode_kernel_warps(
         dt = Q.dtype.element_ty
     V_TOKEN: tl.constexpr = SCALE_MODE == 3 and not P_SCALE
 
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < GROUP
-    heads = kvh * GROUP + offs_h
-    q_row = b * stride_qb + heads * stride_qh
+    q_a, q_b, qsum, q_pre, heads, hmask, cols_a, cols_b, dmask = _group_q(
+        Q, b, kvh, stride_qb, stride_qh, GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, KIND, DOT_F16, dt, DOT)
     offs_d = tl.arange(0, BLOCK_D)
-    if KIND == 2:  # stored dim is head_dim/2: q splits into even and odd columns
-        dmask = offs_d < HEAD_DIM // 2
-        cols_a = 2 * offs_d
-        cols_b = 2 * offs_d + 1
-    else:
-        dmask = offs_d < HEAD_DIM
-        cols_a = offs_d
-        cols_b = offs_d
-    qmask = hmask[:, None] & dmask[None, :]
-    # fp16 dots take q / 16 (exact: a power of two), so q may reach 16 x fp16's 65504
-    q_pre = 0.0625 if DOT_F16 else 1.0
-    q_a = tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32)
-    q_a = _operand(q_a * q_pre, dt, DOT, False)
-    # sum(q) of the rounded q the dots see (for asymmetric K's zero points)
-    qsum = tl.sum(q_a.to(tl.float32), 1)
-    q_b = q_a
-    if KIND == 2:
-        q_b = tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qmask, other=0.0).to(tl.float32)
-        q_b = _operand(q_b * q_pre, dt, DOT, False)
-        qsum += tl.sum(q_b.to(tl.float32), 1)
     # every warp multiplies by the same q: [W, D, H] (heads on N) or [W, H, D]
     if HEADS_N:
         qk_a = tl.broadcast_to(tl.trans(q_a)[None, :, :], (W, BLOCK_D, BLOCK_H))
@@ -140,14 +119,7 @@ def _decode_kernel_warps(
         qk_a = tl.broadcast_to(q_a[None, :, :], (W, BLOCK_H, BLOCK_D))
         qk_b = tl.broadcast_to(q_b[None, :, :], (W, BLOCK_H, BLOCK_D))
 
-    k_fold = qk_scale / q_pre
-    v_fold = 1.0
-    if SCALE_MODE == 1:
-        k_fold = k_fold * tl.load(KS)
-        v_fold = tl.load(VS)
-    elif SCALE_MODE == 2:
-        k_fold = k_fold * tl.load(KS + kvh)
-        v_fold = tl.load(VS + kvh)
+    k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, q_pre, SCALE_MODE)
 
     # token axis of the score tile: 1 with heads on N ([W, NW, H]), else 2 ([W, H, NW])
     TAX: tl.constexpr = 1 if HEADS_N else 2
@@ -245,21 +217,6 @@ def _decode_kernel_warps(
     else:
         o_a = tl.sum(acc_a * wgt[:, :, None], 0) * v_fold
         o_b = tl.sum(acc_b * wgt[:, :, None], 0) * v_fold
-    if SPLIT:
-        prow = (b * NUM_HEADS + heads) * num_splits + sp
-        # an empty split (past the sequence's end) reports m = -inf: the merge gives it weight 0
-        tl.store(PM + prow, tl.where(l_w > 0, m_w, float("-inf")), mask=hmask)
-        tl.store(PL + prow, l_w, mask=hmask)
-        out_a = PACC + prow[:, None] * HEAD_DIM + cols_a[None, :]
-        out_b = PACC + prow[:, None] * HEAD_DIM + cols_b[None, :]
-        wa = o_a
-        wb = o_b
-    else:
-        o_row = b * stride_ob + heads * stride_oh
-        out_a = OUT + o_row[:, None] + cols_a[None, :]
-        out_b = OUT + o_row[:, None] + cols_b[None, :]
-        wa = (o_a / l_w[:, None]).to(OUT.dtype.element_ty)
-        wb = (o_b / l_w[:, None]).to(OUT.dtype.element_ty)
-    tl.store(out_a, wa, mask=qmask)
-    if KIND == 2:
-        tl.store(out_b, wb, mask=qmask)
+    # an empty split (past the sequence's end) reports m = -inf: the merge gives it weight 0
+    _store_group(OUT, PM, PL, PACC, o_a, o_b, tl.where(l_w > 0, m_w, float("-inf")), l_w, b, sp, heads, hmask,
+                 cols_a, cols_b, dmask, num_splits, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, KIND, SPLIT)

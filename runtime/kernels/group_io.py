@@ -1,0 +1,93 @@
+"""What a decode program reads and writes for its query-head group, the same in both kernels.
+
+A program of `decode_attention._decode_kernel` or `decode_warps._decode_kernel_warps`
+serves the GROUP query heads of one KV head: it loads their q rows, folds the static
+K/V scales into the softmax scale and the output, and writes either the finished output
+or a split-K partial (m, l, unnormalized acc) for `split_k.merge_splits`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .dequant import _operand
+
+
+@triton.jit
+def _group_q(Q, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, DOT_F16: tl.constexpr,
+             dt: tl.constexpr, DOT: tl.constexpr):
+    """q of the group as dot operands [BLOCK_H, BLOCK_D] (even/odd columns for int4), their row sums,
+    and the head/column indices and masks the output store needs.
+
+    fp16 dots take q / 16 (exact: a power of two), so q may reach 16 x fp16's 65504; q_pre is
+    that factor, which the caller divides back out of the softmax scale.
+    """
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+    q_row = b * stride_qb + heads * stride_qh
+    offs_d = tl.arange(0, BLOCK_D)
+    if KIND == 2:  # stored dim is head_dim/2: q splits into even and odd columns
+        dmask = offs_d < HEAD_DIM // 2
+        cols_a = 2 * offs_d
+        cols_b = 2 * offs_d + 1
+    else:
+        dmask = offs_d < HEAD_DIM
+        cols_a = offs_d
+        cols_b = offs_d
+    qmask = hmask[:, None] & dmask[None, :]
+    q_pre = 0.0625 if DOT_F16 else 1.0
+    q_a = tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32)
+    q_a = _operand(q_a * q_pre, dt, DOT, False)
+    q_b = q_a
+    if KIND == 2:
+        q_b = tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qmask, other=0.0).to(tl.float32)
+        q_b = _operand(q_b * q_pre, dt, DOT, False)
+    # sum(q) of the rounded q the dots see (for asymmetric K's zero points)
+    qsum = tl.sum(q_a.to(tl.float32), 1)
+    if KIND == 2:
+        qsum += tl.sum(q_b.to(tl.float32), 1)
+    return q_a, q_b, qsum, q_pre, heads, hmask, cols_a, cols_b, dmask
+
+
+@triton.jit
+def _static_folds(KS, VS, kvh, qk_scale, q_pre, SCALE_MODE: tl.constexpr):
+    """(factor on q.k_raw, factor on the output): static K scales fold into the softmax scale and
+    undo q_pre; static V scales multiply the output once (1.0 for other scale modes)."""
+    k_fold = qk_scale / q_pre
+    v_fold = 1.0
+    if SCALE_MODE == 1:
+        k_fold = k_fold * tl.load(KS)
+        v_fold = tl.load(VS)
+    elif SCALE_MODE == 2:
+        k_fold = k_fold * tl.load(KS + kvh)
+        v_fold = tl.load(VS + kvh)
+    return k_fold, v_fold
+
+
+@triton.jit
+def _store_group(OUT, PM, PL, PACC, o_a, o_b, m, l, b, sp, heads, hmask, cols_a, cols_b, dmask,
+                 num_splits, stride_ob, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 KIND: tl.constexpr, SPLIT: tl.constexpr):
+    """Unnormalized o [BLOCK_H, BLOCK_D] (both int4 halves), running max m and sum l: with SPLIT the
+    partial for the merge, else o / l in OUT's dtype."""
+    if SPLIT:
+        prow = (b * NUM_HEADS + heads) * num_splits + sp
+        tl.store(PM + prow, m, mask=hmask)
+        tl.store(PL + prow, l, mask=hmask)
+        out_a = PACC + prow[:, None] * HEAD_DIM + cols_a[None, :]
+        out_b = PACC + prow[:, None] * HEAD_DIM + cols_b[None, :]
+        wa = o_a
+        wb = o_b
+    else:
+        o_row = b * stride_ob + heads * stride_oh
+        out_a = OUT + o_row[:, None] + cols_a[None, :]
+        out_b = OUT + o_row[:, None] + cols_b[None, :]
+        wa = (o_a / l[:, None]).to(OUT.dtype.element_ty)
+        wb = (o_b / l[:, None]).to(OUT.dtype.element_ty)
+    omask = hmask[:, None] & dmask[None, :]
+    tl.store(out_a, wa, mask=omask)
+    if KIND == 2:
+        tl.store(out_b, wb, mask=omask)
