@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -116,24 +117,38 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # CPU smoke runs: wall clock
-        t0 = time.perf_counter()
-        for _ in range(reps):
+def time_ms(fns, warmup: int = 2, reps: int = 5, host: list | None = None) -> list[float]:
+    """Median ms of each fn, their timed runs interleaved (a, b, a, b, ...): a drift of the
+    machine during the measurement lands on all of them alike, not on whichever ran last.
+    `host`, if given, receives each fn's median host time to enqueue its work: when that is
+    as long as the GPU time, the step is bound by Python and launches, not by the GPU."""
+    for fn in fns:
+        for _ in range(warmup):
             fn()
-        return (time.perf_counter() - t0) / reps * 1e3
+    if not torch.cuda.is_available():  # CPU smoke runs: wall clock
+        times = [[] for _ in fns]
+        for _ in range(reps):
+            for i, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn()
+                times[i].append((time.perf_counter() - t0) * 1e3)
+        return [statistics.median(t) for t in times]
     torch.cuda.synchronize()
-    times = []
+    times = [[] for _ in fns]
+    enqueue = [[] for _ in fns]
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+        for i, fn in enumerate(fns):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t0 = time.perf_counter()
+            fn()
+            enqueue[i].append((time.perf_counter() - t0) * 1e3)
+            b.record()
+            b.synchronize()
+            times[i].append(a.elapsed_time(b))
+    if host is not None:
+        host.extend(statistics.median(t) for t in enqueue)
+    return [statistics.median(t) for t in times]
 
 
 def prefill_ms(engine: Engine, ctx: int) -> float:
@@ -150,7 +165,7 @@ def prefill_ms(engine: Engine, ctx: int) -> float:
         cu_seqlens=torch.tensor([0, ctx], dtype=torch.int32, device=dev),
         logits_indices=torch.tensor([ctx - 1], dtype=torch.int64, device=dev),
     )
-    ms = time_ms(lambda: engine.model.forward_paged(batch, engine.runner.caches, engine.backend), 1, 3)
+    (ms,) = time_ms([lambda: engine.model.forward_paged(batch, engine.runner.caches, engine.backend)], 1, 3)
     engine.blocks.free("prefill")
     return ms
 
@@ -179,11 +194,14 @@ def measure_format(args, name: str, root: Path, eq: int | None) -> dict:
         tables, fill_gbs = fill_pool(engine, max_conc, ctx)
         row["write_kernel_fill_GBps"] = fill_gbs
         eq = eq or max_conc  # the first format (bf16) sets the equal-concurrency load
-        for label, n in (("max", max_conc), ("equal", min(eq, max_conc))):
-            batch = decode_batch(engine, tables[:n], ctx)
-            ms = time_ms(lambda b=batch: engine.model.forward_paged(b, engine.runner.caches, engine.backend),
-                         reps=args.reps)
+        loads = {"max": max_conc, "equal": min(eq, max_conc)}
+        batches = [decode_batch(engine, tables[:n], ctx) for n in loads.values()]
+        steps = [partial(engine.model.forward_paged, b, engine.runner.caches, engine.backend) for b in batches]
+        host: list[float] = []
+        step_ms = time_ms(steps, reps=args.reps, host=host)
+        for (label, n), ms, h in zip(loads.items(), step_ms, host or [None] * len(steps)):
             row[f"decode_step_ms_{label}"] = ms
+            row[f"decode_step_host_ms_{label}"] = h
             row[f"decode_tok_s_{label}"] = n / ms * 1e3
             row[f"concurrency_{label}"] = n
         row["output_len"] = out_len
@@ -242,8 +260,10 @@ def summarize(raw: list[dict]) -> list[dict]:
         row = dict(mine[0])
         row.pop("round")
         row["rounds"] = len(mine)
-        for key in ("prefill_8k_ms", "decode_step_ms_max", "decode_step_ms_equal"):
-            row[key] = statistics.median(r[key] for r in mine)
+        for key in ("prefill_8k_ms", "decode_step_ms_max", "decode_step_ms_equal",
+                    "decode_step_host_ms_max", "decode_step_host_ms_equal"):
+            vals = [r[key] for r in mine if r.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
         for label in ("max", "equal"):
             row[f"decode_tok_s_{label}"] = row[f"concurrency_{label}"] / row[f"decode_step_ms_{label}"] * 1e3
         row["e2e_tok_s_est"] = e2e_tok_s(row)
@@ -256,7 +276,8 @@ def summarize(raw: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], args) -> str:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu = rows[0].get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    torch_version = rows[0].get("torch", torch.__version__)
 
     def ratio(r: dict, key: str) -> str:
         lo_hi = r[f"{key}_x_base_range"]
@@ -266,18 +287,26 @@ def markdown(rows: list[dict], args) -> str:
     base = rows[0]
     lines = [f"{args.preset} geometry, synthetic bf16 weights, "
              f"{args.prompt}-token prompts + {args.output} output, one KV budget of {args.kv_gib:g} GiB, "
-             f"block {args.block}, {gpu}, torch {torch.__version__}. {base['rounds']} round(s) of every format in "
+             f"block {args.block}, {gpu}, torch {torch_version}. {base['rounds']} round(s) of every format in "
              f"turn, {args.reps} timed steps each: times are medians over rounds; x FP16 is the median of the "
-             "per-round ratios (range over rounds in brackets).", "",
+             "per-round ratios (range over rounds in brackets). Step ms: GPU time of one decode step, and in "
+             "brackets the host's time to enqueue it (Python + launches); where the two are equal the GPU waited "
+             "on the host.", "",
              "| KV format | KiB/token | pool tokens | max concurrent | x FP16 | decode tok/s @max | x FP16 | "
-             "decode tok/s @equal | x FP16 | step ms @max | prefill 8k ms | e2e tok/s est. | x FP16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode tok/s @equal | x FP16 | step ms @max (host) | step ms @equal (host) | prefill 8k ms | "
+             "e2e tok/s est. | x FP16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def step(r: dict, label: str) -> str:
+        host = r.get(f"decode_step_host_ms_{label}")
+        return f"{r[f'decode_step_ms_{label}']:.1f}" + (f" ({host:.1f})" if host is not None else "")
+
     for r in rows:
         lines.append(
             f"| {r['format']} | {r['bytes_per_token'] / 1024:.1f} | {r['pool_tokens']:,} | {r['max_concurrency']} | "
             f"{r['max_concurrency'] / base['max_concurrency']:.2f} | {r['decode_tok_s_max']:.0f} | "
             f"{ratio(r, 'decode_tok_s_max')} | {r['decode_tok_s_equal']:.0f} | {ratio(r, 'decode_tok_s_equal')} | "
-            f"{r['decode_step_ms_max']:.1f} | {r['prefill_8k_ms']:.0f} | {r['e2e_tok_s_est']:.0f} | "
+            f"{step(r, 'max')} | {step(r, 'equal')} | {r['prefill_8k_ms']:.0f} | {r['e2e_tok_s_est']:.0f} | "
             f"{ratio(r, 'e2e_tok_s_est')} |")
     return "\n".join(lines)
 
@@ -296,7 +325,13 @@ def main() -> None:
     ap.add_argument("--progress", type=Path, default=None, help="Append each row here as soon as it is measured.")
     ap.add_argument("--rounds", type=int, default=3, help="Measure every format this many times, in turn.")
     ap.add_argument("--reps", type=int, default=10, help="Timed decode steps per measurement (median).")
+    ap.add_argument("--markdown", type=Path, default=None,
+                    help="Only rebuild headline.md in --out from this headline_rounds.jsonl.")
     args = ap.parse_args()
+    if args.markdown:
+        raw = [json.loads(line) for line in args.markdown.read_text().splitlines() if line.strip()]
+        (args.out / "headline.md").write_text(markdown(summarize(raw), args) + "\n")
+        return
     raw = run(args)
     rows = summarize(raw)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -57,16 +57,26 @@ VARIANTS = {
     "swap-f16-s3": dict(swap=True, dot_fp16=True, cvt_early=False, num_stages=3),
     "swap-f16-pscale": dict(swap=True, dot_fp16=True, cvt_early=False, p_scale=True),
     # the one-softmax-state-per-warp kernel (decode_warps.py): tokens per tile / warps = per warp
-    "w-n64": dict(warps=True, block_n=64),
-    "w-n64-s3": dict(warps=True, block_n=64, num_stages=3),
-    "w-n64-r128": dict(warps=True, block_n=64, maxnreg=128),
+    # ("w-": heads on M, said explicitly since the per-warp defaults put heads on N)
+    "w-n64": dict(warps=True, heads_n=False, block_n=64),
+    "w-n64-s3": dict(warps=True, heads_n=False, block_n=64, num_stages=3),
+    "w-n64-r128": dict(warps=True, heads_n=False, block_n=64, maxnreg=128),
     # heads on M without the 8-bit formats' register cap (maxnreg=0): 167 registers, no spills,
-    # K and V both through cp.async (SASS); not yet timed
-    "w-n64-nocap": dict(warps=True, block_n=64, maxnreg=0),
-    "w-n64-s3-nocap": dict(warps=True, block_n=64, num_stages=3, maxnreg=0),
-    "w-n128": dict(warps=True, block_n=128),
-    "w8-n128": dict(warps=True, block_n=128, num_warps=8),
-    "w-n64-sp8": dict(warps=True, block_n=64, num_splits=8),
+    # K and V both through cp.async (SASS)
+    "w-n64-nocap": dict(warps=True, heads_n=False, block_n=64, maxnreg=0),
+    "w-n64-s3-nocap": dict(warps=True, heads_n=False, block_n=64, num_stages=3, maxnreg=0),
+    "w-n64-s4-nocap": dict(warps=True, heads_n=False, block_n=64, num_stages=4, maxnreg=0),
+    "w-n128-nocap": dict(warps=True, heads_n=False, block_n=128, maxnreg=0),
+    "wN-n64-nocap": dict(warps=True, heads_n=True, block_n=64, maxnreg=0),
+    # the same at forced split counts: 167 registers hold 3 programs per SM, not the 4 the
+    # default split rule assumes for these formats
+    **{f"w-n64{s}-nocap-sp{n}": dict(warps=True, heads_n=False, block_n=64, maxnreg=0, num_splits=n,
+                                    **({"num_stages": 3} if s else {}))
+       for s in ("", "-s3") for n in (1, 2, 3, 6)},
+    **{f"w-n128-nocap-sp{n}": dict(warps=True, heads_n=False, block_n=128, maxnreg=0, num_splits=n) for n in (1, 3)},
+    "w-n128": dict(warps=True, heads_n=False, block_n=128),
+    "w8-n128": dict(warps=True, heads_n=False, block_n=128, num_warps=8),
+    "w-n64-sp8": dict(warps=True, heads_n=False, block_n=64, num_splits=8),
     "wN-n64": dict(warps=True, heads_n=True, block_n=64),
     "wN-n64-s3": dict(warps=True, heads_n=True, block_n=64, num_stages=3),
     "wN-n64-r128": dict(warps=True, heads_n=True, block_n=64, maxnreg=128),
@@ -86,12 +96,12 @@ VARIANTS = {
     # int8 widened in PTX (dequant._widen_asm; fp16 dots)
     "wN-n64-asm": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True),
     "wN-n64-asm-r128": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True, maxnreg=128),
-    "w-n128-asm": dict(warps=True, block_n=128, dot_fp16=True, int8_asm=True),
+    "w-n128-asm": dict(warps=True, heads_n=False, block_n=128, dot_fp16=True, int8_asm=True),
     "wN-n64-asm-sp8": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True, num_splits=8),
     "wN-n64-asm-s3-sp8": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True, num_stages=3,
                               num_splits=8),
     "wN-n64-r128-sp8": dict(warps=True, heads_n=True, block_n=64, maxnreg=128, num_splits=8),
-    "w-n128-r128-sp8": dict(warps=True, block_n=128, maxnreg=128, num_splits=8),
+    "w-n128-r128-sp8": dict(warps=True, heads_n=False, block_n=128, maxnreg=128, num_splits=8),
     "wN-n64-f16-r128-sp8": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, maxnreg=128, num_splits=8),
     "f16-asm": dict(dot_fp16=True, int8_asm=True, cvt_early=False),
     "f16-asm-cvt1": dict(dot_fp16=True, int8_asm=True, cvt_early=True),
@@ -108,9 +118,13 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,int8,fp8_e4m3,int4,int8-tok,int4-tok-asym,fp8_e4m3-tok")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--profile", default="", help="FORMAT:VARIANT: only launch it 3 times (run under ncu)")
+    ap.add_argument("--write", action="store_true", help="time the write kernel's tiles instead (WRITE_TILES)")
     args = ap.parse_args()
     if args.profile:
         profile(args.model, args.shape, *args.profile.split(":"))
+        return
+    if args.write:
+        write_tiles(args)
         return
     cpu = not torch.cuda.is_available()
     if cpu:
@@ -155,6 +169,47 @@ def main() -> None:
             del cache
             if not cpu:
                 torch.cuda.empty_cache()
+
+
+# write kernel (block_t tokens per program, num_warps); None = the launcher's choice
+WRITE_TILES = [None, (16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
+
+
+def write_tiles(args) -> None:
+    """Write-kernel GB/s (bf16 K/V read + cache bytes written) per tile, against the same run's
+    device copy; every tile's pages and scales must equal the default launch's, byte for byte."""
+    batch, ctx = (int(x) for x in args.shape.split("x"))
+    kb.BLOCK_SIZE = args.block_size
+    case = kb.Case(args.model, batch, ctx)
+    copy = kb.ceilings()["copy_gbps"]
+    print(f"{args.model} {batch}x{ctx}: copy {copy:.0f} GB/s", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "write_variants.jsonl", "a") as sink:
+        for name in args.formats.split(","):
+            fmt = kb.FORMATS[name]
+            ref = case.cache(fmt)
+            write_kv_launch(ref, case.k, case.v, case.slots)
+            moved = 2 * case.k.numel() * case.k.element_size() + case.kv_bytes(fmt)
+            for tile in WRITE_TILES:
+                cache = case.cache(fmt)
+                opts = {} if tile is None else dict(block_t=tile[0], num_warps=tile[1])
+                fn = partial(write_kv_launch, cache, case.k, case.v, case.slots, **opts)
+                fn()
+                same = all(torch.equal(getattr(cache, f).reshape(-1).view(torch.uint8),
+                                       getattr(ref, f).reshape(-1).view(torch.uint8))
+                           for f in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+                           if getattr(ref, f) is not None)
+                ms = kb.median_ms(fn)
+                row = {"model": args.model, "batch": batch, "ctx": ctx, "format": name, "tile": tile,
+                       "ms": ms, "gbps": moved / ms / 1e6, "copy_gbps": copy, "pct_copy": 100 * moved / ms / 1e6 / copy,
+                       "bytes_equal_default": same}
+                sink.write(json.dumps(row) + "\n")
+                print(f"  {name:14s} {str(tile):10s} {ms:.4f} ms {row['gbps']:6.0f} GB/s {row['pct_copy']:4.0f}% "
+                      f"of copy {'same bytes' if same else 'BYTES DIFFER'}", flush=True)
+                del cache
+            del ref
+            torch.cuda.empty_cache()
 
 
 def profile(model: str, shape: str, fmt_name: str, variant: str) -> None:

@@ -14,10 +14,14 @@ loads and once at the end, where the W partial states merge exactly like split-K
 partials (out = sum_w 2^(m_w - m) acc_w / sum_w 2^(m_w - m) l_w).
 
 HEADS_N puts the query heads on the mma N dimension (acc^T = V^T p^T), which pads
-a group of 4 to 8 columns instead of 16 rows and halves the accumulator registers;
-its price: V becomes the transposed A operand, which Triton 3.6 loads into
-registers instead of through its cp.async pipeline, and uses in the same
-iteration (SASS; KERNEL_NOTES.md, "What limits it now").
+a group of 4 to 8 columns instead of 16 rows and halves the accumulator registers
+(the per-token formats need that to fit 128 registers); its price: V becomes the
+transposed A operand, which Triton 3.6 loads into registers instead of through its
+cp.async pipeline, and uses in the same iteration. With heads on M (the static
+8-bit default) K and V both go through cp.async, but V, the B operand with its
+token axis not contiguous, is read from shared memory one byte per instruction;
+widening it before the staging (`_operand`'s CVT_EARLY) is miscompiled here by
+Triton 3.6 (benchmarks/triton_repro_join_dot3d.py; KERNEL_NOTES.md, "Fourth session").
 
 Dequantization follows `_decode_kernel` (same helpers, same exact-operand algebra):
 raw stored values in the dots, K scales on the scores, static V scales on the

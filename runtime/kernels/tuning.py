@@ -35,13 +35,16 @@ class Tuned(NamedTuple):
 # keyed by (kind, per-token scales). Times: before -> with these options, same runs; the last
 # step of the 8-bit and per-token formats is the per-warp kernel (round 7; int8 widened in
 # PTX), which did not win for bf16 (0.494 -> 0.50-0.61) or int4 per-head (0.297 -> 0.297-0.30).
-# resident_per_sm from the sm_90 compile of each row (H200: 64K registers, 228 KB shared memory
-# per SM): bf16 168 registers and 74 KB -> 3; the others are capped at 128 registers with
-# <= 25 KB of shared memory -> 4.
+# Static fp8/int8 (round 8): heads on M, 3 stages and no register cap -- K and V both through
+# cp.async at 167 registers -- at the split count for 3 programs per SM (93 x 8192: 0.574 ->
+# 0.507-0.516 fp8, 0.643 -> 0.529-0.547 int8). Per-token formats stay capped, heads on N: heads
+# on M lost there by 25-100%. resident_per_sm from the sm_90 compile of each row (H200: 64K
+# registers, 228 KB shared memory per SM): bf16 168 registers and 74 KB -> 3; static fp8/int8
+# 167 registers -> 3; the others are capped at 128 registers with <= 25 KB of shared memory -> 4.
 TUNED = {
     ("float", False): Tuned(128, 3, False, False, False, False, None, 3),  # bf16/fp16: 0.50 ms
-    ("fp8", False): Tuned(64, 3, False, True, False, False, 128, 4, True, True),  # 0.524 -> 0.417 -> 0.392 ms
-    ("int8", False): Tuned(64, 2, False, True, False, False, 128, 4, True, True, True),  # 0.464 -> 0.450 -> 0.443
+    ("fp8", False): Tuned(64, 3, False, True, False, False, None, 3, True),  # 0.524 -> 0.392 -> 0.353-0.359 ms
+    ("int8", False): Tuned(64, 3, False, True, False, False, None, 3, True, False, True),  # 0.464 -> 0.443 -> 0.370-0.373
     ("int4", False): Tuned(128, 2, False, False, False, False, 128, 4),  # 0.432 -> 0.296 ms
     ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 4, True, True),  # 0.553 -> 0.421 ms
     ("int8", True): Tuned(64, 2, False, True, True, False, 128, 4, True, True, True),  # 0.691 -> 0.618 -> 0.474 ms
