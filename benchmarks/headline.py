@@ -109,6 +109,7 @@ def decode_batch(engine: Engine, tables: list[list[int]], pos: int) -> PagedBatc
         seq_lens=torch.full((n,), pos + 1, dtype=torch.int32, device=dev),
         cu_seqlens=torch.zeros(1, dtype=torch.int32, device=dev),
         logits_indices=torch.arange(n, dtype=torch.int64, device=dev),
+        max_position=pos,
     )
 
 
@@ -196,13 +197,21 @@ def measure_format(args, name: str, root: Path, eq: int | None) -> dict:
         eq = eq or max_conc  # the first format (bf16) sets the equal-concurrency load
         loads = {"max": max_conc, "equal": min(eq, max_conc)}
         batches = [decode_batch(engine, tables[:n], ctx) for n in loads.values()]
-        steps = [partial(engine.model.forward_paged, b, engine.runner.caches, engine.backend) for b in batches]
+        # the engine's own step (a CUDA graph replay where it has them) and the eager step
+        engine_steps = [partial(engine.runner.forward, b) for b in batches]
+        eager_steps = [partial(engine.model.forward_paged, b, engine.runner.caches, engine.backend) for b in batches]
         host: list[float] = []
-        step_ms = time_ms(steps, reps=args.reps, host=host)
-        for (label, n), ms, h in zip(loads.items(), step_ms, host or [None] * len(steps)):
-            row[f"decode_step_ms_{label}"] = ms
-            row[f"decode_step_host_ms_{label}"] = h
-            row[f"decode_tok_s_{label}"] = n / ms * 1e3
+        step_ms = time_ms(engine_steps + eager_steps, reps=args.reps, host=host)
+        graphs = engine.runner.graphs
+        row["cuda_graphs"] = graphs is not None and graphs.failure is None
+        if graphs is not None and graphs.failure is not None:
+            print(f"{name}: CUDA graph capture failed, eager steps: {graphs.failure}", flush=True)
+        k = len(loads)
+        for i, (label, n) in enumerate(loads.items()):
+            row[f"decode_step_ms_{label}"] = step_ms[i]
+            row[f"decode_step_eager_ms_{label}"] = step_ms[k + i]
+            row[f"decode_step_host_ms_{label}"] = host[k + i] if host else None  # eager step's enqueue time
+            row[f"decode_tok_s_{label}"] = n / step_ms[i] * 1e3
             row[f"concurrency_{label}"] = n
         row["output_len"] = out_len
         row["e2e_tok_s_est"] = e2e_tok_s(row)
@@ -260,8 +269,8 @@ def summarize(raw: list[dict]) -> list[dict]:
         row = dict(mine[0])
         row.pop("round")
         row["rounds"] = len(mine)
-        for key in ("prefill_8k_ms", "decode_step_ms_max", "decode_step_ms_equal",
-                    "decode_step_host_ms_max", "decode_step_host_ms_equal"):
+        for key in ("prefill_8k_ms", "decode_step_ms_max", "decode_step_ms_equal", "decode_step_eager_ms_max",
+                    "decode_step_eager_ms_equal", "decode_step_host_ms_max", "decode_step_host_ms_equal"):
             vals = [r[key] for r in mine if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
         for label in ("max", "equal"):
@@ -289,17 +298,20 @@ def markdown(rows: list[dict], args) -> str:
              f"{args.prompt}-token prompts + {args.output} output, one KV budget of {args.kv_gib:g} GiB, "
              f"block {args.block}, {gpu}, torch {torch_version}. {base['rounds']} round(s) of every format in "
              f"turn, {args.reps} timed steps each: times are medians over rounds; x FP16 is the median of the "
-             "per-round ratios (range over rounds in brackets). Step ms: GPU time of one decode step, and in "
-             "brackets the host's time to enqueue it (Python + launches); where the two are equal the GPU waited "
-             "on the host.", "",
+             "per-round ratios (range over rounds in brackets). Decode steps are the engine's (CUDA graph "
+             "replays where it has them); step ms: that step's GPU time, then the eager step's GPU time and, in "
+             "brackets, the host's time to enqueue the eager step (Python + launches): where those two are equal "
+             "the eager GPU waited on the host.", "",
              "| KV format | KiB/token | pool tokens | max concurrent | x FP16 | decode tok/s @max | x FP16 | "
-             "decode tok/s @equal | x FP16 | step ms @max (host) | step ms @equal (host) | prefill 8k ms | "
+             "decode tok/s @equal | x FP16 | step ms @max: engine / eager (host) | step ms @equal: engine / eager (host) | "
+             "prefill 8k ms | "
              "e2e tok/s est. | x FP16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def step(r: dict, label: str) -> str:
-        host = r.get(f"decode_step_host_ms_{label}")
-        return f"{r[f'decode_step_ms_{label}']:.1f}" + (f" ({host:.1f})" if host is not None else "")
+        eager, host = r.get(f"decode_step_eager_ms_{label}"), r.get(f"decode_step_host_ms_{label}")
+        return (f"{r[f'decode_step_ms_{label}']:.1f}" + (f" / {eager:.1f}" if eager is not None else "")
+                + (f" ({host:.1f})" if host is not None else ""))
 
     for r in rows:
         lines.append(

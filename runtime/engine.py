@@ -23,6 +23,7 @@ import torch
 from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs
 from .engine_dir import load_tokenizer, read_settings, resolve_dtype, resolve_kv_format, resolve_scales
 from .errors import InputError, KvqError, RequestError
 from .kv_format import KVFormat
@@ -55,6 +56,7 @@ class EngineStats:
     kv_bytes_per_token: float
     pool_source: str
     pool_allocated_bytes: int = 0  # measured: every layer's page + per-token metadata tensors
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs (runtime/cuda_graphs.py)
     step_batch_sizes: list[int] = field(default_factory=list)
     step_num_tokens: list[int] = field(default_factory=list)
     preemptions: int = 0
@@ -69,7 +71,7 @@ class Engine:
     def __init__(
         self, model: LlamaModel, fmt: KVFormat, plan: PoolPlan, k_scales, v_scales, *, tokenizer=None,
         max_batch_size: int = 8, max_seq_len: int | None = None, max_tokens_per_step: int = 2048,
-        attention: str = "auto", max_input_len: int | None = None,
+        attention: str = "auto", max_input_len: int | None = None, cuda_graphs: bool = True,
     ):
         self.model, self.cfg, self.fmt, self.tokenizer = model, model.cfg, fmt, tokenizer
         self.max_seq_len = max_seq_len or model.cfg.max_position_embeddings
@@ -77,7 +79,12 @@ class Engine:
         self.backend = select_backend(model.device, fmt, attention)
         caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size)
-        self.runner = ModelRunner(model, caches, self.blocks, self.backend)
+        # Decode steps replay CUDA graphs where every op is a GPU kernel without host syncs:
+        # on CUDA with the Triton attention (the reference attention sizes its gather on the host).
+        graphs = None
+        if cuda_graphs and model.device.type == "cuda" and self.backend.name.startswith("triton"):
+            graphs = DecodeGraphs(model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size)
+        self.runner = ModelRunner(model, caches, self.blocks, self.backend, graphs)
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step)
         self.stats = EngineStats(
             device=str(model.device), dtype=str(model.dtype).replace("torch.", ""), kv_format=fmt.name,
@@ -88,6 +95,7 @@ class Engine:
                 t.numel() * t.element_size() for c in caches
                 for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
             ),
+            cuda_graphs=graphs is not None,
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -104,7 +112,7 @@ class Engine:
         kv_format: KVFormat | dict | str | None = None, kv_scales: str | Path | dict | None = None,
         max_batch_size: int | None = None, num_blocks: int | None = None, memory_budget: int | None = None,
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
-        max_tokens_per_step: int | None = None,
+        max_tokens_per_step: int | None = None, cuda_graphs: bool = True,
     ) -> Engine:
         d = Path(path)
         if not d.is_dir():
@@ -129,7 +137,7 @@ class Engine:
                          gpu_free_budget=gpu_budget, default_tokens=batch * seq_len)
         return cls(model, fmt, plan, k_scales, v_scales, tokenizer=load_tokenizer(d), max_batch_size=batch,
                    max_seq_len=seq_len, max_tokens_per_step=step_tokens, attention=attention,
-                   max_input_len=settings.max_input_len)
+                   max_input_len=settings.max_input_len, cuda_graphs=cuda_graphs)
 
     # ----------------------------------------------------------- requests
     def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:

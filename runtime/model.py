@@ -64,6 +64,7 @@ class PagedBatch:
     seq_lens: torch.Tensor  # [num_decode] int32, including the token being decoded
     cu_seqlens: torch.Tensor  # [num_prefill + 1] int32, offsets into the prefill part
     logits_indices: torch.Tensor  # [num_sequences] int64: the last token of every sequence
+    max_position: int | None = None  # a host-side bound on `positions` (saves a sync per step)
 
 
 class LlamaModel:
@@ -199,7 +200,7 @@ class LlamaModel:
         ops = backend or reference_backend()
         nd = batch.num_decode
         h = self.embed(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype, batch.max_position)
         has_prefill = h.shape[0] > nd
         for i in range(self.cfg.num_layers):
             layer = self.layer(i)

@@ -56,9 +56,17 @@ class Rotary:
             self._tables[device] = cos_sin
         return cos_sin
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, head_dim] cos and sin for int64 positions, in `dtype` ([T, 1, D] ready to broadcast)."""
-        needed = int(positions.max().item()) + 1 if positions.numel() else 1
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim] cos and sin for int64 positions, in `dtype` ([T, 1, D] ready to broadcast).
+
+        max_position: a bound on the positions known on the host; without it the table size
+        comes from the positions themselves, a device-to-host sync (not allowed while a CUDA
+        graph is being captured)."""
+        if max_position is not None:
+            needed = max_position + 1
+        else:
+            needed = int(positions.max().item()) + 1 if positions.numel() else 1
         cos, sin = self._table(positions.device, needed)
         return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]
 

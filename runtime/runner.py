@@ -17,6 +17,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs
 from .errors import InputError, NumericsError
 from .kv_cache import LayerCache, allocate_layer
 from .kv_format import KVFormat, kv_bytes_per_token
@@ -94,12 +95,14 @@ def allocate_pool(
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, caches: list[LayerCache], blocks: BlockManager, backend):
+    def __init__(self, model: LlamaModel, caches: list[LayerCache], blocks: BlockManager, backend,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
         self.caches = caches
         self.blocks = blocks
         self.backend = backend
         self.device = model.device
+        self.graphs = graphs
 
     def build_batch(self, step: Step) -> PagedBatch:
         bs = self.blocks.block_size
@@ -141,11 +144,21 @@ class ModelRunner:
             seq_lens=tensor(seq_lens, torch.int32),
             cu_seqlens=tensor(cu, torch.int32),
             logits_indices=tensor(last, torch.int64),
+            max_position=max(positions, default=0),
         )
+
+    def forward(self, batch: PagedBatch) -> torch.Tensor:
+        """fp32 logits of every sequence's last token: decode-only steps replay a CUDA graph
+        where the runner has them (`cuda_graphs.DecodeGraphs`), everything else runs eagerly."""
+        if self.graphs is not None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
+        return self.model.forward_paged(batch, self.caches, self.backend)
 
     def run(self, step: Step) -> torch.Tensor:
         """fp32 logits [len(step.sequences), vocab]."""
-        logits = self.model.forward_paged(self.build_batch(step), self.caches, self.backend)
+        logits = self.forward(self.build_batch(step))
         if not bool(torch.isfinite(logits).all()):
             raise NumericsError(
                 "the model produced NaN/Inf logits; check the weights (convert stage), use float32/bfloat16 "
