@@ -65,6 +65,7 @@ def engine_settings(ctx: Context) -> dict[str, Any]:
         "max_num_tokens": b.max_num_tokens,
         "block_size": b.block_size,
         "gpu_memory_fraction": b.gpu_memory_fraction,
+        "cuda_graphs": b.cuda_graphs,
     }
 
 

@@ -73,6 +73,7 @@ class BuildSection(Section):
     pp: int = Field(1, ge=1)
     block_size: int = Field(32, ge=1, le=1024)
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
+    cuda_graphs: bool = Field(True, description="Embedded engine on CUDA: decode steps replay CUDA graphs.")
 
 
 class AccuracySection(Section):

@@ -112,7 +112,7 @@ class Engine:
         kv_format: KVFormat | dict | str | None = None, kv_scales: str | Path | dict | None = None,
         max_batch_size: int | None = None, num_blocks: int | None = None, memory_budget: int | None = None,
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
-        max_tokens_per_step: int | None = None, cuda_graphs: bool = True,
+        max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
     ) -> Engine:
         d = Path(path)
         if not d.is_dir():
@@ -137,7 +137,8 @@ class Engine:
                          gpu_free_budget=gpu_budget, default_tokens=batch * seq_len)
         return cls(model, fmt, plan, k_scales, v_scales, tokenizer=load_tokenizer(d), max_batch_size=batch,
                    max_seq_len=seq_len, max_tokens_per_step=step_tokens, attention=attention,
-                   max_input_len=settings.max_input_len, cuda_graphs=cuda_graphs)
+                   max_input_len=settings.max_input_len,
+                   cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs)
 
     # ----------------------------------------------------------- requests
     def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from runtime.config import PRESETS, ModelConfig
 from runtime.engine import Engine
+from runtime.engine_dir import read_settings
 from runtime.errors import InputError, RequestError
 from runtime.kv_format import KVFormat, kv_bytes_per_token, static_scale_from_amax
 from runtime.runner import plan_pool
@@ -185,6 +186,15 @@ def test_bad_requests_are_rejected_before_running(tiny_dir, tiny_engine):
     with pytest.raises(InputError, match="tokenizer"):
         small.generate(["text needs a tokenizer"])
     small.shutdown()
+
+
+def test_engine_json_cuda_graphs_setting(tmp_path):
+    assert read_settings(tmp_path).cuda_graphs  # no engine.json: on
+    (tmp_path / "engine.json").write_text(json.dumps({"cuda_graphs": False}))
+    assert read_settings(tmp_path).cuda_graphs is False
+    (tmp_path / "engine.json").write_text(json.dumps({"cuda_graphs": "yes"}))
+    with pytest.raises(InputError, match="cuda_graphs must be true or false"):
+        read_settings(tmp_path)
 
 
 def test_engine_directory_files_are_read(tiny_dir, tmp_path):

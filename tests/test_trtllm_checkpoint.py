@@ -246,9 +246,10 @@ def test_build_command_line():
                    "--max_num_tokens", "8192", "--tokens_per_block", "32", "--kv_cache_type", "paged",
                    "--gpt_attention_plugin", "auto",
                    "--use_paged_context_fmha", "disable", "--context_fmha", "enable"]
-    # kvq's engine.json as it is: block_size is tokens_per_block, the memory fraction is a runtime option
+    # kvq's engine.json as it is: block_size is tokens_per_block, the memory fraction and the
+    # embedded engine's CUDA graphs are runtime options
     engine_json = {"max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 2048,
-                   "block_size": 64, "gpu_memory_fraction": 0.9}
+                   "block_size": 64, "gpu_memory_fraction": 0.9, "cuda_graphs": True}
     assert trtllm_build_command("/ck", "/eng", engine_json)[5:] == [
         "--max_batch_size", "8", "--max_input_len", "512", "--max_seq_len", "1024", "--max_num_tokens", "2048",
         "--tokens_per_block", "64", "--kv_cache_type", "paged"]

@@ -33,8 +33,9 @@ _KV_CACHE_TYPES = ("paged", "continuous", "disabled")
 # kvq's engine.json name -> trtllm-build's name for the same setting
 _ALIASES = {"block_size": "tokens_per_block"}
 # engine.json settings that are runtime options, not build flags: the KV pool
-# fraction goes to the Triton config (kv_cache_free_gpu_mem_fraction, trtllm.md §5.3).
-RUNTIME_ONLY = ("gpu_memory_fraction",)
+# fraction goes to the Triton config (kv_cache_free_gpu_mem_fraction, trtllm.md §5.3);
+# cuda_graphs is the embedded engine's (TensorRT-LLM's own cuda_graph_mode is left at its default).
+RUNTIME_ONLY = ("gpu_memory_fraction", "cuda_graphs")
 
 
 def trtllm_build_available() -> bool:
