@@ -10,7 +10,9 @@ What it measures, per KV format, with kvq's engine and fused Triton kernels:
   * decode tokens/s at that concurrency and at the FP16 engine's concurrency (equal load):
     the pool is filled for every sequence through the write kernel (random K/V:
     decode time does not depend on the values), then full-model decode steps
-    (all 32 layers, write + paged attention + MLP + LM head) are timed with CUDA events;
+    (all 32 layers, write + paged attention + MLP + LM head) are timed with CUDA events:
+    the engine's step (a CUDA graph replay, runtime/cuda_graphs.py) and, beside it, the
+    eager step with the host's time to enqueue it, all interleaved;
   * prefill time of one 8192-token request, and the end-to-end estimate for a
     batch of max-concurrency requests (prefill each, then decode OUTPUT tokens);
   * all of it --rounds times (formats in turn each round): medians, and ratios to
