@@ -128,28 +128,26 @@ def time_ms(fns, warmup: int = 2, reps: int = 5, host: list | None = None) -> li
     for fn in fns:
         for _ in range(warmup):
             fn()
-    if not torch.cuda.is_available():  # CPU smoke runs: wall clock
-        times = [[] for _ in fns]
-        for _ in range(reps):
-            for i, fn in enumerate(fns):
-                t0 = time.perf_counter()
-                fn()
-                times[i].append((time.perf_counter() - t0) * 1e3)
-        return [statistics.median(t) for t in times]
-    torch.cuda.synchronize()
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.synchronize()
     times = [[] for _ in fns]
     enqueue = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            if gpu:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
             t0 = time.perf_counter()
             fn()
             enqueue[i].append((time.perf_counter() - t0) * 1e3)
-            b.record()
-            b.synchronize()
-            times[i].append(a.elapsed_time(b))
-    if host is not None:
+            if gpu:
+                b.record()
+                b.synchronize()
+                times[i].append(a.elapsed_time(b))
+            else:  # CPU smoke runs: the work is done when fn returns
+                times[i].append(enqueue[i][-1])
+    if host is not None and gpu:
         host.extend(statistics.median(t) for t in enqueue)
     return [statistics.median(t) for t in times]
 

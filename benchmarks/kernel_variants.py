@@ -109,6 +109,13 @@ VARIANTS = {
 PER_TOKEN_ONLY = {"f16-cvt0-pscale", "f16-cvt1-pscale", "swap-f16-pscale"}
 
 
+def make_case(args) -> kb.Case:
+    """The --model / --shape / --block-size case every mode runs on."""
+    batch, ctx = (int(x) for x in args.shape.split("x"))
+    kb.BLOCK_SIZE = args.block_size
+    return kb.Case(args.model, batch, ctx)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -121,7 +128,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="time the write kernel's tiles instead (WRITE_TILES)")
     args = ap.parse_args()
     if args.profile:
-        profile(args.model, args.shape, *args.profile.split(":"))
+        profile(args, *args.profile.split(":"))
         return
     if args.write:
         write_tiles(args)
@@ -129,9 +136,8 @@ def main() -> None:
     cpu = not torch.cuda.is_available()
     if cpu:
         kb.DEVICE = "cpu"
-    batch, ctx = (int(x) for x in args.shape.split("x"))
-    kb.BLOCK_SIZE = args.block_size
-    case = kb.Case(args.model, batch, ctx)
+    case = make_case(args)
+    batch, ctx = case.batch, case.ctx
     sdpa_ms, backend = (float("nan"), "none") if cpu else case.sdpa_ms()
     print(f"{args.model} {batch}x{ctx} page {args.block_size}: SDPA[{backend}] {sdpa_ms:.3f} ms", flush=True)
     out = Path(args.out)
@@ -178,9 +184,8 @@ WRITE_TILES = [None, (16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
 def write_tiles(args) -> None:
     """Write-kernel GB/s (bf16 K/V read + cache bytes written) per tile, against the same run's
     device copy; every tile's pages and scales must equal the default launch's, byte for byte."""
-    batch, ctx = (int(x) for x in args.shape.split("x"))
-    kb.BLOCK_SIZE = args.block_size
-    case = kb.Case(args.model, batch, ctx)
+    case = make_case(args)
+    batch, ctx = case.batch, case.ctx
     copy = kb.ceilings()["copy_gbps"]
     print(f"{args.model} {batch}x{ctx}: copy {copy:.0f} GB/s", flush=True)
     out = Path(args.out)
@@ -190,7 +195,7 @@ def write_tiles(args) -> None:
             fmt = kb.FORMATS[name]
             ref = case.cache(fmt)
             write_kv_launch(ref, case.k, case.v, case.slots)
-            moved = 2 * case.k.numel() * case.k.element_size() + case.kv_bytes(fmt)
+            moved = case.write_bytes(fmt)
             for tile in WRITE_TILES:
                 cache = case.cache(fmt)
                 opts = {} if tile is None else dict(block_t=tile[0], num_warps=tile[1])
@@ -212,9 +217,8 @@ def write_tiles(args) -> None:
             torch.cuda.empty_cache()
 
 
-def profile(model: str, shape: str, fmt_name: str, variant: str) -> None:
-    batch, ctx = (int(x) for x in shape.split("x"))
-    case = kb.Case(model, batch, ctx)
+def profile(args, fmt_name: str, variant: str) -> None:
+    case = make_case(args)
     cache = case.cache(kb.FORMATS[fmt_name])
     write_kv_launch(cache, case.k, case.v, case.slots)
     opts = VARIANTS[variant]

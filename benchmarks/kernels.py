@@ -131,6 +131,10 @@ class Case:
         """Bytes the decode kernel must read: K and V of every valid token, scales included."""
         return int(2 * self.batch * self.ctx * self.kv_heads * fmt.bytes_per_token_head(self.head_dim))
 
+    def write_bytes(self, fmt: KVFormat) -> int:
+        """Bytes the write kernel moves: the step's K and V read, the cache's bytes written."""
+        return 2 * self.k.numel() * self.k.element_size() + self.kv_bytes(fmt)
+
     def reference(self, cache) -> torch.Tensor:
         """fp32 attention over the dequantized cache, in sequence order."""
         b, kvh, d = self.batch, self.kv_heads, self.head_dim
@@ -162,7 +166,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
         fmt = FORMATS[name]
         cache = case.cache(fmt)
         write_ms = median_ms(partial(write_kv_launch, cache, case.k, case.v, case.slots))
-        write_bytes = 2 * case.k.numel() * 2 + case.kv_bytes(fmt)
+        write_bytes = case.write_bytes(fmt)
         best = None
         tried = []
         for cfg in configs:

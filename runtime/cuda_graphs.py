@@ -26,8 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import reference_backend
 from .kv_cache import LayerCache
 from .model import LlamaModel, PagedBatch
+
+
+def can_capture(backend) -> bool:
+    """Whether a decode step through `backend` can be captured and padded: the Triton write
+    skips slot -1 (the reference write would wrap it to the pool's last block) and the Triton
+    decode attention never syncs with the host (the reference one sizes its gather there)."""
+    ref = reference_backend()
+    return backend.write_kv is not ref.write_kv and backend.decode_attention is not ref.decode_attention
 
 
 def bucket_for(n: int) -> int:
@@ -57,7 +66,7 @@ class DecodeGraphs:
         self.failure: str | None = None  # why capture failed; from then on every step runs eagerly
         # The RoPE table at its final size now: a captured graph reads the table it saw, so the
         # table must never be rebuilt (grown) after a capture.
-        model.rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=model.device), model.dtype, self.max_position)
+        model.rotary.table(model.device, max_seq_len)
 
     def run(self, batch: PagedBatch) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode-only batch by graph replay; None if it is not one this
@@ -67,10 +76,11 @@ class DecodeGraphs:
             return None
         if batch.block_tables.shape[1] > self.max_blocks:
             return None
-        captured = self._graphs.get(bucket_for(n))
+        size = bucket_for(n)
+        captured = self._graphs.get(size)
         if captured is None:
             try:
-                captured = self._capture(bucket_for(n))
+                captured = self._capture(size)
             except RuntimeError as e:  # an op that cannot be captured: serve eagerly, say why
                 self.failure = f"{type(e).__name__}: {e}"
                 return None

@@ -23,7 +23,7 @@ import torch
 from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, can_capture
 from .engine_dir import load_tokenizer, read_settings, resolve_dtype, resolve_kv_format, resolve_scales
 from .errors import InputError, KvqError, RequestError
 from .kv_format import KVFormat
@@ -79,10 +79,8 @@ class Engine:
         self.backend = select_backend(model.device, fmt, attention)
         caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size)
-        # Decode steps replay CUDA graphs where every op is a GPU kernel without host syncs:
-        # on CUDA with the Triton attention (the reference attention sizes its gather on the host).
         graphs = None
-        if cuda_graphs and model.device.type == "cuda" and self.backend.name.startswith("triton"):
+        if cuda_graphs and model.device.type == "cuda" and can_capture(self.backend):
             graphs = DecodeGraphs(model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size)
         self.runner = ModelRunner(model, caches, self.blocks, self.backend, graphs)
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step)

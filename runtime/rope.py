@@ -45,7 +45,7 @@ class Rotary:
         self.inv_freq = inv_frequencies(cfg)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self._tables.get(device)
         if cos_sin is None or cos_sin[0].shape[0] < needed:
             n = max(256, 1 << (needed - 1).bit_length())
@@ -67,7 +67,7 @@ class Rotary:
             needed = max_position + 1
         else:
             needed = int(positions.max().item()) + 1 if positions.numel() else 1
-        cos, sin = self._table(positions.device, needed)
+        cos, sin = self.table(positions.device, needed)
         return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]
 
 

@@ -8,12 +8,15 @@ do not interact, so a partly filled bucket must give the same rows.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from helpers_runtime import tiny_llama_dir
 
+from runtime.attention import reference_backend
 from runtime.config import ModelConfig
-from runtime.cuda_graphs import bucket_for
+from runtime.cuda_graphs import bucket_for, can_capture
 from runtime.engine import Engine
 from runtime.kv_format import KVFormat, static_scale_from_amax
 from runtime.model import PagedBatch
@@ -29,6 +32,18 @@ def test_bucket_sizes():
     sizes = [1, 2, 4] + list(range(8, 129, 8))
     for n in range(1, 129):
         assert bucket_for(n) == min(s for s in sizes if s >= n)
+
+
+def test_capture_needs_the_kernel_write_and_decode():
+    ref = reference_backend()
+
+    def kernel_op(*args):  # stands for a Triton op: anything that is not the reference function
+        raise AssertionError("not called")
+
+    assert not can_capture(ref)
+    assert not can_capture(types.SimpleNamespace(write_kv=kernel_op, decode_attention=ref.decode_attention))
+    assert not can_capture(types.SimpleNamespace(write_kv=ref.write_kv, decode_attention=kernel_op))
+    assert can_capture(types.SimpleNamespace(write_kv=kernel_op, decode_attention=kernel_op))
 
 
 def test_no_graphs_off_cuda(tmp_path_factory):

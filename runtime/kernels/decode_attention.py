@@ -39,7 +39,7 @@ from ..kv_cache import LayerCache
 from .decode_warps import _decode_kernel_warps
 from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack, _widen_asm
 from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, check_device, kernel_format
-from .group_io import _group_q, _static_folds, _store_group
+from .group_io import _group_q, _program_tokens, _static_folds, _store_group
 from .split_k import choose_num_splits, merge_splits, sm_count
 from .tuning import tuned_for
 
@@ -103,12 +103,7 @@ def _decode_kernel(
     FULL_D: tl.constexpr, V_T: tl.constexpr, CVT_EARLY: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr,
     DOT_F16: tl.constexpr, P_SCALE: tl.constexpr, SWAP: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
-    seq_len = tl.load(SEQ + b)
-    start = sp * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
     if DOT_F16:
         dt = tl.float16
     else:

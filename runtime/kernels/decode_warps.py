@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .dequant import _dot, _operand, _unpack
-from .group_io import _group_q, _static_folds, _store_group
+from .group_io import _group_q, _program_tokens, _static_folds, _store_group
 
 
 @triton.jit
@@ -100,12 +100,7 @@ def _decode_kernel_warps(
     FULL_D: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr,
     DOT_F16: tl.constexpr, P_SCALE: tl.constexpr, HEADS_N: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
-    seq_len = tl.load(SEQ + b)
-    start = sp * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
     if DOT_F16:
         dt = tl.float16
     else:

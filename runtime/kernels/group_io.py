@@ -15,6 +15,18 @@ from .dequant import _operand
 
 
 @triton.jit
+def _program_tokens(SEQ, tokens_per_split):
+    """The (sequence, KV head, split) this program serves and the split's token range [start, end)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    start = sp * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    return b, kvh, sp, start, end
+
+
+@triton.jit
 def _group_q(Q, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, DOT_F16: tl.constexpr,
              dt: tl.constexpr, DOT: tl.constexpr):
