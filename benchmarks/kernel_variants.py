@@ -74,12 +74,31 @@ VARIANTS = {
                                     **({"num_stages": 3} if s else {}))
        for s in ("", "-s3") for n in (1, 2, 3, 6)},
     **{f"w-n128-nocap-sp{n}": dict(warps=True, heads_n=False, block_n=128, maxnreg=0, num_splits=n) for n in (1, 3)},
+    # heads on M at 2-5 stages (with the pages loaded a tile ahead the pipeline really buffers
+    # num_stages - 1 tiles; before, every stage count compiled to one buffer) and forced splits
+    **{f"w-n64-s{s}{'-sp%d' % n if n else ''}": dict(warps=True, heads_n=False, block_n=64, maxnreg=0,
+                                                   num_stages=s, **({"num_splits": n} if n else {}))
+       for s in (2, 3, 4, 5) for n in (0, 2, 3, 4, 6)},
+    # ... and capped at 128 registers: 4 programs per SM (a 32-56 byte spill; sm_90 compile)
+    **{f"w-n64-s{s}-r128{'-sp%d' % n if n else ''}": dict(warps=True, heads_n=False, block_n=64, maxnreg=128,
+                                                        num_stages=s, **({"num_splits": n} if n else {}))
+       for s in (2, 3) for n in (0, 4)},
     "w-n128": dict(warps=True, heads_n=False, block_n=128),
     "w8-n128": dict(warps=True, heads_n=False, block_n=128, num_warps=8),
     "w-n64-sp8": dict(warps=True, heads_n=False, block_n=64, num_splits=8),
     "wN-n64": dict(warps=True, heads_n=True, block_n=64),
     "wN-n64-s3": dict(warps=True, heads_n=True, block_n=64, num_stages=3),
     "wN-n64-r128": dict(warps=True, heads_n=True, block_n=64, maxnreg=128),
+    # one block-table read per token instead of per warp (the fifth session's warp_page off)
+    "d-nowp": dict(warp_page=False),
+    # block-table entries in the same iteration as their K/V (pages_ahead off: one pipeline buffer)
+    "d-nopa": dict(pages_ahead=False),
+    "wN-n64-s3-r128": dict(warps=True, heads_n=True, block_n=64, num_stages=3, maxnreg=128),
+    "wN-n64-s4-r128": dict(warps=True, heads_n=True, block_n=64, num_stages=4, maxnreg=128),
+    # the heads x tokens kernel at more stages (pages a tile ahead: num_stages - 1 real buffers)
+    **{f"c-n{n}-s{s}{'-r128' if r else ''}": dict(warps=False, block_n=n, num_stages=s, maxnreg=r)
+       for n in (64, 128) for s in (2, 3, 4) for r in (0, 128)},
+
     "wN-n128": dict(warps=True, heads_n=True, block_n=128),
     "wN8-n128": dict(warps=True, heads_n=True, block_n=128, num_warps=8),
     "wN-n64-sp8": dict(warps=True, heads_n=True, block_n=64, num_splits=8),
@@ -153,7 +172,7 @@ def main() -> None:
                 opts = VARIANTS[var] if var == "default" or var.startswith(("w", "d-")) else {"warps": False, **VARIANTS[var]}
                 if var in PER_TOKEN_ONLY and not fmt.dynamic:
                     continue
-                if not fmt.quantized and not var.startswith(("w", "d-")) and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):
+                if not fmt.quantized and not var.startswith(("w", "d-", "c-")) and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):
                     continue
                 fn = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, **opts)
                 try:

@@ -84,6 +84,8 @@ FMT_IDS = [f"{f.name}-{f.scale_dtype}" if f.dynamic else f.name for f in FORMATS
 SHAPES = {
     "gqa3-page5": (3, 9, 3, 16, 5, [17, 3, 29]),
     "mha1-page16": (2, 2, 2, 32, 16, [33, 1]),
+    # pages of 16: each of the per-warp kernel's 16-token warps reads its own page (WARP_PAGE)
+    "gqa2-page16": (2, 4, 2, 16, 16, [45, 70]),
 }
 if CUDA:  # real sizes on the GPU machine: Llama-3-8B attention, SmolLM2 heads
     SHAPES["llama8b"] = (8, 32, 8, 128, 16, [4000, 1, 17, 2048, 333, 1024, 4096, 77])
@@ -293,7 +295,7 @@ def test_decode_every_kernel_variant(fmt, swap, p_scale, v_t):
 
 @pytest.mark.parametrize("heads_n", [False, True], ids=["heads-as-M", "heads-as-N"])
 @pytest.mark.parametrize("split", [1, 2], ids=["one-split", "split-k"])
-@pytest.mark.parametrize("shape", ["gqa3-page5"] + (["llama8b"] if CUDA else []))
+@pytest.mark.parametrize("shape", ["gqa3-page5", "gqa2-page16"] + (["llama8b"] if CUDA else []))
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
 def test_decode_per_warp_kernel(fmt, shape, split, heads_n):
     """The one-softmax-state-per-warp kernel (decode_warps.py) meets the same oracle, both operand orders.
@@ -307,7 +309,7 @@ def test_decode_per_warp_kernel(fmt, shape, split, heads_n):
     cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
     qdtype = torch.float16 if fmt.dtype == "fp16" else torch.bfloat16
     q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
-    tiles = dict(num_warps=2, block_n=32) if shape == "gqa3-page5" else dict(num_warps=4, block_n=64)
+    tiles = dict(num_warps=4, block_n=64) if shape == "llama8b" else dict(num_warps=2, block_n=32)
     out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=split, warps=True, heads_n=heads_n, **tiles)
     truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
     assert torch.isfinite(out).all(), "kernel output has NaN/Inf"

@@ -39,7 +39,7 @@ from ..kv_cache import LayerCache
 from .decode_warps import _decode_kernel_warps
 from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack, _widen_asm
 from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, check_device, kernel_format
-from .group_io import _group_q, _program_tokens, _static_folds, _store_group
+from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
 from .split_k import choose_num_splits, merge_splits, sm_count
 from .tuning import tuned_for
 
@@ -125,10 +125,13 @@ def _decode_kernel(
         acc_a = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         acc_b = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     bt_row = BT + b * stride_btb
+    # pages a tile ahead, so the pipeline really buffers num_stages - 1 tiles (group_io._tile_pages)
+    page_next = _tile_pages(bt_row, start + tl.arange(0, BLOCK_N), end, BLOCK_SIZE)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        page = page_next.to(tl.int64)
+        page_next = _tile_pages(bt_row, offs_n + BLOCK_N, end, BLOCK_SIZE)
         slot = offs_n % BLOCK_SIZE
         # rows start 16-byte aligned (strides are multiples of 16 elements), which lets loads vectorize
         base = tl.multiple_of(page * stride_cb + kvh * stride_ch + slot * stride_ct, 16)
@@ -222,6 +225,7 @@ def decode_attention_launch(
     v_transposed: bool = False, cvt_early: bool | None = None, dot_fp16: bool | None = None,
     p_scale: bool | None = None, swap: bool | None = None, maxnreg: int | None = None,
     warps: bool | None = None, heads_n: bool | None = None, int8_asm: bool | None = None,
+    pages_ahead: bool | None = None, warp_page: bool | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -233,7 +237,9 @@ def decode_attention_launch(
     per thread (more resident programs per SM; GPU only; 0 = no cap). warps: the one-softmax-state-per-warp
     kernel (`decode_warps.py`; block_n tokens per tile, block_n / num_warps per warp, >= 16);
     heads_n: there, query heads on the mma N dimension. int8_asm: widen int8 with the PTX of
-    `dequant._widen_asm` (with fp16 dots only). swap, v_transposed and cvt_early
+    `dequant._widen_asm` (with fp16 dots only). pages_ahead: there, block-table entries loaded a
+    tile ahead (`group_io._tile_pages`; the heads x tokens kernel always does). warp_page: there,
+    one block-table read per warp where a warp's tokens share a page. swap, v_transposed and cvt_early
     belong to the other kernel and are ignored by it.
     """
     kf = kernel_format(cache)
@@ -280,6 +286,8 @@ def decode_attention_launch(
     maxnreg = tuned.maxnreg if maxnreg is None else maxnreg
     warps = tuned.warps if warps is None else warps
     heads_n = tuned.heads_n if heads_n is None else heads_n
+    pages_ahead = tuned.pages_ahead if pages_ahead is None else pages_ahead
+    warp_page = tuned.warp_page if warp_page is None else warp_page
     if warps:  # every warp needs >= 16 tokens (the K dimension of its p . V product)
         if block_n < 16:
             raise ValueError(f"the per-warp kernel needs block_n >= 16 tokens, got {block_n}")
@@ -322,7 +330,8 @@ def decode_attention_launch(
     if warps:
         _decode_kernel_warps[(batch, kv_heads, num_splits)](
             *args, BLOCK_H=max(4, triton.next_power_of_2(group)), W=num_warps, NW=block_n // num_warps,
-            HEADS_N=heads_n, **common)
+            HEADS_N=heads_n, PAGES_AHEAD=pages_ahead,
+            WARP_PAGE=warp_page and block_n % num_warps == 0 and bs % (block_n // num_warps) == 0, **common)
     else:
         _decode_kernel[(batch, kv_heads, num_splits)](
             *args, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,

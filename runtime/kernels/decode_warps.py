@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .dequant import _dot, _operand, _unpack
-from .group_io import _group_q, _program_tokens, _static_folds, _store_group
+from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
 
 
 @triton.jit
@@ -56,8 +56,11 @@ def _v_operand(vraw, HALF: tl.constexpr, vs, vz, V_TOKEN: tl.constexpr, KIND: tl
 
 
 @triton.jit
-def _load_kv(K, V, page, slot, nmask, kvh, stride_cb, stride_ch, stride_ct, offs_d, dmask, FULL_D: tl.constexpr):
-    """Stored K and V of a [W, NW] token tile: [W, NW, BLOCK_D] each."""
+def _tile_ptrs(page, offs_n, end, kvh, stride_cb, stride_ch, stride_ct, offs_d, dmask,
+               BLOCK_SIZE: tl.constexpr, FULL_D: tl.constexpr):
+    """Offsets and mask of the stored rows of a [W, NW] token tile whose pages are known: [W, NW, BLOCK_D]."""
+    nmask = offs_n < end
+    slot = offs_n % BLOCK_SIZE
     # rows start 16-byte aligned (strides are multiples of 16 elements), which lets loads vectorize
     base = tl.multiple_of(page.to(tl.int64) * stride_cb + kvh * stride_ch + slot * stride_ct, (16, 16))
     ptr = base[:, :, None] + offs_d[None, None, :]
@@ -65,7 +68,7 @@ def _load_kv(K, V, page, slot, nmask, kvh, stride_cb, stride_ch, stride_ct, offs
         m3 = nmask[:, :, None]
     else:
         m3 = nmask[:, :, None] & dmask[None, None, :]
-    return tl.load(K + ptr, mask=m3, other=0.0), tl.load(V + ptr, mask=m3, other=0.0)
+    return ptr, m3, slot, nmask
 
 
 @triton.jit
@@ -99,6 +102,7 @@ def _decode_kernel_warps(
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     FULL_D: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr,
     DOT_F16: tl.constexpr, P_SCALE: tl.constexpr, HEADS_N: tl.constexpr,
+    PAGES_AHEAD: tl.constexpr, WARP_PAGE: tl.constexpr,
 ):
     b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
     if DOT_F16:
@@ -132,12 +136,25 @@ def _decode_kernel_warps(
     acc_b = acc_a
     bt_row = BT + b * stride_btb
     tok = tl.arange(0, W)[:, None] * NW + tl.arange(0, NW)[None, :]
+    # WARP_PAGE (NW divides the page; tiles start at multiples of W * NW): a warp's tokens share one
+    # page, so the block table is read and multiplied out once per warp ([W, 1]), not per token
+    if WARP_PAGE:
+        ptok = tl.arange(0, W)[:, None] * NW
+    else:
+        ptok = tok
+    if PAGES_AHEAD:  # so the pipeline really buffers num_stages - 1 tiles (group_io._tile_pages)
+        page_next = _tile_pages(bt_row, start + ptok, end, BLOCK_SIZE)
     for n0 in range(start, end, W * NW):
         offs_n = n0 + tok
-        slot = offs_n % BLOCK_SIZE
-        nmask = offs_n < end
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0)
-        kraw, vraw = _load_kv(K, V, page, slot, nmask, kvh, stride_cb, stride_ch, stride_ct, offs_d, dmask, FULL_D)
+        if PAGES_AHEAD:
+            page = page_next
+            page_next = _tile_pages(bt_row, n0 + W * NW + ptok, end, BLOCK_SIZE)
+        else:
+            page = _tile_pages(bt_row, n0 + ptok, end, BLOCK_SIZE)
+        ptr, m3, slot, nmask = _tile_ptrs(page, offs_n, end, kvh, stride_cb, stride_ch, stride_ct, offs_d, dmask,
+                                          BLOCK_SIZE, FULL_D)
+        kraw = tl.load(K + ptr, mask=m3, other=0.0)
+        vraw = tl.load(V + ptr, mask=m3, other=0.0)
         page = page.to(tl.int64)
         meta = page * stride_mb + kvh * stride_mh + slot
         vs = 1.0

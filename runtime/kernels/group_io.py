@@ -27,6 +27,18 @@ def _program_tokens(SEQ, tokens_per_split):
 
 
 @triton.jit
+def _tile_pages(bt_row, offs_n, end, BLOCK_SIZE: tl.constexpr):
+    """Block-table entries of a token tile (any shape; 0 past the split's end).
+
+    Both kernels load a tile's pages one iteration ahead of its K/V: when the K/V addresses
+    come from a load in the same iteration, Triton 3.6's pipeliner gives K and V a single
+    shared-memory buffer whatever num_stages says (one tile in flight per program); from a
+    loop-carried value they get num_stages - 1 buffers (sm_90 TTGIR; KERNEL_NOTES.md).
+    """
+    return tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
+
+
+@triton.jit
 def _group_q(Q, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, DOT_F16: tl.constexpr,
              dt: tl.constexpr, DOT: tl.constexpr):
