@@ -93,6 +93,10 @@ VARIANTS = {
     "d-nowp": dict(warp_page=False),
     # block-table entries in the same iteration as their K/V (pages_ahead off: one pipeline buffer)
     "d-nopa": dict(pages_ahead=False),
+    # per-token formats on heads on M with this session's pipeline options (p scaled, 153-155 registers)
+    "wT-s3": dict(warps=True, heads_n=False, block_n=64, maxnreg=0, num_stages=3, pages_ahead=True, warp_page=True),
+    "wT-s3-sp3": dict(warps=True, heads_n=False, block_n=64, maxnreg=0, num_stages=3, pages_ahead=True,
+                      warp_page=True, num_splits=3),
     "wN-n64-s3-r128": dict(warps=True, heads_n=True, block_n=64, num_stages=3, maxnreg=128),
     "wN-n64-s4-r128": dict(warps=True, heads_n=True, block_n=64, num_stages=4, maxnreg=128),
     # the heads x tokens kernel at more stages (pages a tile ahead: num_stages - 1 real buffers)

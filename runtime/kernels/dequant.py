@@ -7,6 +7,8 @@ stored formats the same way; these are the pieces they have in common.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -82,6 +84,7 @@ def _unpack(raw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr,
     return out
 
 
+@functools.cache  # once per (bits, dtype, symmetric), not per launch
 def _widen_asm(bits: int, dtype: torch.dtype, symmetric: bool) -> tuple[str, str]:
     """PTX turning 4 stored bytes into 4 values of `dtype`: (low nibbles, high nibbles) for int4,
     (the 4 bytes, unused) for int8 (fp16 only: bf16's 8-bit significand cannot hold 256 + n).
