@@ -1,6 +1,6 @@
 """Attention over the paged, quantized KV cache: the reference path.
 
-These three ops are the contract the Triton kernels in runtime/kernels/
+These four ops are the contract the Triton kernels in runtime/kernels/
 implement with the same signatures (docs/interfaces.md), and the oracle they
 are tested against. The reference path runs everywhere (CPU included):
 
@@ -11,6 +11,9 @@ are tested against. The reference path runs everywhere (CPU included):
   decode batch is a handful of batched ops instead of a loop per sequence.
 * prefill_attention: causal attention of prompt tokens to themselves in full
   precision (the K/V just computed, not the quantized cache).
+* prefill_context_attention: the same for a chunk of a prompt whose earlier
+  chunks are already in the cache (chunked prefill): the context is read back
+  and dequantized like decode's, the chunk's own K/V stay full precision.
 """
 
 from __future__ import annotations
@@ -110,6 +113,22 @@ def decode_attention(
 
 
 # --------------------------------------------------------------- prefill
+def _sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, sm_scale: float,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[heads, Tq, D] x [kv_heads, Tk, D] -> [heads, Tq, D]: causal (mask None) or under a boolean mask."""
+    causal = mask is None
+    # 4-D [batch, heads, T, D] inputs: with 3-D ones SDPA takes its slow math kernel
+    # (a [heads, T, T] matrix per layer), on CUDA and on the CPU alike.
+    if qs.is_cuda and ks.shape[0] != qs.shape[0]:
+        # The flash kernel does not take enable_gqa; expanding K/V costs T x heads x D.
+        group = qs.shape[0] // ks.shape[0]
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        return F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, is_causal=causal,
+                                              scale=sm_scale)[0]
+    return F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, is_causal=causal,
+                                          scale=sm_scale, enable_gqa=True)[0]
+
+
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, sm_scale: float
 ) -> torch.Tensor:
@@ -120,41 +139,59 @@ def prefill_attention(
     ~10x slower for no accuracy that bf16 weights could keep.
     """
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
     math_dtype = q.dtype if q.is_cuda else torch.float32
-    for a, b in itertools.pairwise(bounds):
+    for a, b in itertools.pairwise(cu_seqlens.tolist()):
         if b == a:
             continue
         qs, ks, vs = (t[a:b].transpose(0, 1).to(math_dtype) for t in (q, k, v))
-        # 4-D [batch, heads, T, D] inputs: with 3-D ones SDPA takes its slow math kernel
-        # (a [heads, T, T] matrix per layer), on CUDA and on the CPU alike.
-        if q.is_cuda and ks.shape[0] != qs.shape[0]:
-            # The flash kernel does not take enable_gqa; expanding K/V costs T x heads x D.
-            group = qs.shape[0] // ks.shape[0]
-            ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=sm_scale)[0]
-        else:
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=sm_scale,
-                                               enable_gqa=True)[0]
-        out[a:b] = o.transpose(0, 1).to(q.dtype)
+        out[a:b] = _sdpa(qs, ks, vs, sm_scale).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def prefill_context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, cache: LayerCache,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, sm_scale: float,
+) -> torch.Tensor:
+    """Chunked prefill: packed chunks q/k/v [T, heads, D] as in prefill_attention, where chunk i
+    continues a sequence whose first context_lens[i] tokens are already in the cache.
+
+    Each chunk's queries attend to that context as decode does -- read back from the cache,
+    dequantized -- and causally to the chunk's own K/V in full precision, as an unchunked
+    prefill does; with context_lens all 0 this is prefill_attention.
+    """
+    out = torch.empty_like(q)
+    math_dtype = q.dtype if q.is_cuda else torch.float32
+    spans = itertools.pairwise(cu_seqlens.tolist())
+    for i, ((a, b), ctx) in enumerate(zip(spans, context_lens.tolist())):
+        if b == a:
+            continue
+        qs, ks, vs = (t[a:b].transpose(0, 1).to(math_dtype) for t in (q, k, v))
+        mask = None
+        if ctx:
+            kc, vc = gather_kv(cache, block_tables[i:i + 1], ctx)  # [1, kv_heads, ctx, D] fp32
+            ks = torch.cat((kc[0].to(math_dtype), ks), 1)
+            vs = torch.cat((vc[0].to(math_dtype), vs), 1)
+            # bottom-right causal: chunk token j (position ctx + j) sees positions 0 .. ctx + j
+            mask = torch.ones(b - a, ctx + b - a, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
+        out[a:b] = _sdpa(qs, ks, vs, sm_scale, mask).transpose(0, 1).to(q.dtype)
     return out
 
 
 # ------------------------------------------------------------- backends
-OPS = ("write_kv", "decode_attention", "prefill_attention")
+OPS = ("write_kv", "decode_attention", "prefill_attention", "prefill_context_attention")
 
 
 def reference_backend() -> types.SimpleNamespace:
     return types.SimpleNamespace(
-        name="reference", write_kv=write_kv, decode_attention=decode_attention, prefill_attention=prefill_attention
+        name="reference", write_kv=write_kv, decode_attention=decode_attention, prefill_attention=prefill_attention,
+        prefill_context_attention=prefill_context_attention,
     )
 
 
 def select_backend(device: torch.device | str, fmt: KVFormat | None = None, prefer: str = "auto") -> types.SimpleNamespace:
     """The attention ops for `device`: Triton kernels on CUDA where they exist, reference elsewhere.
 
-    The kernels package exports any of `write_kv`, `decode_attention`,
-    `prefill_attention` (same signatures) and optionally `supports(fmt) -> bool`;
+    The kernels package exports any of the OPS (same signatures) and optionally `supports(fmt) -> bool`;
     a missing op or unsupported format falls back to the reference op, so the
     engine always runs.
     """

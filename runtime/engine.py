@@ -255,13 +255,13 @@ class Engine:
         if not step:
             return
         logits = self.runner.run(step)
-        seqs = step.sequences
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        seqs = step.sampled  # a prefill chunk that is not its prompt's last gets no token
+        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs]) if seqs else []
         st = self.stats
-        st.step_batch_sizes.append(len(seqs))
+        st.step_batch_sizes.append(len(step.decode) + len(step.prefill))
         st.step_num_tokens.append(step.num_tokens)
         st.preemptions = self.scheduler.num_preemptions
-        st.prompt_tokens += sum(len(s.prompt_ids) for s in step.prefill if not s.preemptions)
+        st.prompt_tokens += sum(len(s.prompt_ids) for s in step.completed_prefill if not s.preemptions)
         st.generated_tokens += len(seqs)
         for seq, tok in zip(seqs, tokens):
             seq.output_ids.append(tok)

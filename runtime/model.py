@@ -63,8 +63,12 @@ class PagedBatch:
     block_tables: torch.Tensor  # [num_decode, max_blocks] int32
     seq_lens: torch.Tensor  # [num_decode] int32, including the token being decoded
     cu_seqlens: torch.Tensor  # [num_prefill + 1] int32, offsets into the prefill part
-    logits_indices: torch.Tensor  # [num_sequences] int64: the last token of every sequence
+    logits_indices: torch.Tensor  # [num_sampled] int64: the last token of every sequence sampled this step
     max_position: int | None = None  # a host-side bound on `positions` (saves a sync per step)
+    # chunked prefill: tokens each prefill sequence already has in the cache, and its block table
+    # (None when every prefill starts at token 0)
+    context_lens: torch.Tensor | None = None  # [num_prefill] int32
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefill, max_blocks] int32
 
 
 class LlamaModel:
@@ -194,6 +198,14 @@ class LlamaModel:
         return self.logits(h)
 
     # -------------------------------------------------------------- paged
+    def _prefill(self, ops, q, k, v, cache: LayerCache, batch: PagedBatch) -> torch.Tensor:
+        """The prefill part's attention: over the prompt alone, or (chunked prefill) also over the
+        earlier chunks already in the cache."""
+        if batch.context_lens is None:
+            return ops.prefill_attention(q, k, v, batch.cu_seqlens, self.sm_scale)
+        return ops.prefill_context_attention(q, k, v, batch.cu_seqlens, cache, batch.prefill_block_tables,
+                                             batch.context_lens, self.sm_scale)
+
     @torch.inference_mode()
     def forward_paged(self, batch: PagedBatch, caches: list[LayerCache], backend=None) -> torch.Tensor:
         """Logits [num_sequences, vocab] (fp32) for the last token of every sequence in the step."""
@@ -209,11 +221,11 @@ class LlamaModel:
             if nd and not has_prefill:
                 attn = ops.decode_attention(q, caches[i], batch.block_tables, batch.seq_lens, self.sm_scale)
             elif not nd:
-                attn = ops.prefill_attention(q, k, v, batch.cu_seqlens, self.sm_scale)
+                attn = self._prefill(ops, q, k, v, caches[i], batch)
             else:
                 attn = torch.cat((
                     ops.decode_attention(q[:nd], caches[i], batch.block_tables, batch.seq_lens, self.sm_scale),
-                    ops.prefill_attention(q[nd:], k[nd:], v[nd:], batch.cu_seqlens, self.sm_scale),
+                    self._prefill(ops, q[nd:], k[nd:], v[nd:], caches[i], batch),
                 ))
             h = self._finish_layer(layer, h, attn)
         return self.logits(h[batch.logits_indices])

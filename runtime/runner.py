@@ -1,8 +1,8 @@
 """Model runner: the paged KV pool, its sizing, and one step of the model.
 
 Turns a scheduler `Step` into a flattened `PagedBatch` (decode tokens, then
-prefill sequences), runs the model through the chosen attention backend and
-returns the logits of every sequence's last token.
+prefill sequences or chunks of them), runs the model through the chosen attention
+backend and returns the logits of the last token of every sequence sampled this step.
 
 Pool sizing uses `kv_format.kv_bytes_per_token` -- the same function the
 planner uses -- so planned and allocated pool sizes agree by construction:
@@ -121,30 +121,39 @@ class ModelRunner:
             seq_lens.append(seq.num_tokens)
         cu = [0]
         last = list(range(len(step.decode)))
-        for seq in step.prefill:
-            n = seq.num_tokens
+        context: list[int] = []
+        prefill_tables: list[list[int]] = []
+        for seq, (start, end) in zip(step.prefill, step.spans):
             table = self.blocks.block_table(seq.request_id)
-            ids.extend(seq.token_ids)
-            positions.extend(range(n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(n))
-            cu.append(cu[-1] + n)
-            last.append(len(step.decode) + cu[-1] - 1)
-        width = max((len(t) for t in tables), default=1)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu.append(cu[-1] + end - start)
+            if end == seq.num_tokens:  # the last chunk: this sequence is sampled
+                last.append(len(step.decode) + cu[-1] - 1)
+            context.append(start)
+            prefill_tables.append(table)
 
         def tensor(x, dtype):
             return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
 
+        def table_tensor(rows: list[list[int]]) -> torch.Tensor:
+            width = max((len(t) for t in rows), default=1)
+            return tensor([t + [0] * (width - len(t)) for t in rows], torch.int32).view(len(rows), width)
+
+        chunked = any(context)
         return PagedBatch(
             input_ids=tensor(ids, torch.int64),
             positions=tensor(positions, torch.int64),
             slot_mapping=tensor(slots, torch.int64),
             num_decode=len(step.decode),
-            block_tables=tensor(padded, torch.int32).view(len(padded), width),
+            block_tables=table_tensor(tables),
             seq_lens=tensor(seq_lens, torch.int32),
             cu_seqlens=tensor(cu, torch.int32),
             logits_indices=tensor(last, torch.int64),
             max_position=max(positions, default=0),
+            context_lens=tensor(context, torch.int32) if chunked else None,
+            prefill_block_tables=table_tensor(prefill_tables) if chunked else None,
         )
 
     def forward(self, batch: PagedBatch) -> torch.Tensor:
@@ -157,7 +166,7 @@ class ModelRunner:
         return self.model.forward_paged(batch, self.caches, self.backend)
 
     def run(self, step: Step) -> torch.Tensor:
-        """fp32 logits [len(step.sequences), vocab]."""
+        """fp32 logits [len(step.sampled), vocab]: no row for a prefill chunk that is not its sequence's last."""
         logits = self.forward(self.build_batch(step))
         if not bool(torch.isfinite(logits).all()):
             raise NumericsError(

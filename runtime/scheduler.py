@@ -6,6 +6,12 @@ preempted -- its blocks freed, its prompt plus the tokens it generated so far
 queued at the front to be recomputed by a later prefill. Then waiting requests
 are admitted as prefills while the batch, the per-step token budget and the
 free blocks allow, so new requests join while others decode, in the same step.
+A prompt that does not fit the step's remaining budget is prefilled in chunks
+over several steps (chunked prefill): each chunk attends to the earlier chunks
+through the KV cache, decoding sequences keep stepping meanwhile, and the first
+token is sampled when the last chunk has run. A sequence holds the blocks for
+its whole prompt from admission, so a chunked prefill never waits on memory
+halfway.
 
 Recompute (rather than swapping pages out) keeps the pool the only KV memory
 and costs one prefill per preemption; the oldest request always progresses,
@@ -41,6 +47,8 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     error: Exception | None = None  # why the engine failed this request (finish_reason "error")
+    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    prefill_target: int = 0  # tokens to prefill (set at admission); decoding once num_computed reaches it
 
     @property
     def token_ids(self) -> list[int]:
@@ -54,19 +62,35 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prefill_target
+
 
 @dataclass
 class Step:
     decode: list[Sequence]
     prefill: list[Sequence]
+    # per prefill sequence, the token range [start, end) this step computes (default: all its tokens)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.spans:
+            self.spans = [(0, s.num_tokens) for s in self.prefill]
 
     @property
-    def sequences(self) -> list[Sequence]:
-        return self.decode + self.prefill
+    def completed_prefill(self) -> list[Sequence]:
+        """Prefill sequences whose last chunk runs in this step: they get their first token."""
+        return [s for s, (_, end) in zip(self.prefill, self.spans) if end == s.num_tokens]
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in the order of the step's logits."""
+        return self.decode + self.completed_prefill
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(s.num_tokens for s in self.prefill)
+        return len(self.decode) + sum(end - start for start, end in self.spans)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -93,13 +117,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.request_id)
+        seq.num_computed = seq.prefill_target = 0  # recomputed from scratch
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def schedule(self) -> Step:
         decode: list[Sequence] = []
-        queue = deque(self.running)
+        # sequences halfway through a chunked prefill hold their blocks and wait for budget below
+        chunking = [s for s in self.running if s.prefilling]
+        queue = deque(s for s in self.running if not s.prefilling)
         while queue:
             seq = queue.popleft()
             while not self.blocks.can_append(seq.request_id):
@@ -111,28 +138,41 @@ class Scheduler:
                     break
             if seq is not None:
                 self.blocks.append(seq.request_id)
+                seq.num_computed = seq.num_tokens  # this step computes its newest token's K/V
                 decode.append(seq)
-        self.running = list(decode)
+        self.running = decode + chunking
 
         prefill: list[Sequence] = []
+        spans: list[tuple[int, int]] = []
         budget = self.max_tokens_per_step - len(decode)
-        while self.waiting and len(self.running) < self.max_batch_size:
+
+        def take(seq: Sequence) -> None:
+            nonlocal budget
+            start = seq.num_computed
+            end = min(seq.prefill_target, start + budget)
+            prefill.append(seq)
+            spans.append((start, end))
+            seq.num_computed = end
+            budget -= end - start
+
+        for seq in chunking:  # started prefills first, oldest first
+            if budget <= 0:
+                break
+            take(seq)
+        while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.waiting[0]
             n = seq.num_tokens
-            # A prompt longer than the budget still runs, alone, rather than never.
-            if n > budget and (decode or prefill):
-                break
             reserve = self.watermark_blocks if self.running else 0
             if self.blocks.blocks_for(n) + reserve > self.blocks.num_free_blocks:
                 break
             self.blocks.allocate(seq.request_id, n)
             self.waiting.popleft()
             self.running.append(seq)
-            prefill.append(seq)
-            budget -= n
+            seq.prefill_target = n
+            take(seq)  # the whole prompt, or the chunk the budget leaves
         # Keep arrival order, so a recomputed old request is not mistaken for the newest.
         self.running.sort(key=lambda s: s.arrival)
-        return Step(decode, prefill)
+        return Step(decode, prefill, spans)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Drop a sequence (done, cancelled or failed) and give back its blocks."""

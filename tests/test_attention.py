@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import decode_attention, prefill_attention, write_kv
+from runtime.attention import decode_attention, prefill_attention, prefill_context_attention, write_kv
 from runtime.kv_cache import allocate_layer
 from runtime.kv_format import KVFormat, dequantize, quantize, quantize_dynamic, static_scale_from_amax
 
@@ -101,3 +101,44 @@ def test_decode_probability_rounding_matches_rounded_fp64():
     assert (rounded[0].double() - want).abs().max() <= 1e-5
     # bf16 probabilities (8 significant bits) move the output by far more than fp32 rounding
     assert (rounded - plain).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("fp32"), KVFormat("int8", "per_token"), KVFormat("fp8_e4m3", "per_head")],
+                         ids=lambda f: f.name)
+def test_prefill_context_attention_matches_fp64(fmt):
+    """Chunked prefill: each chunk attends to its sequence's cached context (dequantized, as
+    decode reads it) and causally to its own K/V in full precision. Contexts of 0, a page and a
+    half, and 9 tokens; pages out of order."""
+    g = torch.Generator().manual_seed(4)
+    ctx, chunk = [0, 6, 9], [5, 3, 7]
+    full = [torch.randn(c + n, H, D, generator=g) * 2 for c, n in zip(ctx, chunk)], \
+        [torch.randn(c + n, H, D, generator=g) for c, n in zip(ctx, chunk)]
+    k_scale = v_scale = None
+    if fmt.static:
+        amax = torch.stack([x.abs().amax(dim=(0, 2)) for x in full[0] + full[1]]).amax(0)
+        k_scale = v_scale = static_scale_from_amax(amax, fmt)
+    cache = allocate_layer(fmt, 16, BS, H, D, "cpu", k_scale, v_scale)
+    pages = torch.randperm(16, generator=g).tolist()
+    tables = []
+    for c, k, v in zip(ctx, *full):
+        nb = -(-len(k) // BS)
+        table, pages = pages[:nb], pages[nb:]
+        tables.append(table)
+        write_kv(cache, k[:c], v[:c], torch.tensor([table[p // BS] * BS + p % BS for p in range(c)], dtype=torch.long))
+    bt = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(sum(chunk), H * G, D, generator=g)
+    k_new = torch.cat([k[c:] for c, k in zip(ctx, full[0])])
+    v_new = torch.cat([v[c:] for c, v in zip(ctx, full[1])])
+    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    out = prefill_context_attention(q, k_new, v_new, cu, cache, bt, torch.tensor(ctx, dtype=torch.int32), 0.3)
+    for i, (c, k, v) in enumerate(zip(ctx, *full)):
+        a, b = cu[i].item(), cu[i + 1].item()
+        keys = torch.cat((_roundtrip(k[:c], fmt, k_scale), k[c:]))  # cached context, then the chunk as computed
+        vals = torch.cat((_roundtrip(v[:c], fmt, v_scale), v[c:]))
+        for j in range(b - a):  # query j sees positions 0 .. c + j
+            ref = _dense_attention(q[a + j : a + j + 1], keys[: c + j + 1], vals[: c + j + 1], 0.3)[0]
+            assert (out[a + j].double() - ref).abs().max().item() <= 1e-5, (i, j)
+    # no context anywhere: the same as prefill_attention
+    none = torch.zeros(3, dtype=torch.int32)
+    assert torch.equal(prefill_context_attention(q, k_new, v_new, cu, cache, bt, none, 0.3),
+                       prefill_attention(q, k_new, v_new, cu, 0.3))

@@ -392,6 +392,58 @@ def test_scheduler_preempts_the_newest_and_recomputes_it_first():
     assert step.prefill == [b]  # recomputed from prompt + generated tokens
 
 
+def test_scheduler_chunks_a_long_prompt_while_others_decode():
+    from runtime.block_manager import BlockManager
+    from runtime.scheduler import Scheduler, Sequence
+
+    sp = SamplingParams(max_tokens=20)
+    sched = Scheduler(BlockManager(num_blocks=16, block_size=4), max_batch_size=8, max_tokens_per_step=8)
+    short, long_ = Sequence(0, [1, 2, 3], sp), Sequence(1, list(range(20)), sp)
+    sched.add(short)
+    sched.add(long_)
+    step = sched.schedule()  # short whole, then long's first 5 tokens: the budget of 8
+    assert step.prefill == [short, long_] and step.spans == [(0, 3), (0, 5)]
+    assert step.sampled == [short] and step.num_tokens == 8
+    assert sched.blocks.num_tokens(long_.request_id) == 20  # the whole prompt's blocks from admission
+    short.output_ids.append(9)
+    spans = []
+    for _ in range(3):  # short decodes every step; long continues with the 7 tokens left each time
+        step = sched.schedule()
+        assert step.decode == [short] and step.prefill == [long_]
+        spans += step.spans
+        short.output_ids.append(9)
+        if step.sampled == [short, long_]:
+            break
+    assert spans == [(5, 12), (12, 19), (19, 20)] and not long_.prefilling
+    long_.output_ids.append(9)
+    assert sched.schedule().decode == [short, long_]
+
+
+def test_chunked_prefill_equals_whole_prefill(tiny_dir):
+    """Prompts of 40 and 26 tokens in steps of at most 7 tokens: with an fp32 cache the chunks
+    see exactly the K/V a whole prefill computes, so greedy output is the same; with int8 KV the
+    chunks read their context quantized (as decode does) and the engine still finishes them."""
+    prompts = [PROMPTS[3], PROMPTS[5], PROMPTS[0]]
+    whole = Engine.from_dir(tiny_dir, num_blocks=64, block_size=8, kv_format="fp32", attention="reference")
+    chunked = Engine.from_dir(tiny_dir, num_blocks=64, block_size=8, kv_format="fp32", attention="reference",
+                              max_tokens_per_step=7)
+    try:
+        want = [g.token_ids for g in whole.generate(prompts, max_tokens=8, ignore_eos=True)]
+        got = [g.token_ids for g in chunked.generate(prompts, max_tokens=8, ignore_eos=True)]
+        assert max(chunked.stats.step_num_tokens) <= 7 and chunked.stats.prompt_tokens == sum(map(len, prompts))
+    finally:
+        whole.shutdown()
+        chunked.shutdown()
+    assert got == want
+    int8 = Engine.from_dir(tiny_dir, num_blocks=64, block_size=8, kv_format="int8-per_token",
+                           attention="reference", max_tokens_per_step=7)
+    try:
+        outs = int8.generate(prompts, max_tokens=8, ignore_eos=True)
+    finally:
+        int8.shutdown()
+    assert [len(g.token_ids) for g in outs] == [8, 8, 8]
+
+
 def test_a_dying_step_loop_fails_callers_instead_of_hanging(tiny_dir, monkeypatch):
     from runtime.errors import KvqError
 

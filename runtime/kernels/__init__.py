@@ -22,7 +22,8 @@ formats use), dequant.py (widening helpers both kernels share), group_io.py
 Kernels run on CUDA tensors; on CPU only under TRITON_INTERPRET=1 (set before
 this package is imported), otherwise they raise UnsupportedError.
 No prefill kernel: prefill is full-precision attention and runtime/attention.py
-falls back to its reference prefill_attention (torch SDPA) for it.
+falls back to its reference prefill_attention (torch SDPA) for it, and to its
+prefill_context_attention (cache gather + dequantize + SDPA) for chunked prefill.
 """
 
 from .decode_attention import decode_attention, decode_attention_launch
