@@ -130,8 +130,12 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             while not self.blocks.can_append(seq.request_id):
-                if queue:
-                    self._preempt(queue.pop())  # the newest still-running sequence
+                # the newest running sequence gives its blocks back: a decoding one, or one halfway
+                # through a chunked prefill (it holds its whole prompt's blocks) if that is newer
+                if chunking and chunking[-1].arrival > max(seq.arrival, queue[-1].arrival if queue else -1):
+                    self._preempt(chunking.pop())
+                elif queue:
+                    self._preempt(queue.pop())
                 else:
                     self._preempt(seq)
                     seq = None

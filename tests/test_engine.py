@@ -419,6 +419,25 @@ def test_scheduler_chunks_a_long_prompt_while_others_decode():
     assert sched.schedule().decode == [short, long_]
 
 
+def test_a_decode_preempts_a_newer_chunked_prefill():
+    """A sequence halfway through a chunked prefill holds its whole prompt's blocks; when an older
+    decoding sequence needs a block, the newer chunked one gives them back and starts over."""
+    from runtime.block_manager import BlockManager
+    from runtime.scheduler import Scheduler, Sequence
+
+    sp = SamplingParams(max_tokens=20)
+    sched = Scheduler(BlockManager(num_blocks=4, block_size=4), max_batch_size=8, max_tokens_per_step=6)
+    sched.watermark_blocks = 0
+    old, long_ = Sequence(0, [1, 2, 3, 4], sp), Sequence(1, list(range(12)), sp)
+    sched.add(old)
+    sched.add(long_)
+    assert sched.schedule().spans == [(0, 4), (0, 2)]  # old whole, long's first chunk: all 4 blocks taken
+    old.output_ids.append(9)  # old's 5th token needs a fifth block
+    step = sched.schedule()
+    assert step.decode == [old] and long_.preemptions == 1 and long_.num_computed == 0
+    assert list(sched.waiting) == [long_] and sched.blocks.num_free_blocks == 2
+
+
 def test_chunked_prefill_equals_whole_prefill(tiny_dir):
     """Prompts of 40 and 26 tokens in steps of at most 7 tokens: with an fp32 cache the chunks
     see exactly the K/V a whole prefill computes, so greedy output is the same; with int8 KV the
