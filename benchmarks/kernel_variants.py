@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: shapes, formats, the fp32 reference)
+from gpu_timing import ceilings, median_ms  # noqa: E402
 
 from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
 
@@ -182,7 +183,7 @@ def main() -> None:
                 try:
                     o = fn()
                     err = ((o.float() - ref).norm() / ref.norm()).item()
-                    ms = float("nan") if cpu else kb.median_ms(fn)
+                    ms = float("nan") if cpu else median_ms(fn)
                 except Exception as e:  # a variant that does not compile: say so, go on
                     print(f"  {name:14s} {var:16s} {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
@@ -209,7 +210,7 @@ def write_tiles(args) -> None:
     device copy; every tile's pages and scales must equal the default launch's, byte for byte."""
     case = make_case(args)
     batch, ctx = case.batch, case.ctx
-    copy = kb.ceilings()["copy_gbps"]
+    copy = ceilings()["copy_gbps"]
     print(f"{args.model} {batch}x{ctx}: copy {copy:.0f} GB/s", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -228,7 +229,7 @@ def write_tiles(args) -> None:
                                        getattr(ref, f).reshape(-1).view(torch.uint8))
                            for f in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
                            if getattr(ref, f) is not None)
-                ms = kb.median_ms(fn)
+                ms = median_ms(fn)
                 row = {"model": args.model, "batch": batch, "ctx": ctx, "format": name, "tile": tile,
                        "ms": ms, "gbps": moved / ms / 1e6, "copy_gbps": copy, "pct_copy": 100 * moved / ms / 1e6 / copy,
                        "bytes_equal_default": same}

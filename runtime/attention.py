@@ -119,14 +119,13 @@ def _sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, sm_scale: float,
     causal = mask is None
     # 4-D [batch, heads, T, D] inputs: with 3-D ones SDPA takes its slow math kernel
     # (a [heads, T, T] matrix per layer), on CUDA and on the CPU alike.
+    gqa = {"enable_gqa": True}
     if qs.is_cuda and ks.shape[0] != qs.shape[0]:
         # The flash kernel does not take enable_gqa; expanding K/V costs T x heads x D.
         group = qs.shape[0] // ks.shape[0]
-        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        return F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, is_causal=causal,
-                                              scale=sm_scale)[0]
+        ks, vs, gqa = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0), {}
     return F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, is_causal=causal,
-                                          scale=sm_scale, enable_gqa=True)[0]
+                                          scale=sm_scale, **gqa)[0]
 
 
 def prefill_attention(
@@ -138,14 +137,7 @@ def prefill_attention(
     SDPA takes its flash kernel: prefill is compute-bound and fp32 would be
     ~10x slower for no accuracy that bf16 weights could keep.
     """
-    out = torch.empty_like(q)
-    math_dtype = q.dtype if q.is_cuda else torch.float32
-    for a, b in itertools.pairwise(cu_seqlens.tolist()):
-        if b == a:
-            continue
-        qs, ks, vs = (t[a:b].transpose(0, 1).to(math_dtype) for t in (q, k, v))
-        out[a:b] = _sdpa(qs, ks, vs, sm_scale).transpose(0, 1).to(q.dtype)
-    return out
+    return _prefill(q, k, v, cu_seqlens, sm_scale)
 
 
 def prefill_context_attention(
@@ -159,19 +151,26 @@ def prefill_context_attention(
     dequantized -- and causally to the chunk's own K/V in full precision, as an unchunked
     prefill does; with context_lens all 0 this is prefill_attention.
     """
+    return _prefill(q, k, v, cu_seqlens, sm_scale, (cache, block_tables, context_lens.tolist()))
+
+
+def _prefill(q, k, v, cu_seqlens, sm_scale, context=None) -> torch.Tensor:
+    """Both prefill ops: per packed sequence i, SDPA of its queries over (the first context[2][i]
+    cached tokens, dequantized, then) its own K/V, causal from the bottom right."""
     out = torch.empty_like(q)
     math_dtype = q.dtype if q.is_cuda else torch.float32
-    spans = itertools.pairwise(cu_seqlens.tolist())
-    for i, ((a, b), ctx) in enumerate(zip(spans, context_lens.tolist())):
+    for i, (a, b) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
         if b == a:
             continue
         qs, ks, vs = (t[a:b].transpose(0, 1).to(math_dtype) for t in (q, k, v))
+        ctx = context[2][i] if context is not None else 0
         mask = None
         if ctx:
+            cache, block_tables, _ = context
             kc, vc = gather_kv(cache, block_tables[i:i + 1], ctx)  # [1, kv_heads, ctx, D] fp32
             ks = torch.cat((kc[0].to(math_dtype), ks), 1)
             vs = torch.cat((vc[0].to(math_dtype), vs), 1)
-            # bottom-right causal: chunk token j (position ctx + j) sees positions 0 .. ctx + j
+            # chunk token j (position ctx + j) sees positions 0 .. ctx + j
             mask = torch.ones(b - a, ctx + b - a, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
         out[a:b] = _sdpa(qs, ks, vs, sm_scale, mask).transpose(0, 1).to(q.dtype)
     return out

@@ -71,12 +71,7 @@ class Sequence:
 class Step:
     decode: list[Sequence]
     prefill: list[Sequence]
-    # per prefill sequence, the token range [start, end) this step computes (default: all its tokens)
-    spans: list[tuple[int, int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.spans:
-            self.spans = [(0, s.num_tokens) for s in self.prefill]
+    spans: list[tuple[int, int]]  # per prefill sequence, the token range [start, end) this step computes
 
     @property
     def completed_prefill(self) -> list[Sequence]:
