@@ -79,7 +79,7 @@ VARIANTS = {
     # num_stages - 1 tiles; before, every stage count compiled to one buffer) and forced splits
     **{f"w-n64-s{s}{'-sp%d' % n if n else ''}": dict(warps=True, heads_n=False, block_n=64, maxnreg=0,
                                                    num_stages=s, **({"num_splits": n} if n else {}))
-       for s in (2, 3, 4, 5) for n in (0, 2, 3, 4, 6)},
+       for s in (2, 3, 4, 5) for n in (0, 2, 3, 4, 6, 8, 12)},
     # ... and capped at 128 registers: 4 programs per SM (a 32-56 byte spill; sm_90 compile)
     **{f"w-n64-s{s}-r128{'-sp%d' % n if n else ''}": dict(warps=True, heads_n=False, block_n=64, maxnreg=128,
                                                         num_stages=s, **({"num_splits": n} if n else {}))
@@ -129,6 +129,17 @@ VARIANTS = {
     "wN-n64-f16-r128-sp8": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, maxnreg=128, num_splits=8),
     "f16-asm": dict(dot_fp16=True, int8_asm=True, cvt_early=False),
     "f16-asm-cvt1": dict(dot_fp16=True, int8_asm=True, cvt_early=True),
+    # one-warp programs (16-token tiles): the warp's softmax state is the program's, no cross-warp
+    # merge; 12 fit an SM by registers (168 each), so the split rule counts 12 resident, not 3
+    **{f"w1-n16-s{st}{'-sp%d' % n if n else ''}": dict(warps=True, heads_n=False, block_n=16, maxnreg=0,
+                                                       num_stages=st, resident_per_sm=12,
+                                                       **({"num_splits": n} if n else {}))
+       for st in (3, 4, 6) for n in (0, 8, 12, 16, 64, 128, 256)},
+    # ... for the per-token formats (heads on M, p scaled, pages a tile ahead, one page per warp)
+    **{f"w1T-s{st}": dict(warps=True, heads_n=False, block_n=16, maxnreg=0, num_stages=st, resident_per_sm=12,
+                          pages_ahead=True, warp_page=True) for st in (3, 4)},
+    # the round-9 defaults of fp8 / int8 / int4 per-head (4 warps x 16 tokens, 3 resident per SM)
+    "w4-n64-s3": dict(warps=True, heads_n=False, block_n=64, maxnreg=0, num_stages=3, resident_per_sm=3),
 }
 PER_TOKEN_ONLY = {"f16-cvt0-pscale", "f16-cvt1-pscale", "swap-f16-pscale"}
 
@@ -149,13 +160,13 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,int8,fp8_e4m3,int4,int8-tok,int4-tok-asym,fp8_e4m3-tok")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--profile", default="", help="FORMAT:VARIANT: only launch it 3 times (run under ncu)")
-    ap.add_argument("--write", action="store_true", help="time the write kernel's tiles instead (WRITE_TILES)")
+    ap.add_argument("--write", action="store_true", help="time the write kernel's variants instead (WRITE_VARIANTS)")
     args = ap.parse_args()
     if args.profile:
         profile(args, *args.profile.split(":"))
         return
     if args.write:
-        write_tiles(args)
+        write_variants(args)
         return
     cpu = not torch.cuda.is_available()
     if cpu:
@@ -201,13 +212,16 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
 
-# write kernel (block_t tokens per program, num_warps); None = the launcher's choice
-WRITE_TILES = [None, (16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
+# write kernel: launch options; "default" = the launcher's choice (16 tokens x 4 warps, GPU arithmetic),
+# "div_rn" = the same tile with the interpreter's arithmetic (a division per value, round by adding 1.5 * 2**23)
+WRITE_VARIANTS = {"default": {}, "div_rn": dict(fast=False), "t8w4": dict(block_t=8, num_warps=4),
+                  "t16w2": dict(block_t=16, num_warps=2), "t32w4": dict(block_t=32, num_warps=4),
+                  "t32w8": dict(block_t=32, num_warps=8), "t64w8": dict(block_t=64, num_warps=8)}
 
 
-def write_tiles(args) -> None:
-    """Write-kernel GB/s (bf16 K/V read + cache bytes written) per tile, against the same run's
-    device copy; every tile's pages and scales must equal the default launch's, byte for byte."""
+def write_variants(args) -> None:
+    """Write-kernel GB/s (bf16 K/V read + cache bytes written) per variant, against the same run's
+    device copy; every variant's pages and scales must equal the default launch's, byte for byte."""
     case = make_case(args)
     batch, ctx = case.batch, case.ctx
     copy = ceilings()["copy_gbps"]
@@ -220,9 +234,8 @@ def write_tiles(args) -> None:
             ref = case.cache(fmt)
             write_kv_launch(ref, case.k, case.v, case.slots)
             moved = case.write_bytes(fmt)
-            for tile in WRITE_TILES:
+            for var, opts in WRITE_VARIANTS.items():
                 cache = case.cache(fmt)
-                opts = {} if tile is None else dict(block_t=tile[0], num_warps=tile[1])
                 fn = partial(write_kv_launch, cache, case.k, case.v, case.slots, **opts)
                 fn()
                 same = all(torch.equal(getattr(cache, f).reshape(-1).view(torch.uint8),
@@ -230,11 +243,11 @@ def write_tiles(args) -> None:
                            for f in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
                            if getattr(ref, f) is not None)
                 ms = median_ms(fn)
-                row = {"model": args.model, "batch": batch, "ctx": ctx, "format": name, "tile": tile,
+                row = {"model": args.model, "batch": batch, "ctx": ctx, "format": name, "variant": var, "opts": opts,
                        "ms": ms, "gbps": moved / ms / 1e6, "copy_gbps": copy, "pct_copy": 100 * moved / ms / 1e6 / copy,
                        "bytes_equal_default": same}
                 sink.write(json.dumps(row) + "\n")
-                print(f"  {name:14s} {str(tile):10s} {ms:.4f} ms {row['gbps']:6.0f} GB/s {row['pct_copy']:4.0f}% "
+                print(f"  {name:14s} {var:10s} {ms:.4f} ms {row['gbps']:6.0f} GB/s {row['pct_copy']:4.0f}% "
                       f"of copy {'same bytes' if same else 'BYTES DIFFER'}", flush=True)
                 del cache
             del ref

@@ -156,30 +156,28 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
         write_bytes = case.write_bytes(fmt)
         best = None
         tried = []
+        launch = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale)
+        tuned = tuned_for(kernel_format(cache), case.batch * case.kv_heads, case.block_tables.shape[1] * BLOCK_SIZE)
         for cfg in configs:
-            if cfg is None:  # the launcher's own per-format choice (tuning.TUNED)
-                tuned = tuned_for(kernel_format(cache))
-                cfg = (tuned.block_n, 4, tuned.num_stages, 0)
-            bn, warps, stages, vt = cfg
+            if cfg is None:  # the launcher's own choice for this format and shape (tuning.tuned_for)
+                opts = {}
+                cfg = (tuned.block_n, 4 if not tuned.warps else min(4, tuned.block_n // 16), tuned.num_stages, 0)
+            else:
+                opts = dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], v_transposed=bool(cfg[3]))
             try:
-                ms = median_ms(partial(
-                    decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale,
-                    block_n=bn, num_warps=warps, num_stages=stages, v_transposed=bool(vt)))
+                ms = median_ms(partial(launch, **opts))
             except Exception as e:  # a config that does not compile (e.g. out of shared memory)
-                print(f"  {name} cfg={(bn, warps, stages, vt)}: {type(e).__name__} {str(e)[:100]}", flush=True)
+                print(f"  {name} cfg={cfg}: {type(e).__name__} {str(e)[:100]}", flush=True)
                 continue
-            tried.append([bn, warps, stages, vt, round(ms, 4)])
+            tried.append([*cfg, round(ms, 4)])
             if best is None or ms < best[0]:
-                best = (ms, bn, warps, stages, vt)
-        ms, bn, warps, stages, vt = best
-        eager = eager_ms(partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens,
-                                 case.sm_scale, block_n=bn, num_warps=warps, num_stages=stages, v_transposed=bool(vt)))
+                best = (ms, cfg, opts)
+        ms, (bn, warps, stages, vt), opts = best
+        eager = eager_ms(partial(launch, **opts))
         err = None
         if check:
-            out = decode_attention_launch(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale,
-                                          block_n=bn, num_warps=warps, num_stages=stages, v_transposed=bool(vt))
             ref = case.reference(cache)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
+            err = ((launch(**opts).float() - ref).norm() / ref.norm()).item()
         kvb = case.kv_bytes(fmt)
         row = {
             "kind": "decode", "model": case.model, "batch": case.batch, "ctx": case.ctx, "format": name,
@@ -188,7 +186,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
             "timing": "cuda graph, L2 flushed per call",
             "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6,
             "block_n": bn, "num_warps": warps, "num_stages": stages, "v_transposed": vt, "relerr_vs_fp32": err,
-            "kernel": "per-warp" if tuned_for(kernel_format(cache)).warps else "heads-x-tokens",
+            "kernel": "per-warp" if tuned.warps else "heads-x-tokens", "default_tile": not opts,
             "configs_tried": tried if len(tried) > 1 else None,
             "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim, "block_size": BLOCK_SIZE,
         }
@@ -257,10 +255,11 @@ def markdown(env: dict, rows: list[dict]) -> str:
         "eager calls (host time included where it outlasts the kernel). "
         "Baseline: torch SDPA (cuDNN backend) on dense BF16 KV of the same shape, same run.",
         "",
-        "Kernel: heads-x-tokens = decode_attention._decode_kernel, per-warp = decode_warps._decode_kernel_warps.",
+        "Kernel: heads-x-tokens = decode_attention._decode_kernel, per-warp = decode_warps._decode_kernel_warps "
+        "(tile: 1 warp = one-warp programs of 16 tokens, 4 warps = 4 x 16 tokens).",
         "",
-        "| model | batch x ctx | format | ms | GB/s | % read bw | vs cuDNN bf16 | eager ms | write GB/s | kernel | tile (n,warps,stages,vT) | rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | batch x ctx | format | ms | GB/s | % read bw | vs cuDNN bf16 | eager ms | write GB/s | write % of copy | kernel | tile (n,warps,stages,vT) | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         err = "" if r["relerr_vs_fp32"] is None else f"{r['relerr_vs_fp32']:.1e}"
@@ -268,7 +267,7 @@ def markdown(env: dict, rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['batch']}x{r['ctx']} | {r['format']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
             f"{100 * r['gbps'] / env['read_gbps']:.0f}% | {r['speedup']:.2f}x ({r['sdpa_ms']:.3f} ms) | {eager} | "
-            f"{r['write_gbps']:.0f} | {r.get('kernel', 'heads-x-tokens')} | ({r['block_n']},{r['num_warps']},{r['num_stages']},{r.get('v_transposed', 0)}) | {err} |"
+            f"{r['write_gbps']:.0f} | {100 * r['write_gbps'] / env['copy_gbps']:.0f}% | {r.get('kernel', 'heads-x-tokens')} | ({r['block_n']},{r['num_warps']},{r['num_stages']},{r.get('v_transposed', 0)}) | {err} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -337,9 +336,10 @@ def main() -> None:
                 cfgs = fixed.get(name) or (full if tune or name not in tuned else tuned[name])
                 before = len(rows)
                 run_case(case, [name], cfgs, rows, sink, check=tune)
-                if tune and len(rows) > before:
+                if tune and len(rows) > before:  # the launcher's defaults depend on the shape: reuse None
                     r = rows[-1]
-                    tuned[name] = [(r["block_n"], r["num_warps"], r["num_stages"], r["v_transposed"])]
+                    tuned[name] = [None if r["default_tile"] else
+                                   (r["block_n"], r["num_warps"], r["num_stages"], r["v_transposed"])]
             del case
             torch.cuda.empty_cache()
     (out / "kernels.md").write_text(markdown(env, rows))

@@ -203,19 +203,22 @@ def dynamic_scales(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.
 
     Symmetric: s = amax / qmax rounded up. Asymmetric: zero = min rounded down,
     s = (max - zero) / qmax rounded up, so [min, max] fits in [0, qmax].
+    NaNs are left out of amax / min / max (quantize stores them as 0), so one NaN
+    does not turn its token's scale into NaN -- as the GPU's min/max instructions do.
     """
     if not fmt.dynamic:
         raise ValueError(f"{fmt.name} has no dynamic scales")
     xf = x.to(torch.float32)
+    nan = xf.isnan()
     sd = fmt.scale_torch_dtype
     # Clamp to the scale dtype's finite range: a token beyond max * qmax saturates
     # (like a static scale clips) instead of storing an inf scale that dequantizes to NaN.
     big = float(torch.finfo(sd).max)
     if fmt.symmetric:
-        s = xf.abs().amax(dim=-1) / fmt.qmax
+        s = xf.abs().masked_fill(nan, 0.0).amax(dim=-1) / fmt.qmax
         return round_up_to(s.clamp(_tiny(sd), big), sd), None
-    zero = round_down_to(xf.amin(dim=-1).clamp(-big, big), sd)
-    s = (xf.amax(dim=-1) - zero.to(torch.float32)) / fmt.qmax
+    zero = round_down_to(xf.masked_fill(nan, float("inf")).amin(dim=-1).clamp(-big, big), sd)
+    s = (xf.masked_fill(nan, float("-inf")).amax(dim=-1) - zero.to(torch.float32)) / fmt.qmax
     return round_up_to(s.clamp(_tiny(sd), big), sd), zero
 
 

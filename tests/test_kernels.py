@@ -133,6 +133,12 @@ def test_write_kv_bytes_equal_reference(fmt):
     cache = _make_cache(fmt, nb, bs, kv_heads, head_dim,
                         k.float().abs().amax((0, 2)).cpu() / 2, v.float().abs().amax((0, 2)).cpu() / 2)
     slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
+    _check_write(cache, fmt, k, v, slots)
+
+
+def _check_write(cache, fmt, k, v, slots):
+    """Write k, v at slots; the stored bytes, scales and zero points must equal kv_format's, the rest untouched."""
+    nb, kv_heads, bs = cache.k.shape[:3]
     before_k = _bytes(cache.k).clone()
     K.write_kv(cache, k, v, slots)
 
@@ -161,6 +167,57 @@ def test_write_kv_bytes_equal_reference(fmt):
     after_k = _bytes(cache.k).cpu().permute(0, 2, 1, 3).reshape(nb * bs, kv_heads, -1)
     ref_k = before_k.cpu().permute(0, 2, 1, 3).reshape(nb * bs, kv_heads, -1)
     assert torch.equal(after_k[untouched], ref_k[untouched]), "write touched slots outside the mapping"
+
+
+def _tie_rows(fmt: KVFormat, tokens: int, scales: list[float], head_dim: int, gen) -> torch.Tensor:
+    """fp32 rows whose quotients x / s sit exactly on rounding ties (k + 1/2 for integers,
+    midpoints between fp8 neighbours) or one fp32 ulp either side of them.
+
+    Head h's rows have scale s = scales[h] (an odd number times a power of two, so that 1 / s
+    is not exact and neither is a division through it): values s * j / 8 for integers j,
+    exact in fp32; for dynamic formats each row's extremes are set so that kv_format's scale
+    is s again (symmetric: amax = qmax * s; asymmetric: min = -3 s, max = (qmax - 3) s)."""
+    qmax, heads = fmt.qmax, len(scales)
+    lo, a = (0, 3) if fmt.dynamic and not fmt.symmetric else (-qmax, 0)
+    j = torch.randint(int(8 * (lo - a - 1)), int(8 * (qmax - a + 1)) + 1, (tokens, heads, head_dim), generator=gen)
+    q = j.double() / 8
+    if fmt.dynamic:  # pin each row's extremes so the row's scale is s exactly
+        q = q.clamp(lo - a, qmax - a)
+        q[..., 0] = qmax - a
+        q[..., 1] = lo - a
+    x = (q * torch.tensor(scales, dtype=torch.float64)[None, :, None]).float()
+    nudge = torch.randint(-1, 2, x.shape, generator=gen)  # -1, 0, +1 ulp: just below, on, just above
+    nudge[..., :2] = 0
+    x = torch.where(nudge > 0, torch.nextafter(x, torch.tensor(float("inf"))), x)
+    x = torch.where(nudge < 0, torch.nextafter(x, torch.tensor(float("-inf"))), x)
+    return x
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.quantized], ids=[i for f, i in zip(FORMATS, FMT_IDS) if f.quantized])
+def test_write_kv_exact_at_rounding_ties(fmt):
+    """Bytes equal kv_format's where the rounding is decided by the last bit of the quotient.
+
+    The GPU kernel divides through the scale's reciprocal with fma corrections instead of
+    a division; a quotient off by one ulp rounds the other way on the ties here. The
+    second head's K scale is 3 * 2**-126 (where the scale dtype has it: fp32 static, bf16 /
+    fp32 per-token; fp16 clamps it to 2**-14), so its values are partly subnormal and the
+    corrections would underflow without the kernel's power-of-two rescaling; the last
+    tokens hold inf, -inf, NaN, a subnormal and a value that overflows the quotient."""
+    gen = torch.Generator().manual_seed(7)
+    head_dim, bs, nb, tokens = 32, 16, 8, 120
+    k_scales, v_scales = [3 * 2.0 ** -4, 3 * 2.0 ** -126], [5 * 2.0 ** 2, 7 * 2.0 ** -6]
+    k = _tie_rows(fmt, tokens, k_scales, head_dim, gen)
+    v = _tie_rows(fmt, tokens, v_scales, head_dim, gen)
+    for x in (k, v):
+        x[-1, 0, 2:7] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, 3e38])
+        x[-2, 1, 5] = 3e38
+    amax = lambda sc: torch.tensor(sc, dtype=torch.float64) * fmt.qmax  # noqa: E731  (amax / qmax = the scale)
+    cache = _make_cache(fmt, nb, bs, 2, head_dim, amax(k_scales).float(), amax(v_scales).float())
+    if fmt.granularity == "per_tensor":  # one scale for both heads: the second head's rows are off-grid
+        cache.k_scale.fill_(k_scales[0])
+        cache.v_scale.fill_(v_scales[0])
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
+    _check_write(cache, fmt, k.to(DEV), v.to(DEV), slots)
 
 
 def test_write_kv_skips_negative_slots():
@@ -302,14 +359,18 @@ def test_decode_per_warp_kernel(fmt, shape, split, heads_n):
 
     CPU: 2 warps of 16 tokens, so the 17- and 29-token sequences end inside a warp's range and
     the 3-token one leaves a warp with no tokens at all (its state must merge with weight 0).
-    GPU: also the Llama-3-8B shape with 4 warps of 16 tokens.
+    GPU: also the Llama-3-8B shape, with 4 warps of 16 tokens (one split) and one-warp
+    programs of 16 tokens (split-K; the default tile where there are enough programs).
     """
     batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES[shape]
     gen = torch.Generator().manual_seed(zlib.crc32(f"warps{shape}{fmt.name}".encode()))
     cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
     qdtype = torch.float16 if fmt.dtype == "fp16" else torch.bfloat16
     q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
-    tiles = dict(num_warps=4, block_n=64) if shape == "llama8b" else dict(num_warps=2, block_n=32)
+    if shape == "llama8b":
+        tiles = dict(num_warps=4, block_n=64) if split == 1 else dict(num_warps=1, block_n=16)
+    else:
+        tiles = dict(num_warps=2, block_n=32)
     out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=split, warps=True, heads_n=heads_n, **tiles)
     truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
     assert torch.isfinite(out).all(), "kernel output has NaN/Inf"

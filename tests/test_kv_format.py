@@ -178,6 +178,22 @@ def test_dynamic_formats_never_nan_on_extreme_values(x):
         assert torch.isfinite(back).all(), fmt.name
 
 
+def test_one_nan_leaves_its_token_alone():
+    """A NaN value stores as 0 and stays out of its token's scale (and zero point): the other
+    values quantize exactly as without it (GPU min/max skip NaN; the kernels match this)."""
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(3))
+    x_nan = x.clone()
+    x_nan[1, 2, 5] = float("nan")
+    for fmt in DYNAMIC_INT + [KVFormat("fp8_e4m3", "per_token")]:
+        s_ref, z_ref = dynamic_scales(x[..., [i for i in range(8) if i != 5]], fmt)
+        s, z = dynamic_scales(x_nan, fmt)
+        assert torch.equal(s[1, 2], s_ref[1, 2]) and torch.isfinite(s).all(), fmt.name
+        if z is not None:
+            assert torch.equal(z[1, 2], z_ref[1, 2]), fmt.name
+        back = dequantize(quantize(x_nan, fmt, s, z), fmt, s, z)
+        assert torch.isfinite(back).all(), fmt.name
+
+
 def test_zeros_stay_exact_zero():
     x = torch.zeros(2, 3, 8)
     for fmt in DYNAMIC_INT + [KVFormat("fp8_e4m3", "per_token"), KVFormat("fp8_e5m2", "per_token")]:

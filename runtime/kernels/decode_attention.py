@@ -41,7 +41,7 @@ from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack, 
 from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, check_device, kernel_format
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
 from .split_k import choose_num_splits, merge_splits, sm_count
-from .tuning import tuned_for
+from .tuning import MIN_TOKENS_PER_SPLIT, ONE_WARP_MAX_SPLITS, tuned_for
 
 _LOG2E = 1.4426950408889634
 
@@ -225,7 +225,7 @@ def decode_attention_launch(
     v_transposed: bool = False, cvt_early: bool | None = None, dot_fp16: bool | None = None,
     p_scale: bool | None = None, swap: bool | None = None, maxnreg: int | None = None,
     warps: bool | None = None, heads_n: bool | None = None, int8_asm: bool | None = None,
-    pages_ahead: bool | None = None, warp_page: bool | None = None,
+    pages_ahead: bool | None = None, warp_page: bool | None = None, resident_per_sm: int | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -239,7 +239,8 @@ def decode_attention_launch(
     heads_n: there, query heads on the mma N dimension. int8_asm: widen int8 with the PTX of
     `dequant._widen_asm` (with fp16 dots only). pages_ahead: there, block-table entries loaded a
     tile ahead (`group_io._tile_pages`; the heads x tokens kernel always does). warp_page: there,
-    one block-table read per warp where a warp's tokens share a page. swap, v_transposed and cvt_early
+    one block-table read per warp where a warp's tokens share a page. resident_per_sm: programs
+    an SM holds at once, for the split rule (with a tile option that changes it). swap, v_transposed and cvt_early
     belong to the other kernel and are ignored by it.
     """
     kf = kernel_format(cache)
@@ -267,16 +268,18 @@ def decode_attention_launch(
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
     group = num_heads // kv_heads
-    tuned = tuned_for(kf)
+    max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
+    tuned = tuned_for(kf, batch * kv_heads, max_tokens)
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages
-    max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     dot_mode = _dot_mode(q.dtype)
+    warps = tuned.warps if warps is None else warps
     # The fast widening paths (early cast, int4 PTX) are validated on the GPU for tiles of >= 64
     # tokens x >= 64 stored columns only: with 16-token tiles, or head_dim 16 with 128-token
-    # tiles, the H200 tests gave wrong int8/int4 results (a miscompile; cause not established).
+    # tiles, the first kernel gave wrong int8/int4 results on the H200 (a miscompile; cause not
+    # established). The per-warp kernel's warps always hold 16-token tiles, whatever block_n.
     block_d = max(16, triton.next_power_of_2(stored))
-    fast_tile = block_n >= 64 and block_d >= 64
+    fast_tile = (block_n >= 64 or warps) and block_d >= 64
     narrow = cache.v.element_size() == 1  # 8-bit and packed 4-bit pages
     cvt_early = (tuned.cvt_early if cvt_early is None else cvt_early) and narrow and fast_tile
     # fp16 dots need native tensor-core dots (not the interpreter's upcast or fp32 parity runs)
@@ -284,7 +287,6 @@ def decode_attention_launch(
     p_scale = (tuned.p_scale if p_scale is None else p_scale) and kf.scale_mode == SCALE_TOKEN
     swap = tuned.swap if swap is None else swap
     maxnreg = tuned.maxnreg if maxnreg is None else maxnreg
-    warps = tuned.warps if warps is None else warps
     heads_n = tuned.heads_n if heads_n is None else heads_n
     pages_ahead = tuned.pages_ahead if pages_ahead is None else pages_ahead
     warp_page = tuned.warp_page if warp_page is None else warp_page
@@ -300,8 +302,10 @@ def decode_attention_launch(
         elif kf.kind == KIND_INT8 and int8_asm and dot_fp16:
             asm = _widen_asm(8, torch.float16, not kf.asym)
     if num_splits is None:
+        one = warps and num_warps == 1
         num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device),
-                                       tuned.resident_per_sm)
+                                       resident_per_sm or tuned.resident_per_sm, MIN_TOKENS_PER_SPLIT,
+                                       ONE_WARP_MAX_SPLITS if one else 64)
     tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
     split = num_splits > 1

@@ -13,9 +13,13 @@ warp shuffles and the warps meet only at the shared-memory pipeline of the K/V
 loads and once at the end, where the W partial states merge exactly like split-K
 partials (out = sum_w 2^(m_w - m) acc_w / sum_w 2^(m_w - m) l_w).
 
+With W = 1 (16-token tiles, the default for most formats) a program is one warp:
+its state needs no merge and its pipeline barriers span one warp, and 12 programs
+share an SM (168 registers), so the split-K rule gives it ~4x the splits.
+
 HEADS_N puts the query heads on the mma N dimension (acc^T = V^T p^T), which pads
 a group of 4 to 8 columns instead of 16 rows and halves the accumulator registers
-(the per-token formats need that to fit 128 registers); its price: V becomes the
+(the asymmetric per-token formats use it to fit 128 registers); its price: V becomes the
 transposed A operand, which Triton 3.6 loads into registers instead of through its
 cp.async pipeline, and uses in the same iteration. With heads on M (the static
 8-bit default) K and V both go through cp.async, but V, the B operand with its

@@ -39,6 +39,22 @@ def _tile_pages(bt_row, offs_n, end, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _stored_columns(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr):
+    """Stored columns of a page row and their mask, with the q / out columns each one pairs with:
+    int4 pages hold head_dim / 2 bytes, so q splits into even (low nibble) and odd columns."""
+    offs_d = tl.arange(0, BLOCK_D)
+    if KIND == 2:
+        dmask = offs_d < HEAD_DIM // 2
+        cols_a = 2 * offs_d
+        cols_b = 2 * offs_d + 1
+    else:
+        dmask = offs_d < HEAD_DIM
+        cols_a = offs_d
+        cols_b = offs_d
+    return offs_d, dmask, cols_a, cols_b
+
+
+@triton.jit
 def _group_q(Q, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, DOT_F16: tl.constexpr,
              dt: tl.constexpr, DOT: tl.constexpr):
@@ -52,15 +68,7 @@ def _group_q(Q, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.c
     hmask = offs_h < GROUP
     heads = kvh * GROUP + offs_h
     q_row = b * stride_qb + heads * stride_qh
-    offs_d = tl.arange(0, BLOCK_D)
-    if KIND == 2:  # stored dim is head_dim/2: q splits into even and odd columns
-        dmask = offs_d < HEAD_DIM // 2
-        cols_a = 2 * offs_d
-        cols_b = 2 * offs_d + 1
-    else:
-        dmask = offs_d < HEAD_DIM
-        cols_a = offs_d
-        cols_b = offs_d
+    offs_d, dmask, cols_a, cols_b = _stored_columns(HEAD_DIM, BLOCK_D, KIND)
     qmask = hmask[:, None] & dmask[None, :]
     q_pre = 0.0625 if DOT_F16 else 1.0
     q_a = tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32)

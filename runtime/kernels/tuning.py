@@ -34,33 +34,51 @@ class Tuned(NamedTuple):
 
 # Fastest options per format, measured side by side on the H200 at Llama-3-8B 16 x 32k
 # (benchmarks/kernel_variants.py; results/kernel_variants_round*.jsonl, KERNEL_NOTES.md),
-# keyed by (kind, per-token scales). Times: before -> with these options, same runs.
-# Round 8: static fp8/int8 on the per-warp kernel, heads on M, no register cap (167 registers,
-# 3 programs per SM). Round 9: with the block table read a tile ahead (pages_ahead) Triton's
-# pipeline really buffers num_stages - 1 tiles (it had one buffer at any stage count), and with
-# one block-table read per warp (warp_page) the fp8 tile loop is 714 -> 601 instructions:
-# fp8 0.356 -> 0.288, int8 0.371 -> 0.325, and int4 per-head moves to the same kernel
-# (0.298 -> 0.261 at 3 programs per SM). bf16 keeps the heads x tokens kernel at 2 stages (its
-# 3 stages were one buffer too; two real ones take 139 KB: one program per SM, 0.49 -> 0.54).
-# Per-token formats stay capped at 128 registers with heads on N and their V through registers;
-# pages_ahead and warp_page lengthen their spills there (0.46 -> 0.51 int8 per token), except
-# warp_page for int4 (0.448 -> 0.435). resident_per_sm from the sm_90 compile of each row
-# (H200: 64K registers, 228 KB shared memory per SM): 167-168 registers -> 3; capped -> 4.
+# keyed by (kind, per-token scales, asymmetric). Times: before -> with these options, same runs.
+# Round 8: static fp8/int8 on the per-warp kernel, heads on M, no register cap. Round 9: the
+# block table read a tile ahead (pages_ahead: Triton's pipeline then really buffers
+# num_stages - 1 tiles) and one block-table read per warp (warp_page). Round 10: one-warp
+# programs of 16-token tiles (the warp's softmax state is its program's: no cross-warp merge,
+# one-warp barriers), 12 resident per SM (154-168 registers): fp8 0.282 -> 0.267, int8
+# 0.321 -> 0.311, int4 0.255 -> 0.249; per-token fp8 / int8 / int4 leave heads on N and their
+# 128-register cap for heads on M, uncapped: 0.416 -> 0.379, 0.458 -> 0.399, 0.395 -> 0.311.
+# Also faster at 64 x 8k, 128 x 4k and the 70B-TP8 shapes (int4 there -4%..+1%). The
+# asymmetric per-token formats keep round 9's heads on N (one warp: int8 0.534 -> 0.620,
+# 184 registers; int4 faster at 16 x 32k only). bf16 keeps the heads x tokens kernel.
 TUNED = {
-    ("float", False): Tuned(128, 2, False, False, False, False, None, 3),  # bf16/fp16: 0.49 ms
-    ("fp8", False): Tuned(64, 3, False, True, False, False, None, 3, True),  # 0.524 -> 0.392 -> 0.356 -> 0.288 ms
-    ("int8", False): Tuned(64, 3, False, True, False, False, None, 3, True, False, True),  # 0.464 -> 0.371 -> 0.325
-    ("int4", False): Tuned(64, 3, False, False, False, False, None, 3, True),  # 0.432 -> 0.296 -> 0.261 ms
-    ("fp8", True): Tuned(64, 2, False, True, True, False, 128, 4, True, True, pages_ahead=False, warp_page=False),  # 0.553 -> 0.419 ms
-    ("int8", True): Tuned(64, 2, False, True, True, False, 128, 4, True, True, True, pages_ahead=False,
-                          warp_page=False),  # 0.691 -> 0.618 -> 0.474 ms
-    ("int4", True): Tuned(64, 2, False, True, False, False, 128, 4, True, True, pages_ahead=False),  # asym 0.752 -> 0.479 -> 0.451
+    ("float", False, False): Tuned(128, 2, False, False, False, False, None, 3),  # bf16/fp16: 0.49 ms
+    ("fp8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True),  # 0.524 -> 0.288 -> 0.267 ms
+    ("int8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True, False, True),  # 0.464 -> 0.311
+    ("int4", False, False): Tuned(16, 3, False, False, False, False, None, 12, True),  # 0.432 -> 0.261 -> 0.249
+    ("fp8", True, False): Tuned(16, 4, False, True, True, False, None, 12, True),  # 0.553 -> 0.419 -> 0.379 ms
+    ("int8", True, False): Tuned(16, 3, False, True, True, False, None, 12, True, False, True),  # 0.691 -> 0.399
+    ("int4", True, False): Tuned(16, 3, False, True, False, False, None, 12, True),  # 0.752 -> 0.395 -> 0.311
+    ("int8", True, True): Tuned(64, 2, False, True, True, False, 128, 4, True, True, True, pages_ahead=False,
+                                warp_page=False),  # 0.534 ms
+    ("int4", True, True): Tuned(64, 2, False, True, False, False, 128, 4, True, True, pages_ahead=False),  # 0.433
 }
 
+# One-warp programs need about 1024 of them to keep the memory busy: at 1 x 131072 (8 pairs)
+# fp8 took 0.104 ms at 512 programs (64 splits), 0.081 at 1024 (128 splits), 0.099 at 2048,
+# against 0.090 for 4-warp programs at 64 splits. Where the batch's (sequence, KV head) pairs
+# cannot reach ONE_WARP_PROGRAMS with ONE_WARP_MAX_SPLITS splits of >= MIN_TOKENS_PER_SPLIT
+# tokens (Llama-3-70B at TP 8 has one KV head: 0.096 vs 0.036 ms for a single sequence), the
+# format's 4-warp tile runs instead: 4 x 16 tokens, 3 programs per SM (round 9).
+ONE_WARP_PROGRAMS = 1024
+ONE_WARP_MAX_SPLITS = 128
+MIN_TOKENS_PER_SPLIT = 512
 
-def tuned_for(kf: KernelFormat) -> Tuned:
+
+def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None = None) -> Tuned:
+    """The format's launch options; with the batch's (sequence, KV head) pairs and its longest
+    context, the 4-warp tile where one-warp programs would be too few."""
     kind = "int4" if kf.kind == KIND_INT4 else "int8" if kf.kind == KIND_INT8 else "fp8" if kf.fp8 else "float"
-    return TUNED[(kind, kf.scale_mode == SCALE_TOKEN)]
+    tuned = TUNED[(kind, kf.scale_mode == SCALE_TOKEN, bool(kf.asym))]
+    if tuned.warps and tuned.block_n == 16 and pairs is not None:  # one-warp programs
+        splits = min(ONE_WARP_MAX_SPLITS, -(-max_tokens // MIN_TOKENS_PER_SPLIT))
+        if pairs * splits < ONE_WARP_PROGRAMS:
+            tuned = tuned._replace(block_n=64, resident_per_sm=3)
+    return tuned
 
 
 def probability_dtype(cache: LayerCache, q_dtype: torch.dtype) -> torch.dtype:

@@ -21,6 +21,13 @@ dynamic, quantizes, and stores the bytes at each token's slot
   the hardware's saturating round-to-nearest-even conversion gives the same
   byte in one instruction per two values; the GPU tests check that byte for byte.
 
+On the GPU (FAST) two more exact shortcuts replace instruction-heavy steps, because
+the write is compute-bound otherwise (a `div.rn` is ~11 issued instructions per
+value, with its slow-path branch): the division by a row's (or the tensor's) scale
+uses its correctly rounded reciprocal and two fma corrections (`_quotient`), and
+integers round with one `cvt.rni` whose NaN -> 0 and saturation the integer clamp
+finishes. The interpreter has no fused multiply-add, so it keeps `div_rn`.
+
 Negative slots are skipped (padding tokens), as in vLLM.
 """
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..kv_cache import LayerCache
 from .formats import FP8_HARDWARE, FP8_NONE, SCALE_NONE, check_device, kernel_format
@@ -39,6 +47,52 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it 
 @triton.jit
 def _rne(y):
     return (y + _RNE_MAGIC) - _RNE_MAGIC
+
+
+_SMALL = tl.constexpr(5.421010862427522e-20)  # 2**-64: scales below it are scaled up for _quotient
+_HUGE = tl.constexpr(1.8446744073709552e19)  # 2**64: any quotient this large saturates whatever its digits
+
+
+@triton.jit
+def _reciprocal(s):
+    """(s', 1 / s' rounded to nearest, k) with s' = s * k, k a power of two that keeps s' >= 2**-64.
+
+    Scaling both sides of a / s by the same power of two is exact, and it keeps the
+    fma corrections of `_quotient` clear of underflow (scales of 1e-38 are legal in fp32)."""
+    k = tl.where(s < _SMALL, _HUGE, 1.0)
+    s = s * k
+    return s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), k
+
+
+@triton.jit
+def _quotient(a, s, y, k, FAST: tl.constexpr):
+    """a / s rounded to nearest even, as IEEE division (s > 0; s, y, k from `_reciprocal`).
+
+    FAST: q = a * y is within 2 ulp of a / s; one fma correction brings it within
+    1 ulp, and by Markstein's theorem (y the rounded reciprocal, no underflow) the
+    second returns the correctly rounded quotient. A quotient past 2**64 is kept
+    as a * y: it saturates in every format, and its correction would be inf - inf."""
+    if FAST:
+        a = a * k
+        q0 = a * y
+        q1 = tl.fma(tl.fma(-s, q0, a), y, q0)
+        q2 = tl.fma(tl.fma(-s, q1, a), y, q1)
+        q = tl.where(tl.abs(q0) < _HUGE, q2, q0)
+    else:
+        q = tl.math.div_rn(a * k, s)
+    return q
+
+
+@triton.jit
+def _to_int(y, QMIN: tl.constexpr, QMAX: tl.constexpr, FAST: tl.constexpr):
+    """Round half to even into [QMIN, QMAX] as int32; NaN -> 0."""
+    if FAST:  # cvt.rni: NaN -> 0 and saturates, so the clamp can follow in integers
+        QMIN_I: tl.constexpr = int(QMIN)
+        QMAX_I: tl.constexpr = int(QMAX)
+        n = tl.minimum(tl.maximum(libdevice.float2int_rn(y), QMIN_I), QMAX_I)
+    else:
+        n = _rne(tl.minimum(tl.maximum(tl.where(y != y, 0.0, y), QMIN), QMAX)).to(tl.int32)
+    return n
 
 
 @triton.jit
@@ -139,13 +193,14 @@ def _store_rows(
     xa, xb, m2, cache_ptr, scale_ptr, zero_ptr, mask_t, dst_base, meta_off, head, offs_d,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr,
     FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
+    FULL_D: tl.constexpr, FAST: tl.constexpr,
 ):
     if SCALE_MODE == 0:
         # unquantized: the launcher has already matched x's dtype to the cache's
         tl.store(cache_ptr + dst_base[:, None] + offs_d[None, :], xa.to(cache_ptr.dtype.element_ty), mask=m2)
     else:
         _quantize_rows(xa, xb, m2, mask_t, cache_ptr, scale_ptr, zero_ptr, dst_base, meta_off, head, offs_d,
-                       KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
+                       KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
 
 
 @triton.jit
@@ -153,8 +208,8 @@ def _quantize_rows(
     xa, xb, m2, mask_t, cache_ptr, scale_ptr, zero_ptr, dst_base, meta_off, head, offs_d,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr,
     FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
+    FULL_D: tl.constexpr, FAST: tl.constexpr,
 ):
-    zero = tl.zeros_like(xa)
     # the scale dtype's smallest normal and largest finite value (torch.finfo tiny / max)
     if SCALE_DT == 0:
         TINY: tl.constexpr = 6.103515625e-05
@@ -167,11 +222,14 @@ def _quantize_rows(
         BIG: tl.constexpr = 3.4028234663852886e38
     if SCALE_MODE == 3:
         if ASYM:
-            lo = tl.minimum(tl.min(tl.where(m2, xa, float("inf")), 1), tl.min(tl.where(m2, xb, float("inf")), 1))
-            hi = tl.maximum(tl.max(tl.where(m2, xa, -float("inf")), 1), tl.max(tl.where(m2, xb, -float("inf")), 1))
+            if FULL_D:  # masked rows load as 0 and store nothing: only padding columns need excluding
+                lo = tl.minimum(tl.min(xa, 1), tl.min(xb, 1))
+                hi = tl.maximum(tl.max(xa, 1), tl.max(xb, 1))
+            else:
+                lo = tl.minimum(tl.min(tl.where(m2, xa, float("inf")), 1), tl.min(tl.where(m2, xb, float("inf")), 1))
+                hi = tl.maximum(tl.max(tl.where(m2, xa, -float("inf")), 1), tl.max(tl.where(m2, xb, -float("inf")), 1))
             z = _round_down(tl.minimum(tl.maximum(lo, -BIG), BIG), SCALE_DT)
             s = tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32))
-            zero = tl.zeros_like(xa) + z[:, None]
         else:
             amax = tl.maximum(tl.max(tl.abs(xa), 1), tl.max(tl.abs(xb), 1))
             s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
@@ -180,15 +238,20 @@ def _quantize_rows(
         tl.store(scale_ptr + meta_off, s.to(scale_ptr.dtype.element_ty), mask=mask_t)
         if ASYM:
             tl.store(zero_ptr + meta_off, z.to(zero_ptr.dtype.element_ty), mask=mask_t)
-        s2 = tl.zeros_like(xa) + s[:, None]
-    elif SCALE_MODE == 2:
-        s2 = tl.zeros_like(xa) + tl.load(scale_ptr + head)
+            xa = xa - z[:, None]
+            xb = xb - z[:, None]
+        s, y, k = _reciprocal(s)
+        s, y, k = s[:, None], y[:, None], k[:, None]
     else:
-        s2 = tl.zeros_like(xa) + tl.load(scale_ptr)
+        if SCALE_MODE == 2:
+            s = tl.load(scale_ptr + head)
+        else:
+            s = tl.load(scale_ptr)
+        s, y, k = _reciprocal(s)
 
-    ya = tl.math.div_rn(xa - zero, s2)
-    ya = tl.minimum(tl.maximum(tl.where(ya != ya, 0.0, ya), QMIN), QMAX)
+    ya = _quotient(xa, s, y, k, FAST)
     if KIND == 0:
+        ya = tl.minimum(tl.maximum(tl.where(ya != ya, 0.0, ya), QMIN), QMAX)
         if FP8 == 3:  # FP8_HARDWARE e4m3: cvt.rn.satfinite, the same RNE on the already clamped value
             out = ya.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         elif FP8 == 4:  # FP8_HARDWARE e5m2
@@ -197,14 +260,12 @@ def _quantize_rows(
             out = _encode_fp8(ya, FP8)
     elif KIND == 1:
         if ASYM:
-            out = _rne(ya).to(tl.uint8)
+            out = _to_int(ya, QMIN, QMAX, FAST).to(tl.uint8)
         else:
-            out = _rne(ya).to(tl.int8)
+            out = _to_int(ya, QMIN, QMAX, FAST).to(tl.int8)
     else:
-        yb = tl.math.div_rn(xb - zero, s2)
-        yb = tl.minimum(tl.maximum(tl.where(yb != yb, 0.0, yb), QMIN), QMAX)
-        na = _rne(ya).to(tl.int32)
-        nb = _rne(yb).to(tl.int32)
+        na = _to_int(ya, QMIN, QMAX, FAST)
+        nb = _to_int(_quotient(xb, s, y, k, FAST), QMIN, QMAX, FAST)
         if not ASYM:
             na += 8
             nb += 8
@@ -221,7 +282,7 @@ def _write_kv_kernel(
     stride_mb, stride_mh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
-    QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
+    QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr, FULL_D: tl.constexpr, FAST: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
@@ -239,16 +300,19 @@ def _write_kv_kernel(
     ka, kb, m2 = _load_rows(K, t, mask_t, head, offs_d, stride_kt, stride_kh, HEAD_DIM, KIND)
     va, vb, _ = _load_rows(V, t, mask_t, head, offs_d, stride_vt, stride_vh, HEAD_DIM, KIND)
     _store_rows(ka, kb, m2, KC, KS, KZ, mask_t, dst, meta, head, offs_d,
-                KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
+                KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
     _store_rows(va, vb, m2, VC, VS, VZ, mask_t, dst, meta, head, offs_d,
-                KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT)
+                KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
 
 
 def write_kv_launch(
     cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-    block_t: int | None = None, num_warps: int = 4,
+    block_t: int | None = None, num_warps: int = 2, fast: bool | None = None,
 ) -> None:
-    """Validate, then launch one program per (BLOCK_T tokens, KV head)."""
+    """Validate, then launch one program per (BLOCK_T tokens, KV head).
+
+    fast: the GPU's exact shortcuts (hardware fp8 conversion, division through the
+    reciprocal, `cvt.rni` rounding; same bytes); default on CUDA, impossible in the interpreter."""
     kf = kernel_format(cache)
     check_device(cache.k, k, v, slot_mapping)
     nb, heads, bs, _ = cache.k.shape
@@ -278,8 +342,9 @@ def write_kv_launch(
     kz = cache.k_zero if cache.k_zero is not None else dummy
     vz = cache.v_zero if cache.v_zero is not None else dummy
     stored = cache.k.shape[-1]
+    fast = cache.k.device.type == "cuda" if fast is None else fast
     # on the GPU the hardware conversion (one instruction per two values) replaces the encoder
-    fp8 = FP8_HARDWARE[kf.fp8] if kf.fp8 != FP8_NONE and cache.k.device.type == "cuda" else kf.fp8
+    fp8 = FP8_HARDWARE[kf.fp8] if kf.fp8 != FP8_NONE and fast else kf.fp8
     if block_t is None:
         block_t = 16 if num_tokens >= 16 * heads else 4
     grid = (triton.cdiv(num_tokens, block_t), heads)
@@ -292,6 +357,7 @@ def write_kv_launch(
         BLOCK_SIZE=bs, HEAD_DIM=kf.head_dim, BLOCK_D=triton.next_power_of_2(stored), BLOCK_T=block_t,
         KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, FP8=fp8,
         QMIN=kf.qmin, QMAX=kf.qmax, SCALE_DT=kf.scale_dtype,
+        FULL_D=triton.next_power_of_2(stored) == stored, FAST=fast,
         num_warps=num_warps,
     )
 
