@@ -137,7 +137,10 @@ VARIANTS = {
        for st in (3, 4, 6) for n in (0, 8, 12, 16, 64, 128, 256)},
     # ... for the per-token formats (heads on M, p scaled, pages a tile ahead, one page per warp)
     **{f"w1T-s{st}": dict(warps=True, heads_n=False, block_n=16, maxnreg=0, num_stages=st, resident_per_sm=12,
-                          pages_ahead=True, warp_page=True) for st in (3, 4)},
+                          pages_ahead=True, warp_page=True) for st in (2, 3, 4)},
+    # ... and with heads on N (the asymmetric per-token formats' 4-warp layout), uncapped: 167-209 registers
+    **{f"w1N-s{st}": dict(warps=True, heads_n=True, block_n=16, maxnreg=0, num_stages=st, resident_per_sm=12,
+                          pages_ahead=True, warp_page=True) for st in (2, 3)},
     # the round-9 defaults of fp8 / int8 / int4 per-head (4 warps x 16 tokens, 3 resident per SM)
     "w4-n64-s3": dict(warps=True, heads_n=False, block_n=64, maxnreg=0, num_stages=3, resident_per_sm=3),
 }

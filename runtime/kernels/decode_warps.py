@@ -19,7 +19,7 @@ share an SM (168 registers), so the split-K rule gives it ~4x the splits.
 
 HEADS_N puts the query heads on the mma N dimension (acc^T = V^T p^T), which pads
 a group of 4 to 8 columns instead of 16 rows and halves the accumulator registers
-(the asymmetric per-token formats use it to fit 128 registers); its price: V becomes the
+(int4 per-token asym uses it to fit 128 registers); its price: V becomes the
 transposed A operand, which Triton 3.6 loads into registers instead of through its
 cp.async pipeline, and uses in the same iteration. With heads on M (the static
 8-bit default) K and V both go through cp.async, but V, the B operand with its

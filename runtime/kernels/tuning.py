@@ -42,9 +42,10 @@ class Tuned(NamedTuple):
 # one-warp barriers), 12 resident per SM (154-168 registers): fp8 0.282 -> 0.267, int8
 # 0.321 -> 0.311, int4 0.255 -> 0.249; per-token fp8 / int8 / int4 leave heads on N and their
 # 128-register cap for heads on M, uncapped: 0.416 -> 0.379, 0.458 -> 0.399, 0.395 -> 0.311.
-# Also faster at 64 x 8k, 128 x 4k and the 70B-TP8 shapes (int4 there -4%..+1%). The
-# asymmetric per-token formats keep round 9's heads on N (one warp: int8 0.534 -> 0.620,
-# 184 registers; int4 faster at 16 x 32k only). bf16 keeps the heads x tokens kernel.
+# Also faster at 64 x 8k, 128 x 4k and the 70B-TP8 shapes (int4 there -4%..+1%). int8
+# per-token asym: one warp, heads on M at 2 stages (at 3: 184 registers, 0.620 ms); int4
+# per-token asym keeps round 9's heads on N (one-warp variants won at 16 x 32k only, by <= 7%).
+# bf16 keeps the heads x tokens kernel.
 TUNED = {
     ("float", False, False): Tuned(128, 2, False, False, False, False, None, 3),  # bf16/fp16: 0.49 ms
     ("fp8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True),  # 0.524 -> 0.288 -> 0.267 ms
@@ -53,8 +54,7 @@ TUNED = {
     ("fp8", True, False): Tuned(16, 4, False, True, True, False, None, 12, True),  # 0.553 -> 0.419 -> 0.379 ms
     ("int8", True, False): Tuned(16, 3, False, True, True, False, None, 12, True, False, True),  # 0.691 -> 0.399
     ("int4", True, False): Tuned(16, 3, False, True, False, False, None, 12, True),  # 0.752 -> 0.395 -> 0.311
-    ("int8", True, True): Tuned(64, 2, False, True, True, False, 128, 4, True, True, True, pages_ahead=False,
-                                warp_page=False),  # 0.534 ms
+    ("int8", True, True): Tuned(16, 2, False, True, True, False, None, 12, True, False, True),  # 0.534 -> 0.479 ms
     ("int4", True, True): Tuned(64, 2, False, True, False, False, 128, 4, True, True, pages_ahead=False),  # 0.433
 }
 
