@@ -1,14 +1,27 @@
-"""GPU timing shared by the kernel benchmarks: graph-replayed GPU time, eager time, and the
-device's copy and read bandwidth ceilings (CUDA only)."""
+"""GPU timing shared by the kernel benchmarks: graph-replayed GPU time, eager time, the
+device's copy and read bandwidth ceilings, and the machine record (CUDA only)."""
 
 from __future__ import annotations
 
+import platform
+import time
 from functools import partial
 
 import torch
+import triton
 from triton.testing import do_bench
 
 _FLUSH: list[torch.Tensor] = []  # 256 MiB written before every timed call: L2 (50 MB on the H200) starts cold
+
+
+def gpu_env(**extra) -> dict:
+    """The first JSONL row of a benchmark: GPU, versions, date (and whatever the caller adds)."""
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "kind": "env", "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **extra,
+    }
 
 
 def eager_ms(fn) -> float:

@@ -22,19 +22,16 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_timing import ceilings, eager_ms, median_ms  # noqa: E402
+from gpu_timing import ceilings, eager_ms, gpu_env, median_ms  # noqa: E402
 
 from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
 from runtime.kernels.formats import kernel_format  # noqa: E402
@@ -304,13 +301,7 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    props = torch.cuda.get_device_properties(0)
-    env = {
-        "kind": "env", "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-    env.update(ceilings())
+    env = gpu_env(**ceilings())
     print(f"{env['gpu']}: copy {env['copy_gbps']:.0f} GB/s, read {env['read_gbps']:.0f} GB/s", flush=True)
     fmt_names = args.formats.split(",")
     fixed = {}

@@ -30,9 +30,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -41,7 +39,6 @@ import torch
 if not torch.cuda.is_available():  # before triton decorates the kernels (tests/conftest.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -220,12 +217,9 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    props = torch.cuda.get_device_properties(0)
-    env = {
-        "kind": "env", "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "defaults": DEFAULTS["16bit"],
-    }
+    from gpu_timing import gpu_env
+
+    env = gpu_env(defaults=DEFAULTS["16bit"])
     grid = [(8192, 512)] if args.quick else GRID
     rows: list[dict] = []
     with open(out / "prefill_context.jsonl", "w") as sink:
