@@ -38,10 +38,19 @@ import triton.language as tl
 from ..kv_cache import LayerCache
 from .decode_warps import _decode_kernel_warps
 from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack, _widen_asm
-from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, check_device, kernel_format
+from .formats import (
+    KIND_INT4,
+    KIND_INT8,
+    SCALE_TOKEN,
+    check_device,
+    kernel_format,
+    meta_strides,
+    out_dtype,
+    scale_tensors,
+)
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
 from .split_k import choose_num_splits, merge_splits, sm_count
-from .tuning import MIN_TOKENS_PER_SPLIT, ONE_WARP_MAX_SPLITS, tuned_for
+from .tuning import ONE_WARP_MAX_SPLITS, tuned_for
 
 _LOG2E = 1.4426950408889634
 
@@ -257,11 +266,7 @@ def decode_attention_launch(
         raise ValueError(f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
     if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    # The interpreter truncates fp32->bf16 casts; there the kernel writes fp32 and torch rounds.
-    from triton import knobs
-
-    kernel_out_dtype = torch.float32 if (knobs.runtime.interpret and q.dtype == torch.bfloat16) else q.dtype
-    out = torch.empty(q.shape, dtype=kernel_out_dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
     if batch == 0:
         return out.to(q.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -302,10 +307,9 @@ def decode_attention_launch(
         elif kf.kind == KIND_INT8 and int8_asm and dot_fp16:
             asm = _widen_asm(8, torch.float16, not kf.asym)
     if num_splits is None:
-        one = warps and num_warps == 1
+        one_warp = {"max_splits": ONE_WARP_MAX_SPLITS} if warps and num_warps == 1 else {}
         num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device),
-                                       resident_per_sm or tuned.resident_per_sm, MIN_TOKENS_PER_SPLIT,
-                                       ONE_WARP_MAX_SPLITS if one else 64)
+                                       resident_per_sm or tuned.resident_per_sm, **one_warp)
     tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
     split = num_splits > 1
@@ -316,16 +320,10 @@ def decode_attention_launch(
         pacc = torch.empty(batch * num_heads * num_splits * head_dim, **f32)
     else:
         pm = pl = pacc = out  # unused: SPLIT=False compiles their stores away
-    dummy = cache.k
-    ks = cache.k_scale if cache.k_scale is not None else dummy
-    vs = cache.v_scale if cache.v_scale is not None else dummy
-    kz = cache.k_zero if cache.k_zero is not None else dummy
-    vz = cache.v_zero if cache.v_zero is not None else dummy
-    meta_strides = (kv_heads * bs, bs) if kf.scale_mode == SCALE_TOKEN else (0, 0)
-    args = (q, cache.k, cache.v, ks, vs, kz, vz, block_tables, seq_lens, out, pm, pl, pacc,
+    args = (q, cache.k, cache.v, *scale_tensors(cache, cache.k), block_tables, seq_lens, out, pm, pl, pacc,
             sm_scale * _LOG2E, tokens_per_split, num_splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-            cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), *meta_strides)
+            cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), *meta_strides(kf, cache))
     common = dict(NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
                   KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, SPLIT=split, DOT=dot_mode,
                   FULL_D=block_d == stored, ASM_LO=asm[0], ASM_HI=asm[1], DOT_F16=dot_fp16, P_SCALE=p_scale,

@@ -120,3 +120,23 @@ def check_device(*tensors: torch.Tensor) -> None:
             f"the Triton KV kernels run on CUDA tensors, got {dev}; use runtime/attention.py's reference "
             "path on CPU, or set TRITON_INTERPRET=1 before importing runtime.kernels (tests)."
         )
+
+
+def scale_tensors(cache: LayerCache, stand_in: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(k_scale, v_scale, k_zero, v_zero) for a launch; `stand_in` replaces the absent ones (the
+    kernels' constexpr branches never touch them)."""
+    return tuple(t if t is not None else stand_in for t in (cache.k_scale, cache.v_scale, cache.k_zero, cache.v_zero))
+
+
+def meta_strides(kf: KernelFormat, cache: LayerCache) -> tuple[int, int]:
+    """Block and KV-head strides of per-token scales / zero points [blocks, kv_heads, block_size]; (0, 0) otherwise."""
+    _, kv_heads, bs, _ = cache.k.shape
+    return (kv_heads * bs, bs) if kf.scale_mode == SCALE_TOKEN else (0, 0)
+
+
+def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an attention kernel writes: q's, except that the interpreter truncates fp32 -> bf16
+    casts, so there the kernel writes fp32 and torch rounds."""
+    from triton import knobs
+
+    return torch.float32 if (knobs.runtime.interpret and q_dtype == torch.bfloat16) else q_dtype

@@ -31,12 +31,11 @@ import triton
 import triton.language as tl
 
 from ..kv_cache import LayerCache
-from .decode_attention import _dequant_v, _dot_mode
+from .decode_attention import _LOG2E, _dequant_v, _dot_mode
 from .dequant import _dot, _operand, _unpack
-from .formats import SCALE_TOKEN, check_device, kernel_format
+from .formats import check_device, kernel_format, meta_strides, out_dtype, scale_tensors
 from .group_io import _static_folds, _stored_columns, _tile_pages
 
-_LOG2E = 1.4426950408889634
 # Launch options by q dtype. 16-bit: flash-attention's usual Hopper tile for head_dim 128; an
 # offline sm_90 compile (Triton 3.6, Llama-3-8B shapes) gives 207-255 registers, K/V through
 # cp.async, and no spills but 32 bytes for int8 per-token asym. On the H200
@@ -228,25 +227,18 @@ def prefill_context_attention_launch(
     rows = max(block_m, triton.next_power_of_2(group))
     tile_m = rows // group
 
-    from triton import knobs
-
-    # The interpreter truncates fp32->bf16 casts; there the kernel writes fp32 and torch rounds.
-    kernel_out_dtype = torch.float32 if (knobs.runtime.interpret and q.dtype == torch.bfloat16) else q.dtype
-    out = torch.empty(q.shape, dtype=kernel_out_dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
     if chunks == 0 or tokens == 0:
         return out.to(q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     block_d = max(16, triton.next_power_of_2(stored))
-    dummy = cache.k
-    ks, vs, kz, vz = (t if t is not None else dummy for t in (cache.k_scale, cache.v_scale, cache.k_zero, cache.v_zero))
-    meta_strides = (kv_heads * bs, bs) if kf.scale_mode == SCALE_TOKEN else (0, 0)
     grid = (triton.cdiv(tokens, tile_m) + chunks, kv_heads)  # >= the chunks' tiles: each adds <= 1 partial tile
     _prefill_context_kernel[grid](
-        q, k, v, cache.k, cache.v, ks, vs, kz, vz, block_tables, cu_seqlens.contiguous(), context_lens.contiguous(),
+        q, k, v, cache.k, cache.v, *scale_tensors(cache, cache.k), block_tables, cu_seqlens.contiguous(), context_lens.contiguous(),
         out, sm_scale * _LOG2E, block_tables.shape[1] * bs, chunks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), *meta_strides,
+        block_tables.stride(0), cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), *meta_strides(kf, cache),
         GROUP=group, ROWS=rows, TILE_M=tile_m, BLOCK_C=max(16, triton.next_power_of_2(chunks)), BLOCK_SIZE=bs,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, DOT=_dot_mode(q.dtype), FULL_D=block_d == stored,

@@ -39,6 +39,9 @@ def _merge_kernel(
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
+MIN_TOKENS_PER_SPLIT = 512  # shorter splits cost more in partial write-backs and merging than they gain
+
+
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -56,7 +59,7 @@ def wave_cost(pairs: int, splits: int, slots: int) -> float:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, sm_count: int,
-                      resident_per_sm: int, min_tokens_per_split: int = 512, max_splits: int = 64,
+                      resident_per_sm: int, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT, max_splits: int = 64,
                       tolerance: float = 0.10) -> int:
     """The fewest splits whose `wave_cost` is within `tolerance` of the best possible.
 

@@ -14,6 +14,7 @@ import torch
 
 from ..kv_cache import LayerCache
 from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, KernelFormat, kernel_format
+from .split_k import MIN_TOKENS_PER_SPLIT
 
 
 class Tuned(NamedTuple):
@@ -66,7 +67,6 @@ TUNED = {
 # format's 4-warp tile runs instead: 4 x 16 tokens, 3 programs per SM (round 9).
 ONE_WARP_PROGRAMS = 1024
 ONE_WARP_MAX_SPLITS = 128
-MIN_TOKENS_PER_SPLIT = 512
 
 
 def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None = None) -> Tuned:

@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..kv_cache import LayerCache
-from .formats import FP8_HARDWARE, FP8_NONE, SCALE_NONE, check_device, kernel_format
+from .formats import FP8_HARDWARE, FP8_NONE, SCALE_NONE, check_device, kernel_format, scale_tensors
 
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 half-to-even
 
@@ -336,11 +336,7 @@ def write_kv_launch(
     slot_mapping = slot_mapping.contiguous()
     # fp8 pages are written as bytes by the integer encoder.
     kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if kf.fp8 != FP8_NONE else (cache.k, cache.v)
-    dummy = kc  # stands in for absent scale/zero pointers; the constexpr branches never touch it
-    ks = cache.k_scale if cache.k_scale is not None else dummy
-    vs = cache.v_scale if cache.v_scale is not None else dummy
-    kz = cache.k_zero if cache.k_zero is not None else dummy
-    vz = cache.v_zero if cache.v_zero is not None else dummy
+    ks, vs, kz, vz = scale_tensors(cache, kc)
     stored = cache.k.shape[-1]
     fast = cache.k.device.type == "cuda" if fast is None else fast
     # on the GPU the hardware conversion (one instruction per two values) replaces the encoder
