@@ -143,6 +143,13 @@ VARIANTS = {
                           pages_ahead=True, warp_page=True) for st in (2, 3)},
     # the round-9 defaults of fp8 / int8 / int4 per-head (4 warps x 16 tokens, 3 resident per SM)
     "w4-n64-s3": dict(warps=True, heads_n=False, block_n=64, maxnreg=0, num_stages=3, resident_per_sm=3),
+    # the Gluon kernel (decode_gluon.py) and the Triton defaults beside it; -r0: no register cap
+    # (163-168 registers, 12 programs per SM); -spN: forced split count
+    "g": dict(gluon=True),
+    "g-r0": dict(gluon=True, maxnreg=0),
+    "g-r128": dict(gluon=True, maxnreg=128),
+    **{f"g-sp{n}": dict(gluon=True, num_splits=n) for n in (8, 12, 16, 24, 32, 64, 128, 256, 512)},
+    "t": dict(gluon=False),
 }
 PER_TOKEN_ONLY = {"f16-cvt0-pscale", "f16-cvt1-pscale", "swap-f16-pscale"}
 
@@ -188,7 +195,7 @@ def main() -> None:
             ref = case.reference(cache)
             for var in args.variants.split(","):
                 # named variants of the query-heads x tokens kernel stay on it whatever the defaults
-                opts = VARIANTS[var] if var == "default" or var.startswith(("w", "d-")) else {"warps": False, **VARIANTS[var]}
+                opts = VARIANTS[var] if var in ("default", "t") or var.startswith(("w", "d-", "g")) else {"warps": False, **VARIANTS[var]}
                 if var in PER_TOKEN_ONLY and not fmt.dynamic:
                     continue
                 if not fmt.quantized and not var.startswith(("w", "d-", "c-")) and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):

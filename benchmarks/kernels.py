@@ -141,6 +141,17 @@ class Case:
         return (p @ v).view(b, self.heads, d)
 
 
+def kernel_name(tuned, case: Case, opts: dict) -> str:
+    """Which kernel the launch ran: the Gluon one where the format's default asks for it and the
+    shape allows (decode_gluon.supported; explicit tile options keep the Triton kernels)."""
+    from runtime.kernels import decode_gluon
+
+    if tuned.gluon and not opts and case.head_dim == decode_gluon.HEAD_DIM and BLOCK_SIZE % decode_gluon.TILE == 0 \
+            and case.heads // case.kv_heads <= decode_gluon.MAX_GROUP:
+        return "gluon"
+    return "per-warp" if tuned.warps else "heads-x-tokens"
+
+
 def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
     sdpa_ms, backend = case.sdpa_ms()
     dense = case.kv_bytes(KVFormat("bf16"))
@@ -183,7 +194,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
             "timing": "cuda graph, L2 flushed per call",
             "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6,
             "block_n": bn, "num_warps": warps, "num_stages": stages, "v_transposed": vt, "relerr_vs_fp32": err,
-            "kernel": "per-warp" if tuned.warps else "heads-x-tokens", "default_tile": not opts,
+            "kernel": kernel_name(tuned, case, opts), "default_tile": not opts,
             "configs_tried": tried if len(tried) > 1 else None,
             "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim, "block_size": BLOCK_SIZE,
         }
@@ -252,8 +263,10 @@ def markdown(env: dict, rows: list[dict]) -> str:
         "eager calls (host time included where it outlasts the kernel). "
         "Baseline: torch SDPA (cuDNN backend) on dense BF16 KV of the same shape, same run.",
         "",
-        "Kernel: heads-x-tokens = decode_attention._decode_kernel, per-warp = decode_warps._decode_kernel_warps "
-        "(tile: 1 warp = one-warp programs of 16 tokens, 4 warps = 4 x 16 tokens).",
+        "Kernel: gluon = decode_gluon._decode_kernel_gluon (one-warp programs of 16-token tiles; the tile "
+        "column then shows the Triton kernels' options, unused), heads-x-tokens = decode_attention._decode_kernel, "
+        "per-warp = decode_warps._decode_kernel_warps (tile: 1 warp = one-warp programs of 16 tokens, "
+        "4 warps = 4 x 16 tokens).",
         "",
         "| model | batch x ctx | format | ms | GB/s | % read bw | vs cuDNN bf16 | eager ms | write GB/s | write % of copy | kernel | tile (n,warps,stages,vT) | rel err |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -5,6 +5,7 @@ Run on the GPU machine from the repository root (needs only torch and triton):
     python3 benchmarks/prefill_context.py --out benchmarks/results          # full grid
     python3 benchmarks/prefill_context.py --quick --out /tmp/r              # 8192 + 512 only
     python3 benchmarks/prefill_context.py --tune 32768x512 --out /tmp/r     # + alternative tiles there
+    python3 benchmarks/prefill_context.py --p-scale both --out /tmp/r       # per-token formats both ways
 
 Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, bf16 q/k/v), page 16, pages
 in random order: one chunk of 512 or 2048 tokens continuing a sequence whose first 8192,
@@ -17,7 +18,9 @@ in random order: one chunk of 512 or 2048 tokens continuing a sequence whose fir
 * TFLOP/s of the kernel: 4 x heads x head_dim x (chunk x context + chunk (chunk + 1) / 2)
   (QK^T and PV over the keys each query sees), per median time;
 * the error of both against an fp32 attention over the dequantized cache (the first and
-  last 64 queries of the chunk, where the causal part is shortest and longest).
+  last 64 queries of the chunk, where the causal part is shortest and longest);
+* for per-token formats, where V's scales went: on V, dequantized in fp32 in every tile (the
+  launcher's default) or on p (p_scale=True); --p-scale both records a row for each.
 
 Rows go to prefill_context.jsonl (first line: the environment), a table to prefill_context.md.
 Without CUDA it runs the --quick shape shrunk to 1024 + 48 tokens under the Triton
@@ -57,6 +60,7 @@ GRID = [(ctx, chunk) for ctx in (8192, 32768, 131072) for chunk in (512, 2048)]
 # (block_m, block_n, num_warps, num_stages) tried by --tune besides the defaults
 TUNE_TILES = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)]
 CHECK_ROWS = 64
+V_SCALES = {True: "p", False: "V", None: "-"}  # where per-token V scales were applied (None: not per-token)
 
 
 class Case:
@@ -122,7 +126,7 @@ def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def run_case(case: Case, name: str, tiles: list, rows: list, sink) -> None:
+def run_case(case: Case, name: str, tiles: list, rows: list, sink, p_scale: bool = True) -> None:
     from gpu_timing import eager_ms, median_ms
 
     fmt = FORMATS[name]
@@ -131,6 +135,7 @@ def run_case(case: Case, name: str, tiles: list, rows: list, sink) -> None:
     tried = []
     for tile in tiles:  # None: the launcher's defaults
         opts = {} if tile is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tile))
+        opts["p_scale"] = p_scale
         try:
             ms = median_ms(partial(prefill_context_attention_launch, *args, **opts))
         except Exception as e:  # a tile that does not compile (shared memory, registers)
@@ -155,6 +160,7 @@ def run_case(case: Case, name: str, tiles: list, rows: list, sink) -> None:
         "kind": "prefill_context", "ctx": case.ctx, "chunk": case.chunk, "format": name, "fmt": fmt.name,
         "ms": ms, "tflops": case.flops() / ms / 1e9, "eager_ms": eager, "ref_ms": ref_ms, "speedup": ref_ms / ms,
         "relerr_vs_fp32": err, "ref_relerr_vs_fp32": ref_err, "tiles": used,
+        "p_scale": p_scale if fmt.dynamic else None,
         "configs_tried": [[t, round(m, 4)] for m, t, _ in tried] if len(tried) > 1 else None,
         "timing": "kernel: cuda graph, L2 flushed per call; ref: eager (host sync inside)",
         "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
@@ -162,7 +168,7 @@ def run_case(case: Case, name: str, tiles: list, rows: list, sink) -> None:
     rows.append(row)
     sink.write(json.dumps(row) + "\n")
     sink.flush()
-    print(f"  {name:14s} {ms:8.3f} ms {row['tflops']:6.1f} TFLOP/s  ref {ref_ms:8.3f} ms  x{row['speedup']:.1f}  "
+    print(f"  {name:14s} {V_SCALES[row['p_scale']]} {ms:8.3f} ms {row['tflops']:6.1f} TFLOP/s  ref {ref_ms:8.3f} ms  x{row['speedup']:.1f}  "
           f"err {err:.1e} (ref {ref_err:.1e})  tiles {used}", flush=True)
 
 
@@ -177,32 +183,35 @@ def markdown(env: dict, rows: list[dict]) -> str:
         "time from CUDA-graph replays with L2 flushed before each call ('eager' includes the launcher). "
         "Reference: runtime.attention.prefill_context_attention (gather + dequantize + SDPA), eager -- it syncs "
         "with the host. TFLOP/s counts the keys each query sees (context + causal chunk). Errors: relative, "
-        f"against fp32 attention over the dequantized cache, first and last {CHECK_ROWS} queries.",
+        f"against fp32 attention over the dequantized cache, first and last {CHECK_ROWS} queries. V scales "
+        "(per-token formats): on V, dequantized in fp32 (the launcher's default) or on p (p_scale).",
         "",
-        "| context | chunk | format | kernel ms | TFLOP/s | eager ms | reference ms | speedup | kernel err | reference err | tiles (m, n, warps, stages) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| context | chunk | format | V scales | kernel ms | TFLOP/s | eager ms | reference ms | speedup | kernel err | reference err | tiles (m, n, warps, stages) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = r["tiles"]
         lines.append(
-            f"| {r['ctx']} | {r['chunk']} | {r['format']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['eager_ms']:.3f} | "
+            f"| {r['ctx']} | {r['chunk']} | {r['format']} | {V_SCALES[r['p_scale']]} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['eager_ms']:.3f} | "
             f"{r['ref_ms']:.3f} | {r['speedup']:.1f}x | {r['relerr_vs_fp32']:.1e} | {r['ref_relerr_vs_fp32']:.1e} | "
             f"({t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']}) |")
     return "\n".join(lines) + "\n"
 
 
 def smoke() -> None:
-    """No GPU: the --quick shape shrunk, under the interpreter, errors only."""
+    """No GPU: the --quick shape shrunk, under the interpreter, errors only (per-token formats both ways)."""
     case = Case(1024, 48, "cpu")
     for name, fmt in FORMATS.items():
         cache = case.cache(fmt)
         args = case.args(cache)
         pick = case.check_rows()
         truth = case.reference(cache)
-        err = relerr(prefill_context_attention_launch(*args)[pick], truth)
         ref_err = relerr(ref_ops.prefill_context_attention(*args)[pick], truth)
-        print(f"{name:14s} kernel err {err:.1e}  reference err {ref_err:.1e}", flush=True)
-        assert err <= 2 * ref_err + 1e-2, (name, err, ref_err)
+        for p_scale in (True, False) if fmt.dynamic else (True,):
+            err = relerr(prefill_context_attention_launch(*args, p_scale=p_scale)[pick], truth)
+            where = V_SCALES[p_scale if fmt.dynamic else None]
+            print(f"{name:14s} {where} kernel err {err:.1e}  reference err {ref_err:.1e}", flush=True)
+            assert err <= 2 * ref_err + 1e-2, (name, p_scale, err, ref_err)
 
 
 def main() -> None:
@@ -211,6 +220,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only 8192 + 512")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--tune", default="", help="CTXxCHUNK whose runs also try TUNE_TILES, e.g. 32768x512")
+    ap.add_argument("--p-scale", choices=("on", "off", "both"), default="off",
+                    help="per-token formats: V's scales on V in fp32 (off, the default), on p (on), or a row each")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         smoke()
@@ -229,8 +240,10 @@ def main() -> None:
             case = Case(ctx, chunk, "cuda")
             tiles = [None] + (TUNE_TILES if args.tune == f"{ctx}x{chunk}" else [])
             for name in args.formats.split(","):
-                run_case(case, name, tiles, rows, sink)
-                torch.cuda.empty_cache()
+                ways = {"on": (True,), "off": (False,), "both": (True, False)}[args.p_scale]
+                for p_scale in ways if FORMATS[name].dynamic else (True,):
+                    run_case(case, name, tiles, rows, sink, p_scale)
+                    torch.cuda.empty_cache()
             del case
     (out / "prefill_context.md").write_text(markdown(env, rows))
     print(markdown(env, rows))

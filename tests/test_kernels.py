@@ -54,6 +54,7 @@ def _load_kernels():
 K = _load_kernels()
 from runtime.kernels.decode_attention import decode_attention_launch  # noqa: E402
 from runtime.kernels.split_k import choose_num_splits  # noqa: E402
+from tests.helpers_gluon_compile import GLUON_VARIANTS  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 
@@ -304,10 +305,12 @@ def _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen):
     return cache, block_tables.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
 
 
+@pytest.mark.parametrize("kernel", ["default"] + (["triton"] if CUDA else []))
 @pytest.mark.parametrize("split", [False, True], ids=["one-split", "split-k"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
-def test_decode_attention_relative_oracle(fmt, shape, split):
+def test_decode_attention_relative_oracle(fmt, shape, split, kernel):
+    """The default launch, and on the GPU also the Triton kernels where the default is the Gluon one."""
     batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES[shape]
     gen = torch.Generator().manual_seed(zlib.crc32(f"{shape}{fmt.name}".encode()))
     cache, block_tables, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
@@ -319,7 +322,8 @@ def test_decode_attention_relative_oracle(fmt, shape, split):
     # sequences really split; the per-warp kernel then runs one warp) and, in the other kernel,
     # the V tile loaded as [head_dim, tokens]
     tiles = dict(block_n=16, v_transposed=True) if split else {}
-    out = decode_attention_launch(q, cache, block_tables, lens, sm_scale, num_splits=num_splits, **tiles)
+    out = decode_attention_launch(q, cache, block_tables, lens, sm_scale, num_splits=num_splits,
+                                  gluon=False if kernel == "triton" else None, **tiles)
     assert out.dtype == q.dtype and out.shape == q.shape
 
     truth, torch_err = _oracle(q, cache, block_tables, lens, sm_scale, qdtype)
@@ -371,10 +375,75 @@ def test_decode_per_warp_kernel(fmt, shape, split, heads_n):
         tiles = dict(num_warps=4, block_n=64) if split == 1 else dict(num_warps=1, block_n=16)
     else:
         tiles = dict(num_warps=2, block_n=32)
-    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=split, warps=True, heads_n=heads_n, **tiles)
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=split, warps=True, heads_n=heads_n,
+                                  gluon=False, **tiles)
     truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
     assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+
+
+# Shapes for the Gluon kernel (head_dim 128, pages of 16k tokens): GQA groups 1, 4, 5 and 8, page
+# sizes 16, 32 and 64, lengths on and around tile edges, and 8000 tokens in one program (one split).
+GLUON_SHAPES = {
+    "gqa4-page16": (6, 32, 8, 128, 16, [1, 15, 16, 17, 3000, 8000]),
+    "gqa8-page32": (3, 16, 2, 128, 32, [500, 33, 4096]),
+    "gqa5-page16": (2, 10, 2, 128, 16, [777, 1500]),
+    "mha-page64": (2, 4, 4, 128, 64, [100, 2000]),
+}
+QUANTIZED = [f for f in FORMATS if f.quantized]
+
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
+@pytest.mark.parametrize("split", [1, 4], ids=["one-split", "split-k"])
+@pytest.mark.parametrize("shape", list(GLUON_SHAPES))
+@pytest.mark.parametrize("fmt", QUANTIZED, ids=[i for f, i in zip(FORMATS, FMT_IDS) if f.quantized])
+def test_decode_gluon_kernel(fmt, shape, split):
+    """decode_gluon.py meets the fp64 oracle like the Triton kernels (bf16 q; fp16 q at group 5)."""
+    from runtime.kernels import decode_gluon
+    from runtime.kernels.formats import kernel_format
+
+    batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES[shape]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"gluon{shape}{fmt.name}".encode()))
+    cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    qdtype = torch.float16 if shape == "gqa5-page16" else torch.bfloat16
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
+    assert decode_gluon.supported(kernel_format(cache), q, bs, heads // kv_heads)
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=split, gluon=True)
+    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
+    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+
+
+@pytest.fixture(scope="module")
+def gluon_sm90_builds():
+    """Every Gluon kernel variant cross-compiled for the H200 (tests/helpers_gluon_compile.py), in a
+    process of its own: under TRITON_INTERPRET=1 (set here on CPU machines) Gluon cannot compile."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "tests" / "helpers_gluon_compile.py")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    if run.returncode == 3:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {tuple(r["variant"]): r for r in map(json.loads, run.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("variant", GLUON_VARIANTS, ids=[f"kind{k}-mode{m}{'-asym' if a else ''}" for k, m, a in GLUON_VARIANTS])
+def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
+    """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
+    register renames (`assert_trivial` in `_k_operand` / `_v_operand`; a wrong permutation fails the
+    build), K and V never touch shared memory, and with 128 registers the static formats do not
+    spill (16 programs per SM is what the split rule assumes)."""
+    build = gluon_sm90_builds[variant]
+    assert "error" not in build, build.get("error")
+    assert build["shared"] == 0, "K and V should go straight to registers"
+    assert build["regs"] <= (build["cap"] or 255)
+    if variant[1] != 3:
+        assert build["cap"] == 128 and build["stack"] == 0, f"static format spills: {build}"
 
 
 def test_decode_default_launch_matches_forced_split():

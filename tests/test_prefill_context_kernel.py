@@ -66,10 +66,12 @@ def _relerr(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
-def _build(fmt, s, gen, qdtype):
+def _build(fmt, s, gen, qdtype, v_per_token=False):
     """The op's arguments (q, k, v, cu_seqlens, cache, block_tables, context_lens): a paged cache
     holding each chunk's context (and, as the engine writes it before attending, the chunk
-    itself) and the step's packed q/k/v."""
+    itself) and the step's packed q/k/v. v_per_token: every (token, KV head) of V gets its own
+    magnitude (2^-6 .. 2^6) and offset (up to 4x that), so per-token scales and zero points
+    differ strongly from token to token."""
     kvh, d, bs = s["kv_heads"], s["head_dim"], s["block_size"]
     pages = [math.ceil((c + n) / bs) for c, n in s["chunks"]]
     num_blocks = sum(pages) + 4  # unowned pages between the owned ones, full of junk
@@ -81,7 +83,11 @@ def _build(fmt, s, gen, qdtype):
         used += p
         k = torch.randn(c + n, kvh, d, generator=gen) * 2.0
         k[:, :, 1] += 4.0  # an outlier channel, as real keys have
-        seqs.append((k.to(qdtype), torch.randn(c + n, kvh, d, generator=gen).to(qdtype)))
+        v = torch.randn(c + n, kvh, d, generator=gen)
+        if v_per_token:
+            mag = 2.0 ** (12 * torch.rand(c + n, kvh, 1, generator=gen) - 6)
+            v = (v + 4 * (2 * torch.rand(c + n, kvh, 1, generator=gen) - 1)) * mag
+        seqs.append((k.to(qdtype), v.to(qdtype)))
     ks = vs = None
     if fmt.static:
         amax = [torch.cat([x[w] for x in seqs]).float().abs().amax((0, 2)) for w in (0, 1)]
@@ -171,6 +177,31 @@ def test_prefill_context_relative_oracle(fmt, shape):
     assert _relerr(out, ref.double()) <= 2 * torch_err + 1e-5
     if CUDA:  # the reference computes in q's dtype there (SDPA): the kernel is no worse
         assert _relerr(out, truth) <= 2 * _relerr(ref, truth) + 1e-5
+
+
+# Per-token formats, V's scales on p (the default for symmetric formats with bf16 q; the launcher
+# takes the fp32 path for asymmetric formats and other q dtypes whatever p_scale says) and on V in
+# fp32 (p_scale=False), with V whose scales and zero points vary strongly from token to token
+# (_build's v_per_token): a scale or zero point applied to another token's values, or dropped, is
+# far outside the oracle's bound.
+TOKEN_FORMATS = [
+    KVFormat("int8", "per_token"),
+    KVFormat("int8", "per_token", symmetric=False),
+    KVFormat("int4", "per_token"),
+    KVFormat("int4", "per_token", symmetric=False),
+    KVFormat("fp8_e4m3", "per_token"),
+    KVFormat("fp8_e5m2", "per_token", scale_dtype="bfloat16"),
+]
+V_PATHS = [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False), (torch.float16, True)]
+
+
+@pytest.mark.parametrize("qdtype,p_scale", V_PATHS, ids=["bf16-p", "bf16-v", "fp32-v", "fp16"])
+@pytest.mark.parametrize("fmt", TOKEN_FORMATS, ids=[f.name for f in TOKEN_FORMATS])
+def test_per_token_v_scales_that_vary_by_token(fmt, qdtype, p_scale):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"vtok{fmt.name}".encode()))
+    args = _build(fmt, SHAPES["gqa2-page16"], gen, qdtype, v_per_token=True)
+    out = prefill_context_attention_launch(*args, 0.2, p_scale=p_scale, **SHAPES["gqa2-page16"]["tiles"])
+    _check(out, args, 0.2, qdtype)
 
 
 def test_default_tiles_and_public_op():

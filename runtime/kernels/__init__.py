@@ -1,4 +1,4 @@
-"""Triton-language GPU kernels for the paged, quantized KV cache.
+"""Triton-language (and Gluon) GPU kernels for the paged, quantized KV cache.
 
 What exists (same signatures as runtime/attention.py's reference path, see
 docs/interfaces.md):
@@ -20,8 +20,10 @@ benchmarks and tests; the first two default to the fastest tiles measured on the
 H200 (benchmarks/KERNEL_NOTES.md), the prefill kernel to untimed ones (prefill_context.py).
 Files: formats.py (KV format -> compile-time constants, cache checks),
 write_kv.py, decode_attention.py (launcher and the query-heads x tokens kernel),
-decode_warps.py (the one-softmax-state-per-warp kernel the 8-bit and per-token
-formats use), dequant.py (widening helpers both kernels share), group_io.py
+decode_warps.py (the one-softmax-state-per-warp kernel), decode_gluon.py (the
+decode kernel the quantized formats run on the GPU, written in Gluon with explicit
+register layouts; the Triton kernels serve the interpreter, bf16 and the shapes it
+does not support), dequant.py (widening helpers both kernels share), group_io.py
 (their q load, scale folding and output/partial store), tuning.py
 (per-format launch defaults), split_k.py (split count, merge kernel), prefill_context.py
 (the chunked-prefill kernel; it reuses the decode kernels' dequantization helpers).

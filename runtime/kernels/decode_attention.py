@@ -21,7 +21,9 @@ see exact operands:
 
 `decode_warps.py` holds the other kernel the launcher can pick (per format,
 `tuning.TUNED`): the same math with one softmax state per warp, which the
-8-bit and per-token formats run faster on.
+8-bit and per-token formats run faster on. On the GPU, `decode_gluon.py`
+(the same algebra with hand-placed register layouts) serves the quantized
+formats it supports where `tuning.TUNED` says it is faster.
 
 Long contexts with few (sequence, KV head) pairs would leave most SMs idle,
 so the context is split into `num_splits` ranges that write partial (max,
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ..kv_cache import LayerCache
+from . import decode_gluon
 from .decode_warps import _decode_kernel_warps
 from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack, _widen_asm
 from .formats import (
@@ -235,6 +238,7 @@ def decode_attention_launch(
     p_scale: bool | None = None, swap: bool | None = None, maxnreg: int | None = None,
     warps: bool | None = None, heads_n: bool | None = None, int8_asm: bool | None = None,
     pages_ahead: bool | None = None, warp_page: bool | None = None, resident_per_sm: int | None = None,
+    gluon: bool | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -250,7 +254,9 @@ def decode_attention_launch(
     tile ahead (`group_io._tile_pages`; the heads x tokens kernel always does). warp_page: there,
     one block-table read per warp where a warp's tokens share a page. resident_per_sm: programs
     an SM holds at once, for the split rule (with a tile option that changes it). swap, v_transposed and cvt_early
-    belong to the other kernel and are ignored by it.
+    belong to the other kernel and are ignored by it. gluon: the Gluon kernel (`decode_gluon.py`) where it
+    supports the launch (CUDA, head_dim 128, <= 8 heads per KV head, pages of 16k tokens, quantized
+    formats); of the other options it takes num_splits, maxnreg and resident_per_sm.
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -275,6 +281,15 @@ def decode_attention_launch(
     group = num_heads // kv_heads
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     tuned = tuned_for(kf, batch * kv_heads, max_tokens)
+    if (tuned.gluon if gluon is None else gluon) and decode_gluon.supported(kf, q, bs, group):
+        cap, resident = decode_gluon.registers(kf, maxnreg)
+        if num_splits is None:
+            num_splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, sm_count(q.device),
+                                           resident_per_sm or resident, decode_gluon.MIN_TOKENS_PER_SPLIT,
+                                           decode_gluon.MAX_SPLITS)
+        decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, num_splits,
+                            scale_tensors(cache, cache.k), meta_strides(kf, cache), cap)
+        return out
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages
     dot_mode = _dot_mode(q.dtype)

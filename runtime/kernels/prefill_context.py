@@ -11,7 +11,8 @@ gigabytes at 128k tokens -- before SDPA; here the pages are read in place:
 * Loop 1 walks the context through the block table like decode (pages in any order,
   any page size) with the decode kernels' algebra (dequant.py, group_io.py): raw stored
   values in the dots, K scales on the scores, static V scales once on the context's
-  accumulator (the chunk's own V has none), per-token V dequantized in fp32.
+  accumulator (the chunk's own V has none), symmetric per-token V scales on p with bf16 q
+  (P_SCALE), else per-token V dequantized in fp32.
 * Loop 2 walks the chunk's own full-precision K/V up to the tile's last token under the
   causal mask j <= t (chunk token t sits at position context + t: bottom-right).
 * One fp32 online softmax (base 2) spans both loops.
@@ -33,18 +34,28 @@ import triton.language as tl
 from ..kv_cache import LayerCache
 from .decode_attention import _LOG2E, _dequant_v, _dot_mode
 from .dequant import _dot, _operand, _unpack
-from .formats import check_device, kernel_format, meta_strides, out_dtype, scale_tensors
+from .formats import SCALE_TOKEN, check_device, kernel_format, meta_strides, out_dtype, scale_tensors
 from .group_io import _static_folds, _stored_columns, _tile_pages
 
 # Launch options by q dtype. 16-bit: flash-attention's usual Hopper tile for head_dim 128; an
 # offline sm_90 compile (Triton 3.6, Llama-3-8B shapes) gives 207-255 registers, K/V through
-# cp.async, and no spills but 32 bytes for int8 per-token asym. On the H200
+# cp.async, and no spills (int8 per-token asym spilled 16-32 bytes with 64-bit scale offsets). On the H200
 # (benchmarks/prefill_context.py --tune 32768x512, results/prefill_context.md) five other tiles
 # were within a few percent of it; with a 512-token chunk the kernel is 1.3-3.4x faster than the
 # gather + dequantize + SDPA reference, with 2048 tokens 1.0-1.5x for 16-bit and static 8-bit
 # formats but 0.6-0.8x for per-token ones (every 32-token query tile dequantizes the whole
-# context again). fp32 q (parity runs, IEEE dots on CUDA cores) spills at any tile; smaller
-# tiles spill least.
+# context again; measured with per-token V dequantized in fp32 and 64-bit scale offsets).
+# fp32 q (parity runs, IEEE dots on CUDA cores) spills at any tile; smaller tiles spill least.
+#
+# Per-token formats, same compile, SASS instructions of loop 1 per 64-token tile (fp8 / int8 /
+# int8 asym / int4 / int4 asym): V dequantized in fp32 1082 / 1087 / 1321 / 1232 / 1279 with
+# 64-bit scale offsets, 985 / 996 / 1137 / 1139 / 1125 with 32-bit ones (the int8 asym spill
+# gone); V's scales on p (P_SCALE) 1051 / 1052 / 1307 / 1247 / 1309. Scaling p saves no
+# multiply here -- p's tile (128 rows x 64 tokens) is as large as V's (64 x 128) -- and the
+# scales become 16 values per thread in the scores' layout instead of 2 on V's rows. Yet on the
+# H200 (benchmarks/prefill_context.py --p-scale both, results/prefill_context.md) int8 per-token
+# ran 4-7% faster with P_SCALE at every context and chunk; int4 per-token asym was a tie and its
+# error grew with the context (see the launcher), so P_SCALE is the default for symmetric formats.
 DEFAULTS = {
     "16bit": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "fp32": dict(block_m=32, block_n=16, num_warps=4, num_stages=2),
@@ -52,12 +63,12 @@ DEFAULTS = {
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, dt: tl.constexpr, DOT: tl.constexpr):
-    """Online softmax over one score tile [ROWS, BLOCK_N]: (new max, new sum, rescale of acc, p operand)."""
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over one score tile [ROWS, BLOCK_N]: (new max, new sum, rescale of acc, p in fp32)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, _operand(p, dt, DOT, False)
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
 
 
 @triton.jit
@@ -69,7 +80,7 @@ def _prefill_context_kernel(
     GROUP: tl.constexpr, ROWS: tl.constexpr, TILE_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr, DOT: tl.constexpr,
-    FULL_D: tl.constexpr, ALIGN: tl.constexpr,
+    FULL_D: tl.constexpr, ALIGN: tl.constexpr, P_SCALE: tl.constexpr, META_I64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -115,6 +126,8 @@ def _prefill_context_kernel(
     acc_a = tl.zeros([ROWS, BLOCK_D], tl.float32)
     acc_b = tl.zeros([ROWS, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
+    # P_SCALE (symmetric per-token formats): V scales multiply p, and V is widened raw like a static format's
+    V_SCALE: tl.constexpr = 0 if P_SCALE else SCALE_MODE
 
     # ---- loop 1: the cached context, every key visible
     bt_row = BT + chunk.to(tl.int64) * stride_btb
@@ -122,6 +135,7 @@ def _prefill_context_kernel(
     for n0 in range(0, ctx, BLOCK_N):
         pos = n0 + offs_n
         nmask = pos < ctx
+        page32 = page_next
         page = page_next.to(tl.int64)
         page_next = _tile_pages(bt_row, pos + BLOCK_N, ctx, BLOCK_SIZE)
         slot = pos % BLOCK_SIZE
@@ -134,7 +148,13 @@ def _prefill_context_kernel(
             m2 = nmask[:, None] & dmask[None, :]
         kraw = tl.load(K + base[:, None] + offs_d[None, :], mask=m2, other=0.0)
         vraw = tl.load(V + base[:, None] + offs_d[None, :], mask=m2, other=0.0)
-        meta = page * stride_mb + kvh * stride_mh + slot
+        # per-token scales' offsets in 32 bits where the tensors allow (the launcher's META_I64): these
+        # loads are 16 per thread and tensor in the scores' layout, and 64-bit address arithmetic for
+        # them was 8-14% of the loop's instructions (the counts above DEFAULTS)
+        if META_I64:
+            meta = page * stride_mb + kvh * stride_mh + slot
+        else:
+            meta = page32 * stride_mb + kvh * stride_mh + slot
         s = _dot(q_a, tl.trans(_operand(_unpack(kraw, 0, KIND, ASYM, "", "", dt), dt, DOT, False)), DOT)
         if KIND == 2:
             s += _dot(q_b, tl.trans(_operand(_unpack(kraw, 1, KIND, ASYM, "", "", dt), dt, DOT, False)), DOT)
@@ -143,13 +163,21 @@ def _prefill_context_kernel(
             if ASYM:
                 s += qsum[:, None] * tl.load(KZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
         s = tl.where(nmask[None, :], s * k_fold, float("-inf"))
-        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i, dt, DOT)
-        acc_a = acc_a * alpha[:, None] + _dot(p, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM,
-                                                            dt, DOT, False, False, "", ""), DOT)
+        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+        pv = p
+        if P_SCALE:
+            # sum_n p_n s_n v_n = sum_n (p_n s_n) v_n: the dot runs on the raw stored v_n (exact in 16 bits)
+            # instead of v_n dequantized in fp32 in every query tile. p s rounds to bf16 with p's relative
+            # error: bf16's exponent range is fp32's, so no max(s) is divided out (decode's _p_operand
+            # does, for fp16 dots)
+            pv = p * tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        pv = _operand(pv, dt, DOT, False)
+        acc_a = acc_a * alpha[:, None] + _dot(pv, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, V_SCALE, ASYM,
+                                                             dt, DOT, False, False, "", ""), DOT)
         if KIND == 2:
-            acc_b = acc_b * alpha[:, None] + _dot(p, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, SCALE_MODE, ASYM,
-                                                                dt, DOT, False, False, "", ""), DOT)
-    # static V scales: once, before the chunk's unscaled values join the sums
+            acc_b = acc_b * alpha[:, None] + _dot(pv, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, V_SCALE, ASYM,
+                                                                 dt, DOT, False, False, "", ""), DOT)
+    # V's static scales (1.0 for per-token formats): once, before the chunk's own values join the sums
     acc_a = acc_a * v_fold
     acc_b = acc_b * v_fold
 
@@ -166,12 +194,13 @@ def _prefill_context_kernel(
             k_b = _operand(tl.load(KN + k_row[:, None] + cols_b[None, :], mask=m2, other=0.0), dt, DOT, False)
             s += _dot(q_b, tl.trans(k_b), DOT)
         s = tl.where(nmask[None, :] & (pos[None, :] <= tok[:, None]), s * qk_scale, float("-inf"))
-        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i, dt, DOT)
+        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+        pv = _operand(p, dt, DOT, False)
         v_a = _operand(tl.load(VN + v_row[:, None] + cols_a[None, :], mask=m2, other=0.0), dt, DOT, False)
-        acc_a = acc_a * alpha[:, None] + _dot(p, v_a, DOT)
+        acc_a = acc_a * alpha[:, None] + _dot(pv, v_a, DOT)
         if KIND == 2:
             v_b = _operand(tl.load(VN + v_row[:, None] + cols_b[None, :], mask=m2, other=0.0), dt, DOT, False)
-            acc_b = acc_b * alpha[:, None] + _dot(p, v_b, DOT)
+            acc_b = acc_b * alpha[:, None] + _dot(pv, v_b, DOT)
 
     l_i = tl.where(rmask, l_i, 1.0)  # rows that are not stored may have seen no key: no 0/0
     o_row = (c0 + tok).to(tl.int64) * stride_ot + heads * stride_oh
@@ -184,13 +213,18 @@ def prefill_context_attention_launch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, cache: LayerCache,
     block_tables: torch.Tensor, context_lens: torch.Tensor, sm_scale: float,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, p_scale: bool = True,
 ) -> torch.Tensor:
     """Validate shapes and launch; options left at None take `DEFAULTS` for q's dtype.
 
     block_m: rows per program, chunk tokens x the GQA group (a power of two >= 16, raised to the
     group's if smaller): block_m // group chunk tokens per program. block_n: tokens per K/V tile
-    (a power of two >= 16).
+    (a power of two >= 16). p_scale: symmetric per-token formats with bf16 q multiply p by V's scales
+    so the p.V dot runs on V's raw stored values (H200, int8 per-token: 4-7% faster at every context
+    and chunk of benchmarks/prefill_context.py); False dequantizes V in fp32 in every tile. Never for
+    asymmetric formats: sum p s x and sum p z are two large terms that cancel, and with p s rounded
+    to bf16 int4 per-token asym's error grew to 0.26 at a 128k context (0.015 on the fp32 path);
+    never for fp16 q (p s can leave fp16's exponent range) or fp32 q (parity runs).
     Only shapes and dtypes are checked: values of cu_seqlens / context_lens stay on the device
     (no host sync); a context longer than the block table's width is cut to it, as in decode.
     """
@@ -243,6 +277,8 @@ def prefill_context_attention_launch(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, DOT=_dot_mode(q.dtype), FULL_D=block_d == stored,
         ALIGN=16 if stored % 16 == 0 else 1,
+        P_SCALE=p_scale and kf.scale_mode == SCALE_TOKEN and not kf.asym and q.dtype == torch.bfloat16,
+        META_I64=kf.scale_mode == SCALE_TOKEN and cache.k_scale.numel() >= 2**31,
         num_warps=dflt["num_warps"] if num_warps is None else num_warps,
         num_stages=dflt["num_stages"] if num_stages is None else num_stages,
     )

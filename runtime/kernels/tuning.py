@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ..kv_cache import LayerCache
+from . import decode_gluon
 from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, KernelFormat, kernel_format
 from .split_k import MIN_TOKENS_PER_SPLIT
 
@@ -31,6 +32,7 @@ class Tuned(NamedTuple):
     int8_asm: bool = False  # int8 -> fp16 through dequant._widen_asm (fp16 dots only)
     pages_ahead: bool = True  # per-warp kernel: block-table entries a tile ahead (group_io._tile_pages)
     warp_page: bool = True  # per-warp kernel: one block-table read per warp where its tokens share a page
+    gluon: bool = False  # the Gluon kernel (decode_gluon.py) where it supports the launch
 
 
 # Fastest options per format, measured side by side on the H200 at Llama-3-8B 16 x 32k
@@ -46,17 +48,19 @@ class Tuned(NamedTuple):
 # Also faster at 64 x 8k, 128 x 4k and the 70B-TP8 shapes (int4 there -4%..+1%). int8
 # per-token asym: one warp, heads on M at 2 stages (at 3: 184 registers, 0.620 ms); int4
 # per-token asym keeps round 9's heads on N (one-warp variants won at 16 x 32k only, by <= 7%).
-# bf16 keeps the heads x tokens kernel.
+# bf16 keeps the heads x tokens kernel. Round 11 (seventh session): every quantized format
+# runs the Gluon kernel (decode_gluon.py) on the GPU where it supports the launch; the other
+# options here are the Triton kernels' (the interpreter, other shapes, gluon=False).
 TUNED = {
     ("float", False, False): Tuned(128, 2, False, False, False, False, None, 3),  # bf16/fp16: 0.49 ms
-    ("fp8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True),  # 0.524 -> 0.288 -> 0.267 ms
-    ("int8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True, False, True),  # 0.464 -> 0.311
-    ("int4", False, False): Tuned(16, 3, False, False, False, False, None, 12, True),  # 0.432 -> 0.261 -> 0.249
-    ("fp8", True, False): Tuned(16, 4, False, True, True, False, None, 12, True),  # 0.553 -> 0.419 -> 0.379 ms
-    ("int8", True, False): Tuned(16, 3, False, True, True, False, None, 12, True, False, True),  # 0.691 -> 0.399
-    ("int4", True, False): Tuned(16, 3, False, True, False, False, None, 12, True),  # 0.752 -> 0.395 -> 0.311
-    ("int8", True, True): Tuned(16, 2, False, True, True, False, None, 12, True, False, True),  # 0.534 -> 0.479 ms
-    ("int4", True, True): Tuned(64, 2, False, True, False, False, 128, 4, True, True, pages_ahead=False),  # 0.433
+    ("fp8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True, gluon=True),  # 0.524 -> 0.267 -> 0.263
+    ("int8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True, False, True, gluon=True),  # 0.464 -> 0.311 -> 0.267
+    ("int4", False, False): Tuned(16, 3, False, False, False, False, None, 12, True, gluon=True),  # 0.432 -> 0.249 -> 0.200
+    ("fp8", True, False): Tuned(16, 4, False, True, True, False, None, 12, True, gluon=True),  # 0.553 -> 0.379 -> 0.270
+    ("int8", True, False): Tuned(16, 3, False, True, True, False, None, 12, True, False, True, gluon=True),  # 0.691 -> 0.399 -> 0.278
+    ("int4", True, False): Tuned(16, 3, False, True, False, False, None, 12, True, gluon=True),  # 0.752 -> 0.311 -> 0.210
+    ("int8", True, True): Tuned(16, 2, False, True, True, False, None, 12, True, False, True, gluon=True),  # 0.534 -> 0.479 -> 0.286
+    ("int4", True, True): Tuned(64, 2, False, True, False, False, 128, 4, True, True, pages_ahead=False, gluon=True),  # 0.433 -> 0.223
 }
 
 # One-warp programs need about 1024 of them to keep the memory busy: at 1 x 131072 (8 pairs)
@@ -71,16 +75,27 @@ ONE_WARP_MAX_SPLITS = 128
 
 def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None = None) -> Tuned:
     """The format's launch options; with the batch's (sequence, KV head) pairs and its longest
-    context, the 4-warp tile where one-warp programs would be too few."""
+    context, the Triton 4-warp tile where one-warp programs (Gluon's or Triton's) would be too few."""
     kind = "int4" if kf.kind == KIND_INT4 else "int8" if kf.kind == KIND_INT8 else "fp8" if kf.fp8 else "float"
     tuned = TUNED[(kind, kf.scale_mode == SCALE_TOKEN, bool(kf.asym))]
-    if tuned.warps and tuned.block_n == 16 and pairs is not None:  # one-warp programs
+    one_warp = tuned.warps and tuned.block_n == 16
+    if pairs is not None and (one_warp or tuned.gluon):
         splits = min(ONE_WARP_MAX_SPLITS, -(-max_tokens // MIN_TOKENS_PER_SPLIT))
         if pairs * splits < ONE_WARP_PROGRAMS:
-            tuned = tuned._replace(block_n=64, resident_per_sm=3)
+            # 70B TP8, one sequence: the static formats' Triton 4-warp tile beats Gluon (fp8 0.036 vs
+            # 0.045 ms, int4 0.033 vs 0.036); per-token ones stay on Gluon (int8 0.047 vs 0.070,
+            # int4 asym 0.037 vs 0.079)
+            if kf.scale_mode != SCALE_TOKEN:
+                tuned = tuned._replace(gluon=False)
+            if one_warp:
+                tuned = tuned._replace(block_n=64, resident_per_sm=3)
     return tuned
 
 
 def probability_dtype(cache: LayerCache, q_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the default launch rounds softmax probabilities to before p . V (on the GPU)."""
-    return torch.float16 if tuned_for(kernel_format(cache)).dot_fp16 else q_dtype
+    """The dtype the default launch rounds softmax probabilities to before p . V (on the GPU; the
+    Gluon kernel, which serves head_dim 128 and pages of 16k tokens, dots in fp16)."""
+    kf = kernel_format(cache)
+    tuned = tuned_for(kf)
+    gluon = tuned.gluon and kf.head_dim == decode_gluon.HEAD_DIM and cache.block_size % decode_gluon.TILE == 0
+    return torch.float16 if tuned.dot_fp16 or gluon else q_dtype

@@ -1,0 +1,371 @@
+"""Paged decode attention written in Gluon (Triton's explicit-layout dialect), GPU only.
+
+The Triton kernels (`decode_attention.py`, `decode_warps.py`) leave register layouts to the
+compiler, which stages 8-bit V through shared memory and reads it back one byte per
+instruction (V's token axis is the p . V product's reduction axis, but the page rows are
+contiguous along head_dim), pads the 4 heads of a GQA group to mma's 16 rows, and widens
+int8/int4 in ~600 instructions per 16-token tile (KERNEL_NOTES.md). Here a program is one warp
+over 16-token tiles, with every layout written out:
+
+* Heads on the mma N dimension (8 columns, a group of <= 8 heads): s^T = K q^T and
+  o^T = V^T p^T, so K and V^T are the A operands (m16n8k16, fp16) and the accumulator is
+  128 x 8 fp32 (32 registers), not 16 x 128.
+* No shared memory for K or V. A dot product does not care in which order it visits
+  head_dim, so the kernel picks the order in which each lane's A-operand elements are
+  contiguous in the page: lane (g, t) holds bytes [32t, 32t + 32) of K rows g and g + 8
+  (two 16-byte loads each) and bytes [16g, 16g + 16) of V rows 2t, 2t + 1, 2t + 8, 2t + 9.
+  q is loaded once in the same head_dim order (`_k_order`), and the output is written back
+  in page order (`_out_rows`). In Gluon these orders are reshapes and permutes of register
+  layouts (`_k_operand`, `_v_operand`): the final conversion to the mma operand layout is
+  checked to move no data (`assert_trivial`).
+* Pages are loaded as 32-bit words (carried to the next iteration as words: a loop-carried
+  byte tensor costs a byte permute per value) and widened to fp16 in PTX (`word_asm`): fp8
+  with the hardware's paired conversion, int8/int4 by placing the value under the exponent
+  of 1024 and subtracting (FasterTransformer's trick), exact.
+* The next tile's words are loaded before this tile is used (one tile in flight while one is
+  computed), and its block-table entry one tile earlier still.
+* Online softmax per column (head); the row sums of p accumulate elementwise and are reduced
+  once at the end. Static K scales fold into the softmax scale, static V scales multiply the
+  output. Per-token K scales multiply the scores (zero points add qsum * z); per-token V
+  scales go on p as p * s / c with c the largest V scale seen so far (so the fp16 p stays in
+  [0, 1]); c's growth folds into the accumulator's rescale, zero points add sum_n p_n z_n.
+
+Numerics: the dots run in fp16 on exact operands (fp8, int8 and int4 values are exact in
+fp16; q / 16 and p are rounded to fp16, as in the Triton kernels' `dot_fp16` path), with fp32
+accumulation. Needs head_dim 128, a GQA group of <= 8 heads, pages of a multiple of 16 tokens
+and fp16/bf16 q; `supported` says when, and the launcher falls back to the Triton kernels
+otherwise (and always under the interpreter, which cannot run Gluon).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .formats import FP8_E4M3, FP8_E5M2, KIND_FLOAT, KIND_INT4, SCALE_NONE, SCALE_TOKEN, KernelFormat
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+HEAD_DIM = 128
+MAX_GROUP = 8  # query heads per KV head: the mma's N
+TILE = 16  # tokens per iteration: the mma's M (scores) and K (p . V)
+# Split-K: up to 256 splits of >= 256 tokens (one-warp programs need ~2000 to fill an H200:
+# at 70B TP8, 64 x 8192, 32 splits took 0.051 ms for fp8 against 0.056 at 16 splits of 512; with
+# one sequence, 512 splits took 0.054 ms against 0.042 at 256: the merge grows with the splits).
+MAX_SPLITS = 256
+MIN_TOKENS_PER_SPLIT = 256
+
+
+def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) -> bool:
+    """Whether this kernel serves the launch (else the Triton kernels do)."""
+    from triton import knobs
+
+    return (gluon is not None and q.is_cuda and not knobs.runtime.interpret
+            and q.dtype in (torch.float16, torch.bfloat16) and kf.head_dim == HEAD_DIM and group <= MAX_GROUP
+            and block_size % TILE == 0 and kf.scale_mode != SCALE_NONE)
+
+
+@functools.cache
+def word_asm(kind: int, fp8: int, symmetric: bool) -> str:
+    """PTX: one 32-bit word of stored values -> its 4 (8-bit) or 8 (int4) values as fp16, in
+    storage order (int4: even element in the low nibble).
+
+    fp8: `cvt.rn.f16x2.e4m3x2` / `e5m2x2` (exact). int8 / int4: a byte (or nibble) n placed in
+    the low bits of fp16 1024.0 (0x6400) is 1024 + n exactly; one packed add removes 1024 and
+    the format's centre (`CENTER`: 128 for int8, whose signed bytes are first flipped to n + 128,
+    8 for int4). The LOP3s select alternate bytes, so each 32-bit result holds values (i, i + 2)
+    (int8) or (i, i + 4) (int4). Asymmetric (unsigned) values come out centred too, n - 128 or
+    n - 8: the kernel moves the centre into the zero point (z + 128 s), so the accumulator sums
+    values of |v|'s size instead of two large terms that cancel (the tensor cores' fp32
+    accumulation is not exact: uncentred, the error grew with the tokens per split).
+    """
+    if kind == 0:
+        name = {FP8_E4M3: "e4m3", FP8_E5M2: "e5m2"}[fp8]
+        return ("{ .reg .b16 l, h; .reg .b32 a, b; mov.b32 {l, h}, $4; "
+                f"cvt.rn.f16x2.{name}x2 a, l; cvt.rn.f16x2.{name}x2 b, h; "
+                "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+    center = 8 if kind == KIND_INT4 else 128
+    bias = torch.tensor(-(1024.0 + center), dtype=torch.float16).view(torch.int16).item() & 0xFFFF
+    decl = f"{{ .reg .b32 w, s, a, b, c, d, z; mov.b32 z, {(bias << 16) | bias:#010x}; "
+    if kind != KIND_INT4:
+        # signed bytes: n XOR 0x80 = n + 128, folded into the LOP3 that sets the exponent bits
+        magic = 0x64806480 if symmetric else 0x64006400
+        return (decl + "mov.b32 w, $4; shr.b32 s, w, 8; "
+                f"lop3.b32 a, w, 0x00FF00FF, {magic:#010x}, 0x6A; lop3.b32 b, s, 0x00FF00FF, {magic:#010x}, 0x6A; "
+                "add.rn.f16x2 a, a, z; add.rn.f16x2 b, b, z; "
+                "mov.b32 {$0, $2}, a; mov.b32 {$1, $3}, b; }")
+    # int4: nibbles 0 and 4 of a word sit at bits 0-3 and 16-19, 1 and 5 at bits 4-7 and 20-23
+    # (shift right 4), 2 and 6 / 3 and 7 one byte further
+    return (decl + "mov.b32 w, $8; shr.b32 s, w, 4; "
+            "lop3.b32 a, w, 0x000F000F, 0x64006400, 0xEA; lop3.b32 b, s, 0x000F000F, 0x64006400, 0xEA; "
+            "shr.b32 w, w, 8; shr.b32 s, s, 8; "
+            "lop3.b32 c, w, 0x000F000F, 0x64006400, 0xEA; lop3.b32 d, s, 0x000F000F, 0x64006400, 0xEA; "
+            "add.rn.f16x2 a, a, z; add.rn.f16x2 b, b, z; add.rn.f16x2 c, c, z; add.rn.f16x2 d, d, z; "
+            "mov.b32 {$0, $4}, a; mov.b32 {$1, $5}, b; mov.b32 {$2, $6}, c; mov.b32 {$3, $7}, d; }")
+
+
+def registers(kf: KernelFormat, maxnreg: int | None = None) -> tuple[int | None, int]:
+    """(register cap, programs per SM). 128 registers hold 16 one-warp programs per SM; the
+    per-token int8/int4 kernels would spill there and run faster uncapped (163-168 registers,
+    12 per SM). maxnreg: an explicit cap instead (0: none)."""
+    if maxnreg is None:
+        maxnreg = 0 if kf.scale_mode == SCALE_TOKEN and kf.kind != KIND_FLOAT else 128
+    return (maxnreg, 16) if 0 < maxnreg <= 128 else (maxnreg or None, 12)
+
+
+if gluon is not None:
+    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+    # q / out rows [8 heads, 128]: 4 lanes per head, 32 contiguous values each
+    ROWS = gl.constexpr(gl.BlockedLayout([1, 32], [8, 4], [1, 1], [1, 0]))
+    # K words [16 tokens, W]: lane (g, t) holds rows g and g + 8, words [t W/4, (t + 1) W/4)
+    K_W8 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
+    K_W4 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
+    # V words [16 tokens, W]: lane (g, t) holds rows 2t, 2t + 1, 2t + 8, 2t + 9, words [g W/8, (g + 1) W/8)
+    V_W8 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
+        warp_bases=[], block_bases=[], shape=[16, 32]))
+    V_W4 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
+        warp_bases=[], block_bases=[], shape=[16, 16]))
+
+    @gluon.jit
+    def _widen(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """Words [R, C] -> fp16 values [R, 4C] (8-bit) or [R, 8C] (int4) in storage order.
+
+        `word_asm` returns value i of a word as output i; join puts its second operand on a new
+        last axis, so joining (even, odd) pairs outermost-last rebuilds the storage order."""
+        R: gl.constexpr = w.shape[0]
+        C: gl.constexpr = w.shape[1]
+        if KIND == 2:
+            x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+            y = gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
+            return gl.reshape(y, [R, 8 * C])
+        else:
+            x0, x1, x2, x3 = gl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 4, is_pure=True, pack=1)
+            return gl.reshape(gl.join(gl.join(x0, x2), gl.join(x1, x3)), [R, 4 * C])
+
+    @gluon.jit
+    def _k_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """K words [16, W] -> the scores' A operand [16 tokens, 128 k].
+
+        Lane (g, t) holds stored columns [32t, 32t + 32) of rows g and g + 8; the A operand wants
+        k = 16i + 8h + 2t + e there (i < 8; h, e < 2), with (k, k + 1) in one register. e is the
+        column bit `word_asm` pairs in a register (fp8: bit 0, int8: bit 1, int4: bit 2), h the
+        lowest other bit, i the remaining three (`_k_order` puts q's columns in the same order)."""
+        y = gl.reshape(_widen(w, KIND, ASM), [16, 4, 2, 2, 2, 2, 2])  # (token, t, d4, d3, d2, d1, d0)
+        if KIND == 0:
+            y = gl.permute(y, (0, 2, 3, 4, 5, 1, 6))
+        elif KIND == 1:
+            y = gl.permute(y, (0, 2, 3, 4, 6, 1, 5))
+        else:
+            y = gl.permute(y, (0, 2, 3, 5, 6, 1, 4))
+        return gl.convert_layout(gl.reshape(y, [16, 128]), A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _v_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """V words [16, W] -> p . V's A operand V^T [128 m, 16 tokens]: lane (g, t) holds stored
+        columns d = 16g + 2j + r (j < 8, r < 2), which the A operand calls m = 16j + 8r + g."""
+        y = gl.permute(_widen(w, KIND, ASM), (1, 0))
+        y = gl.permute(gl.reshape(y, [8, 8, 2, 16]), (1, 2, 0, 3))
+        return gl.convert_layout(gl.reshape(y, [128, 16]), A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _k_order(x, KIND: gl.constexpr):
+        """q rows [8, 128] in head_dim order -> q^T [128 k, 8] in `_k_operand`'s k order."""
+        y = gl.reshape(x, [8, 4, 2, 2, 2, 2, 2])  # (head, t, d4, d3, d2, d1, d0)
+        if KIND == 0:
+            y = gl.permute(y, (2, 3, 4, 5, 1, 6, 0))
+        elif KIND == 1:
+            y = gl.permute(y, (2, 3, 4, 6, 1, 5, 0))
+        else:
+            y = gl.permute(y, (2, 3, 5, 6, 1, 4, 0))
+        return gl.reshape(y, [128, 8])
+
+    @gluon.jit
+    def _out_rows(acc):
+        """o^T [128 m, 8] -> o [8 heads, 128] in head_dim order (d = 16g + 2j + r for m = 16j + 8r + g)."""
+        y = gl.permute(gl.reshape(acc, [8, 2, 8, 8]), (3, 2, 0, 1))
+        return gl.convert_layout(gl.reshape(y, [8, 128]), ROWS)
+
+    @gluon.jit
+    def _tile_words(K, V, KS, VS, KZ, VZ, bt_row, n0, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb,
+                    stride_mh, koffs, voffs, tk, tv, ts, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
+                    ASYM: gl.constexpr):
+        """A tile's K/V words and per-token scales / zero points (0 past `end`)."""
+        page = gl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(gl.int64)
+        slot = n0 % BLOCK_SIZE
+        base = page * stride_cb + kvh * stride_ch + slot * stride_ct
+        kw = gl.load(K + base + koffs, mask=((n0 + tk) < end)[:, None], other=0)
+        vw = gl.load(V + base + voffs, mask=((n0 + tv) < end)[:, None], other=0)
+        ks = 0.0
+        vs = 0.0
+        kz = 0.0
+        vz = 0.0
+        if SCALE_MODE == 3:
+            meta = page * stride_mb + kvh * stride_mh + slot + ts
+            tmask = (n0 + ts) < end
+            ks = gl.load(KS + meta, mask=tmask, other=0.0).to(gl.float32)
+            vs = gl.load(VS + meta, mask=tmask, other=0.0).to(gl.float32)
+            if ASYM:
+                kz = gl.load(KZ + meta, mask=tmask, other=0.0).to(gl.float32)
+                vz = gl.load(VZ + meta, mask=tmask, other=0.0).to(gl.float32)
+        return kw, vw, ks, vs, kz, vz
+
+    @gluon.jit
+    def _decode_kernel_gluon(
+        Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
+        qk_scale, tokens_per_split, num_splits,
+        stride_qb, stride_qh, stride_ob, stride_oh, stride_btb,
+        stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
+        NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
+        KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """K, V: the pages as int32 words, strides in words."""
+        b = gl.program_id(0)
+        kvh = gl.program_id(1)
+        sp = gl.program_id(2)
+        seq_len = gl.load(SEQ + b)
+        start = sp * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, seq_len)
+
+        # q rows of the group, / 16 (exact) so fp16 holds q up to 16 x 65504
+        hr = gl.arange(0, 8, layout=gl.SliceLayout(1, ROWS))
+        dr = gl.arange(0, 128, layout=gl.SliceLayout(0, ROWS))
+        hmask_r = hr < GROUP
+        q = gl.load(Q + b * stride_qb + (kvh * GROUP + hr)[:, None] * stride_qh + dr[None, :],
+                    mask=hmask_r[:, None], other=0.0)
+        q16 = (q.to(gl.float32) * 0.0625).to(gl.float16)
+        qt = gl.convert_layout(_k_order(q16, KIND), B_OP)
+        k_fold = qk_scale * 16.0
+        v_fold = 1.0
+        if SCALE_MODE == 1:
+            k_fold = k_fold * gl.load(KS)
+            v_fold = gl.load(VS)
+        elif SCALE_MODE == 2:
+            k_fold = k_fold * gl.load(KS + kvh)
+            v_fold = gl.load(VS + kvh)
+        qsum = gl.convert_layout(gl.sum(q16.to(gl.float32), 1), gl.SliceLayout(0, MMA))  # for K zero points
+
+        if KIND == 2:
+            CENTER: gl.constexpr = 8.0
+            KL: gl.constexpr = K_W4
+            VL: gl.constexpr = V_W4
+            WORDS: gl.constexpr = 16
+        else:
+            CENTER: gl.constexpr = 128.0
+            KL: gl.constexpr = K_W8
+            VL: gl.constexpr = V_W8
+            WORDS: gl.constexpr = 32
+        tk = gl.arange(0, 16, layout=gl.SliceLayout(1, KL))
+        tv = gl.arange(0, 16, layout=gl.SliceLayout(1, VL))
+        ts = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        koffs = tk[:, None] * stride_ct + gl.arange(0, WORDS, layout=gl.SliceLayout(0, KL))[None, :]
+        voffs = tv[:, None] * stride_ct + gl.arange(0, WORDS, layout=gl.SliceLayout(0, VL))[None, :]
+        bt_row = BT + b * stride_btb
+
+        m_i = gl.full([8], -1e30, gl.float32, layout=gl.SliceLayout(0, MMA))  # finite: no NaN from -inf - -inf
+        l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # row sums of p, reduced at the end
+        z_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # sum_n p_n z_n (asymmetric per-token V)
+        acc = gl.zeros([128, 8], gl.float32, layout=MMA)
+        c_v = qk_scale * 0.0 + 1e-30  # per-token V: the largest V scale so far (acc holds sum p s / c_v)
+
+        kw_n, vw_n, ks_n, vs_n, kz_n, vz_n = _tile_words(
+            K, V, KS, VS, KZ, VZ, bt_row, start, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
+            koffs, voffs, tk, tv, ts, BLOCK_SIZE, SCALE_MODE, ASYM)
+        for n0 in range(start, end, 16):
+            kw, vw, ks, vs, kz, vz = kw_n, vw_n, ks_n, vs_n, kz_n, vz_n
+            kw_n, vw_n, ks_n, vs_n, kz_n, vz_n = _tile_words(
+                K, V, KS, VS, KZ, VZ, bt_row, n0 + 16, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb,
+                stride_mh, koffs, voffs, tk, tv, ts, BLOCK_SIZE, SCALE_MODE, ASYM)
+
+            s = mma_v2(_k_operand(kw, KIND, ASM), qt, gl.zeros([16, 8], gl.float32, layout=MMA))
+            if SCALE_MODE == 3:
+                s = s * ks[:, None]
+                if ASYM:  # the stored values came out centred (word_asm): z + CENTER * s
+                    s += (kz + CENTER * ks)[:, None] * qsum[None, :]
+            s = gl.where(((n0 + ts) < end)[:, None], s * k_fold, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[None, :])
+            l_t = l_t * alpha[None, :] + p
+            m_i = m_new
+            if SCALE_MODE == 3:
+                if ASYM:
+                    z_t = z_t * alpha[None, :] + p * (vz + CENTER * vs)[:, None]
+                c_new = gl.maximum(c_v, gl.max(vs, 0))
+                pw = p * (vs / c_new)[:, None]
+                alpha = alpha * (c_v / c_new)
+                c_v = c_new
+            else:
+                pw = p
+            pt = gl.convert_layout(pw.to(gl.float16), B_OP)
+            acc = mma_v2(_v_operand(vw, KIND, ASM), pt, acc * alpha[None, :])
+
+        l_i = gl.sum(l_t, 0)
+        if SCALE_MODE == 3:
+            o = acc * c_v
+            if ASYM:
+                o += gl.sum(z_t, 0)[None, :]
+        else:
+            o = acc * v_fold
+        o = _out_rows(o)
+        l_r = gl.convert_layout(l_i, gl.SliceLayout(1, ROWS))
+        heads = kvh * GROUP + hr
+        if SPLIT:
+            prow = (b * NUM_HEADS + heads) * num_splits + sp
+            m_r = gl.convert_layout(m_i, gl.SliceLayout(1, ROWS))
+            # an empty split (past the sequence's end) reports m = -inf: the merge gives it weight 0
+            gl.store(PM + prow, gl.where(l_r > 0, m_r, float("-inf")), mask=hmask_r)
+            gl.store(PL + prow, l_r, mask=hmask_r)
+            gl.store(PACC + prow[:, None] * 128 + dr[None, :], o, mask=hmask_r[:, None])
+        else:
+            o = o / l_r[:, None]
+            gl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + dr[None, :], o.to(OUT.dtype.element_ty),
+                     mask=hmask_r[:, None])
+
+
+def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+           qk_scale: float, out: torch.Tensor, num_splits: int, scale_args: tuple, meta_strides: tuple[int, int],
+           maxnreg: int | None):
+    """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`."""
+    from .split_k import merge_splits
+
+    batch, num_heads, _ = q.shape
+    _, kv_heads, bs, _ = cache.k.shape
+    max_tokens = block_tables.shape[1] * bs
+    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), TILE) * TILE
+    num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
+    split = num_splits > 1
+    f32 = dict(device=q.device, dtype=torch.float32)
+    if split:
+        pm = torch.empty(batch * num_heads * num_splits, **f32)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(batch * num_heads * num_splits * HEAD_DIM, **f32)
+    else:
+        pm = pl = pacc = out  # unused: SPLIT=False compiles their stores away
+    kw, vw = cache.k.view(torch.int32), cache.v.view(torch.int32)
+    _decode_kernel_gluon[(batch, kv_heads, num_splits)](
+        q, kw, vw, *scale_args, block_tables, seq_lens, out, pm, pl, pacc,
+        qk_scale, tokens_per_split, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        kw.stride(0), kw.stride(1), kw.stride(2), *meta_strides,
+        NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
+        SCALE_MODE=kf.scale_mode, ASYM=kf.asym, ASM=word_asm(kf.kind, kf.fp8, not kf.asym), SPLIT=split,
+        num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+    if split:
+        merge_splits(pm, pl, pacc, out, num_splits)
+    return out
+
+

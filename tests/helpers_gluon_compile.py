@@ -1,0 +1,69 @@
+"""Cross-compile every variant of the Gluon decode kernel for sm_90 and print one JSON line each
+(registers, spill stack, shared memory). Run without TRITON_INTERPRET (tests/test_kernels.py runs it
+in a subprocess); exit code 3 when this Triton has no Gluon."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from runtime.kernels import decode_gluon  # noqa: E402
+from runtime.kernels.formats import FP8_E4M3, KernelFormat  # noqa: E402
+
+# (storage kind, scale mode, asymmetric): fp8 / int8 / int4 x per-tensor, per-head, per-token (+ asym)
+GLUON_VARIANTS = [(kind, mode, asym) for kind in (0, 1, 2) for mode, asym in ((1, False), (2, False), (3, False))
+                  + (((3, True),) if kind else ())]
+
+
+def build(kind: int, mode: int, asym: bool) -> dict:
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = decode_gluon._decode_kernel_gluon
+    scale = "*fp16" if mode == 3 else "*fp32"
+    ptrs = {"Q": "*bf16", "K": "*i32", "V": "*i32", "KS": scale, "VS": scale, "KZ": scale, "VZ": scale,
+            "BT": "*i32", "SEQ": "*i32", "OUT": "*bf16", "PM": "*fp32", "PL": "*fp32", "PACC": "*fp32"}
+    consts = dict(NUM_HEADS=32, BLOCK_SIZE=16, GROUP=4, KIND=kind, SCALE_MODE=mode, ASYM=asym,
+                  ASM=decode_gluon.word_asm(kind, FP8_E4M3, not asym), SPLIT=True)
+    names = fn.arg_names
+    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
+    aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    kf = KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=FP8_E4M3 if kind == 0 else 0, qmax=0.0, qmin=0.0,
+                      scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
+    cap, _ = decode_gluon.registers(kf)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return dict(cap=cap, regs=regs, stack=stack, shared=compiled.metadata.shared)
+
+
+def main() -> None:
+    if decode_gluon.gluon is None:
+        print("this Triton has no Gluon")
+        sys.exit(3)
+    for variant in GLUON_VARIANTS:
+        try:
+            row = build(*variant)
+        except Exception as e:  # report it as that variant's failure, go on
+            row = dict(error=f"{type(e).__name__}: {str(e)[-2000:]}")
+        print(json.dumps(dict(variant=list(variant), **row)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
