@@ -52,7 +52,7 @@ from .formats import (
     scale_tensors,
 )
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
-from .split_k import choose_num_splits, merge_splits, sm_count
+from .split_k import choose_num_splits, merge_splits, sm_count, split_plan
 from .tuning import ONE_WARP_MAX_SPLITS, tuned_for
 
 _LOG2E = 1.4426950408889634
@@ -325,16 +325,8 @@ def decode_attention_launch(
         one_warp = {"max_splits": ONE_WARP_MAX_SPLITS} if warps and num_warps == 1 else {}
         num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device),
                                        resident_per_sm or tuned.resident_per_sm, **one_warp)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
+    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, max_tokens, num_splits, block_n)
     split = num_splits > 1
-    f32 = dict(device=q.device, dtype=torch.float32)
-    if split:
-        pm = torch.empty(batch * num_heads * num_splits, **f32)
-        pl = torch.empty_like(pm)
-        pacc = torch.empty(batch * num_heads * num_splits * head_dim, **f32)
-    else:
-        pm = pl = pacc = out  # unused: SPLIT=False compiles their stores away
     args = (q, cache.k, cache.v, *scale_tensors(cache, cache.k), block_tables, seq_lens, out, pm, pl, pacc,
             sm_scale * _LOG2E, tokens_per_split, num_splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),

@@ -42,9 +42,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from .formats import FP8_E4M3, FP8_E5M2, KIND_FLOAT, KIND_INT4, SCALE_NONE, SCALE_TOKEN, KernelFormat
+from .group_io import _static_folds
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
     from triton.experimental import gluon
@@ -247,14 +247,7 @@ if gluon is not None:
                     mask=hmask_r[:, None], other=0.0)
         q16 = (q.to(gl.float32) * 0.0625).to(gl.float16)
         qt = gl.convert_layout(_k_order(q16, KIND), B_OP)
-        k_fold = qk_scale * 16.0
-        v_fold = 1.0
-        if SCALE_MODE == 1:
-            k_fold = k_fold * gl.load(KS)
-            v_fold = gl.load(VS)
-        elif SCALE_MODE == 2:
-            k_fold = k_fold * gl.load(KS + kvh)
-            v_fold = gl.load(VS + kvh)
+        k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625, SCALE_MODE)
         qsum = gl.convert_layout(gl.sum(q16.to(gl.float32), 1), gl.SliceLayout(0, MMA))  # for K zero points
 
         if KIND == 2:
@@ -339,21 +332,12 @@ def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor,
            qk_scale: float, out: torch.Tensor, num_splits: int, scale_args: tuple, meta_strides: tuple[int, int],
            maxnreg: int | None):
     """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`."""
-    from .split_k import merge_splits
+    from .split_k import merge_splits, split_plan
 
     batch, num_heads, _ = q.shape
     _, kv_heads, bs, _ = cache.k.shape
-    max_tokens = block_tables.shape[1] * bs
-    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), TILE) * TILE
-    num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
+    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, block_tables.shape[1] * bs, num_splits, TILE)
     split = num_splits > 1
-    f32 = dict(device=q.device, dtype=torch.float32)
-    if split:
-        pm = torch.empty(batch * num_heads * num_splits, **f32)
-        pl = torch.empty_like(pm)
-        pacc = torch.empty(batch * num_heads * num_splits * HEAD_DIM, **f32)
-    else:
-        pm = pl = pacc = out  # unused: SPLIT=False compiles their stores away
     kw, vw = cache.k.view(torch.int32), cache.v.view(torch.int32)
     _decode_kernel_gluon[(batch, kv_heads, num_splits)](
         q, kw, vw, *scale_args, block_tables, seq_lens, out, pm, pl, pacc,

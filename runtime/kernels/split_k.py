@@ -79,6 +79,19 @@ def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, 
     return next(s for s, cost in enumerate(costs, start=1) if cost <= best * (1 + tolerance))
 
 
+def split_plan(out: torch.Tensor, max_tokens: int, num_splits: int, tile: int) -> tuple[int, int, tuple]:
+    """(tokens per split, a multiple of `tile`; the split count that leaves none empty; the partial
+    buffers (m, l, acc) for a split launch, else `out` three times: SPLIT=False compiles their stores away)."""
+    tokens_per_split = math.ceil(math.ceil(max_tokens / num_splits) / tile) * tile
+    num_splits = max(1, math.ceil(max_tokens / tokens_per_split))
+    if num_splits == 1:
+        return tokens_per_split, 1, (out, out, out)
+    batch, num_heads, head_dim = out.shape
+    pm = torch.empty(batch * num_heads * num_splits, device=out.device, dtype=torch.float32)
+    pacc = torch.empty(batch * num_heads * num_splits * head_dim, device=out.device, dtype=torch.float32)
+    return tokens_per_split, num_splits, (pm, torch.empty_like(pm), pacc)
+
+
 def merge_splits(pm: torch.Tensor, pl: torch.Tensor, pacc: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     """Combine partials [B*H*S] (m, l) and [B*H*S*D] (acc) into out [B, H, D]."""
     batch, num_heads, head_dim = out.shape
