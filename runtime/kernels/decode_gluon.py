@@ -44,7 +44,7 @@ import functools
 import torch
 
 from .formats import FP8_E4M3, FP8_E5M2, KIND_FLOAT, KIND_INT4, SCALE_NONE, SCALE_TOKEN, KernelFormat
-from .group_io import _static_folds
+from .group_io import _program_tokens, _static_folds
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
     from triton.experimental import gluon
@@ -232,12 +232,7 @@ if gluon is not None:
         KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, SPLIT: gl.constexpr,
     ):
         """K, V: the pages as int32 words, strides in words."""
-        b = gl.program_id(0)
-        kvh = gl.program_id(1)
-        sp = gl.program_id(2)
-        seq_len = gl.load(SEQ + b)
-        start = sp * tokens_per_split
-        end = gl.minimum(start + tokens_per_split, seq_len)
+        b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
 
         # q rows of the group, / 16 (exact) so fp16 holds q up to 16 x 65504
         hr = gl.arange(0, 8, layout=gl.SliceLayout(1, ROWS))
