@@ -24,6 +24,12 @@ def gpu_env(**extra) -> dict:
     }
 
 
+def env_line(env: dict) -> str:
+    """The machine sentence of a benchmark's Markdown table, from `gpu_env`'s row."""
+    return (f"GPU {env['gpu']} ({env['sms']} SMs), torch {env['torch']}, triton {env['triton']}, "
+            f"CUDA {env['cuda']}, Python {env['python']}, {env['date']}.")
+
+
 def eager_ms(fn) -> float:
     """Median time of eager calls (triton's do_bench): host time included wherever the launches outlast the GPU."""
     return do_bench(fn, warmup=10, rep=40, return_mode="median")

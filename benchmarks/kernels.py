@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_timing import ceilings, eager_ms, gpu_env, median_ms  # noqa: E402
+from gpu_timing import ceilings, eager_ms, env_line, gpu_env, median_ms  # noqa: E402
 
 from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
 from runtime.kernels.formats import kernel_format  # noqa: E402
@@ -141,13 +141,12 @@ class Case:
         return (p @ v).view(b, self.heads, d)
 
 
-def kernel_name(tuned, case: Case, opts: dict) -> str:
-    """Which kernel the launch ran: the Gluon one where the format's default asks for it and the
-    shape allows (decode_gluon.supported; explicit tile options keep the Triton kernels)."""
+def kernel_name(tuned, kf, case: Case, opts: dict) -> str:
+    """Which kernel the launch ran: the Gluon one where the format's default asks for it and it
+    serves the shape (explicit tile options keep the Triton kernels)."""
     from runtime.kernels import decode_gluon
 
-    if tuned.gluon and not opts and case.head_dim == decode_gluon.HEAD_DIM and BLOCK_SIZE % decode_gluon.TILE == 0 \
-            and case.heads // case.kv_heads <= decode_gluon.MAX_GROUP:
+    if tuned.gluon and not opts and decode_gluon.supported(kf, case.q, BLOCK_SIZE, case.heads // case.kv_heads):
         return "gluon"
     return "per-warp" if tuned.warps else "heads-x-tokens"
 
@@ -194,7 +193,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
             "timing": "cuda graph, L2 flushed per call",
             "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6,
             "block_n": bn, "num_warps": warps, "num_stages": stages, "v_transposed": vt, "relerr_vs_fp32": err,
-            "kernel": kernel_name(tuned, case, opts), "default_tile": not opts,
+            "kernel": kernel_name(tuned, kernel_format(cache), case, opts), "default_tile": not opts,
             "configs_tried": tried if len(tried) > 1 else None,
             "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim, "block_size": BLOCK_SIZE,
         }
@@ -253,8 +252,7 @@ def markdown(env: dict, rows: list[dict]) -> str:
     lines = [
         "# Decode-attention kernel benchmark",
         "",
-        f"GPU {env['gpu']} ({env['sms']} SMs), torch {env['torch']}, triton {env['triton']}, "
-        f"CUDA {env['cuda']}, Python {env['python']}, {env['date']}.",
+        env_line(env),
         f"Ceilings measured in the same run: copy {env['copy_gbps']:.0f} GB/s (read+write), "
         f"read-only reduction {env['read_gbps']:.0f} GB/s.",
         f"Page size {BLOCK_SIZE}, pages in random order, all sequences full length, q/out bf16. "

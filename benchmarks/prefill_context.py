@@ -173,11 +173,12 @@ def run_case(case: Case, name: str, tiles: list, rows: list, sink, p_scale: bool
 
 
 def markdown(env: dict, rows: list[dict]) -> str:
+    from gpu_timing import env_line
+
     lines = [
         "# Chunked-prefill context attention: kernel vs reference",
         "",
-        f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, "
-        f"Python {env['python']}, {env['date']}.",
+        env_line(env),
         f"Llama-3-8B attention ({HEADS} heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}), page {BLOCK_SIZE}, "
         "pages in random order, one chunk per call, bf16 q/k/v. Kernel: runtime/kernels/prefill_context.py, GPU "
         "time from CUDA-graph replays with L2 flushed before each call ('eager' includes the launcher). "

@@ -46,6 +46,7 @@ from .formats import (
     KIND_INT8,
     SCALE_TOKEN,
     check_device,
+    check_q,
     kernel_format,
     meta_strides,
     out_dtype,
@@ -261,13 +262,8 @@ def decode_attention_launch(
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
     nb, kv_heads, bs, stored = cache.k.shape
-    if q.dim() != 3 or q.shape[2] != kf.head_dim:
-        raise ValueError(f"q must be [batch, heads, {kf.head_dim}], got {tuple(q.shape)}")
+    check_q(q, kf, kv_heads, "batch")
     batch, num_heads, head_dim = q.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of the cache's {kv_heads} KV heads")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q must be fp16/bf16/fp32, got {q.dtype}")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
     if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:

@@ -14,7 +14,7 @@ over 16-token tiles, with every layout written out:
   head_dim, so the kernel picks the order in which each lane's A-operand elements are
   contiguous in the page: lane (g, t) holds bytes [32t, 32t + 32) of K rows g and g + 8
   (two 16-byte loads each) and bytes [16g, 16g + 16) of V rows 2t, 2t + 1, 2t + 8, 2t + 9.
-  q is loaded once in the same head_dim order (`_k_order`), and the output is written back
+  q is loaded once in the same head_dim order (`_k_columns`), and the output is written back
   in page order (`_out_rows`). In Gluon these orders are reshapes and permutes of register
   layouts (`_k_operand`, `_v_operand`): the final conversion to the mma operand layout is
   checked to move no data (`assert_trivial`).
@@ -63,13 +63,20 @@ MAX_SPLITS = 256
 MIN_TOKENS_PER_SPLIT = 256
 
 
+def serves(kf: KernelFormat, block_size: int, group: int) -> bool:
+    """Whether the kernel is written for this format and shape (head_dim 128, <= 8 query heads per KV
+    head, pages of 16k tokens, a quantized format)."""
+    return (gluon is not None and kf.head_dim == HEAD_DIM and group <= MAX_GROUP and block_size % TILE == 0
+            and kf.scale_mode != SCALE_NONE)
+
+
 def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) -> bool:
-    """Whether this kernel serves the launch (else the Triton kernels do)."""
+    """Whether this kernel serves the launch (else the Triton kernels do): `serves`, on CUDA outside
+    the interpreter, with fp16/bf16 q."""
     from triton import knobs
 
-    return (gluon is not None and q.is_cuda and not knobs.runtime.interpret
-            and q.dtype in (torch.float16, torch.bfloat16) and kf.head_dim == HEAD_DIM and group <= MAX_GROUP
-            and block_size % TILE == 0 and kf.scale_mode != SCALE_NONE)
+    return (serves(kf, block_size, group) and q.is_cuda and not knobs.runtime.interpret
+            and q.dtype in (torch.float16, torch.bfloat16))
 
 
 @functools.cache
@@ -156,21 +163,27 @@ if gluon is not None:
             return gl.reshape(gl.join(gl.join(x0, x2), gl.join(x1, x3)), [R, 4 * C])
 
     @gluon.jit
-    def _k_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
-        """K words [16, W] -> the scores' A operand [16 tokens, 128 k].
+    def _k_columns(x, KIND: gl.constexpr):
+        """[R, 128] in head_dim order -> [R, 128] in the scores' k order (K's rows and q's alike).
 
-        Lane (g, t) holds stored columns [32t, 32t + 32) of rows g and g + 8; the A operand wants
-        k = 16i + 8h + 2t + e there (i < 8; h, e < 2), with (k, k + 1) in one register. e is the
-        column bit `word_asm` pairs in a register (fp8: bit 0, int8: bit 1, int4: bit 2), h the
-        lowest other bit, i the remaining three (`_k_order` puts q's columns in the same order)."""
-        y = gl.reshape(_widen(w, KIND, ASM), [16, 4, 2, 2, 2, 2, 2])  # (token, t, d4, d3, d2, d1, d0)
+        For K, lane (g, t) holds stored columns [32t, 32t + 32) of rows g and g + 8; the A operand
+        wants k = 16i + 8h + 2t + e there (i < 8; h, e < 2), with (k, k + 1) in one register. e is
+        the column bit `word_asm` pairs in a register (fp8: bit 0, int8: bit 1, int4: bit 2), h the
+        lowest other bit, i the remaining three."""
+        R: gl.constexpr = x.shape[0]
+        y = gl.reshape(x, [R, 4, 2, 2, 2, 2, 2])  # (row, t, d4, d3, d2, d1, d0)
         if KIND == 0:
             y = gl.permute(y, (0, 2, 3, 4, 5, 1, 6))
         elif KIND == 1:
             y = gl.permute(y, (0, 2, 3, 4, 6, 1, 5))
         else:
             y = gl.permute(y, (0, 2, 3, 5, 6, 1, 4))
-        return gl.convert_layout(gl.reshape(y, [16, 128]), A_OP, assert_trivial=True)
+        return gl.reshape(y, [R, 128])
+
+    @gluon.jit
+    def _k_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] (a register rename)."""
+        return gl.convert_layout(_k_columns(_widen(w, KIND, ASM), KIND), A_OP, assert_trivial=True)
 
     @gluon.jit
     def _v_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
@@ -179,18 +192,6 @@ if gluon is not None:
         y = gl.permute(_widen(w, KIND, ASM), (1, 0))
         y = gl.permute(gl.reshape(y, [8, 8, 2, 16]), (1, 2, 0, 3))
         return gl.convert_layout(gl.reshape(y, [128, 16]), A_OP, assert_trivial=True)
-
-    @gluon.jit
-    def _k_order(x, KIND: gl.constexpr):
-        """q rows [8, 128] in head_dim order -> q^T [128 k, 8] in `_k_operand`'s k order."""
-        y = gl.reshape(x, [8, 4, 2, 2, 2, 2, 2])  # (head, t, d4, d3, d2, d1, d0)
-        if KIND == 0:
-            y = gl.permute(y, (2, 3, 4, 5, 1, 6, 0))
-        elif KIND == 1:
-            y = gl.permute(y, (2, 3, 4, 6, 1, 5, 0))
-        else:
-            y = gl.permute(y, (2, 3, 5, 6, 1, 4, 0))
-        return gl.reshape(y, [128, 8])
 
     @gluon.jit
     def _out_rows(acc):
@@ -241,9 +242,10 @@ if gluon is not None:
         q = gl.load(Q + b * stride_qb + (kvh * GROUP + hr)[:, None] * stride_qh + dr[None, :],
                     mask=hmask_r[:, None], other=0.0)
         q16 = (q.to(gl.float32) * 0.0625).to(gl.float16)
-        qt = gl.convert_layout(_k_order(q16, KIND), B_OP)
+        qt = gl.convert_layout(gl.permute(_k_columns(q16, KIND), (1, 0)), B_OP)
         k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625, SCALE_MODE)
-        qsum = gl.convert_layout(gl.sum(q16.to(gl.float32), 1), gl.SliceLayout(0, MMA))  # for K zero points
+        if ASYM:  # sum(q) of the rounded q the dots see, for K's zero points
+            qsum = gl.convert_layout(gl.sum(q16.to(gl.float32), 1), gl.SliceLayout(0, MMA))
 
         if KIND == 2:
             CENTER: gl.constexpr = 8.0

@@ -106,6 +106,19 @@ def _check_scales(cache: LayerCache, mode: int) -> None:
             )
 
 
+Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_q(q: torch.Tensor, kf: KernelFormat, kv_heads: int, rows: str) -> None:
+    """q [rows, heads, head_dim] in a float dtype, heads a multiple of the cache's KV heads."""
+    if q.dim() != 3 or q.shape[2] != kf.head_dim:
+        raise ValueError(f"q must be [{rows}, heads, {kf.head_dim}], got {tuple(q.shape)}")
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of the cache's {kv_heads} KV heads")
+    if q.dtype not in Q_DTYPES:
+        raise ValueError(f"q must be fp16/bf16/fp32, got {q.dtype}")
+
+
 def check_device(*tensors: torch.Tensor) -> None:
     """Kernels run on CUDA, or on CPU under the Triton interpreter (tests)."""
     import triton  # noqa: F401  (imported for knobs)

@@ -34,7 +34,7 @@ import triton.language as tl
 from ..kv_cache import LayerCache
 from .decode_attention import _LOG2E, _dequant_v, _dot_mode
 from .dequant import _dot, _operand, _unpack
-from .formats import SCALE_TOKEN, check_device, kernel_format, meta_strides, out_dtype, scale_tensors
+from .formats import Q_DTYPES, SCALE_TOKEN, check_device, check_q, kernel_format, meta_strides, out_dtype, scale_tensors
 from .group_io import _static_folds, _stored_columns, _tile_pages
 
 # Launch options by q dtype. 16-bit: flash-attention's usual Hopper tile for head_dim 128; an
@@ -231,16 +231,10 @@ def prefill_context_attention_launch(
     kf = kernel_format(cache)
     check_device(q, k, v, cu_seqlens, context_lens, cache.k, block_tables)
     _, kv_heads, bs, stored = cache.k.shape
-    if q.dim() != 3 or q.shape[2] != kf.head_dim:
-        raise ValueError(f"q must be [tokens, heads, {kf.head_dim}], got {tuple(q.shape)}")
+    check_q(q, kf, kv_heads, "tokens")
     tokens, num_heads, head_dim = q.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of the cache's {kv_heads} KV heads")
-    floats = (torch.float16, torch.bfloat16, torch.float32)
-    if q.dtype not in floats:
-        raise ValueError(f"q must be fp16/bf16/fp32, got {q.dtype}")
     want = (tokens, kv_heads, head_dim)
-    if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype not in floats or v.dtype not in floats:
+    if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype not in Q_DTYPES or v.dtype not in Q_DTYPES:
         raise ValueError(f"k and v must both be fp16/bf16/fp32 {list(want)}, got {k.dtype} {tuple(k.shape)} "
                          f"and {v.dtype} {tuple(v.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype != torch.int32:

@@ -97,5 +97,5 @@ def probability_dtype(cache: LayerCache, q_dtype: torch.dtype) -> torch.dtype:
     Gluon kernel, which serves head_dim 128 and pages of 16k tokens, dots in fp16)."""
     kf = kernel_format(cache)
     tuned = tuned_for(kf)
-    gluon = tuned.gluon and kf.head_dim == decode_gluon.HEAD_DIM and cache.block_size % decode_gluon.TILE == 0
+    gluon = tuned.gluon and decode_gluon.serves(kf, cache.block_size, 1)  # the GQA group is not known here
     return torch.float16 if tuned.dot_fp16 or gluon else q_dtype
