@@ -149,6 +149,13 @@ VARIANTS = {
     "g-r0": dict(gluon=True, maxnreg=0),
     "g-r128": dict(gluon=True, maxnreg=128),
     **{f"g-sp{n}": dict(gluon=True, num_splits=n) for n in (8, 12, 16, 24, 32, 64, 128, 256, 512)},
+    # the softmax rescale skipped where no max grew (or always done)
+    "g-skip": dict(gluon=True, gluon_skip_rescale=True),
+    "g-noskip": dict(gluon=True, gluon_skip_rescale=False),
+    "g-skip-r0": dict(gluon=True, gluon_skip_rescale=True, maxnreg=0),
+    # register caps between: 112 -> 18 programs per SM, 120 -> 17, 144 -> 14
+    **{f"g-r{r}{'-sp%d' % n if n else ''}": dict(gluon=True, maxnreg=r, **({"num_splits": n} if n else {}))
+       for r in (112, 120) for n in (0, 32)},
     "t": dict(gluon=False),
 }
 PER_TOKEN_ONLY = {"f16-cvt0-pscale", "f16-cvt1-pscale", "swap-f16-pscale"}

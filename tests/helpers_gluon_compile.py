@@ -1,5 +1,5 @@
 """Cross-compile every variant of the Gluon decode kernel for sm_90 and print one JSON line each
-(registers, spill stack, shared memory). Run without TRITON_INTERPRET (tests/test_kernels.py runs it
+(registers, spill stack, local-memory instructions inside the tile loop, shared memory). Run without TRITON_INTERPRET (tests/test_kernels.py runs it
 in a subprocess); exit code 3 when this Triton has no Gluon."""
 
 from __future__ import annotations
@@ -24,6 +24,16 @@ GLUON_VARIANTS = [(kind, mode, asym) for kind in (0, 1, 2) for mode, asym in ((1
                   + (((3, True),) if kind else ())]
 
 
+def loop_local_accesses(sass: str) -> int:
+    """LDL/STL instructions inside the kernel's longest loop (the tile loop): spills there cost every
+    tile, a spill of a value kept across the loop costs once per program."""
+    addr = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := re.search(r"/\*([0-9a-f]{4})\*/", line))]
+    loops = [(int(m.group(1), 16), a) for a, line in addr if (m := re.search(r"BRA (0x[0-9a-f]+)", line))
+             and int(m.group(1), 16) < a]
+    start, end = max(loops, key=lambda r: r[1] - r[0])
+    return sum(1 for a, line in addr if start <= a <= end and re.search(r"\b(LDL|STL)\b", line))
+
+
 def build(kind: int, mode: int, asym: bool) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -31,15 +41,16 @@ def build(kind: int, mode: int, asym: bool) -> dict:
     scale = "*fp16" if mode == 3 else "*fp32"
     ptrs = {"Q": "*bf16", "K": "*i32", "V": "*i32", "KS": scale, "VS": scale, "KZ": scale, "VZ": scale,
             "BT": "*i32", "SEQ": "*i32", "OUT": "*bf16", "PM": "*fp32", "PL": "*fp32", "PACC": "*fp32"}
+    kf = KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=FP8_E4M3 if kind == 0 else 0, qmax=0.0, qmin=0.0,
+                      scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
     consts = dict(NUM_HEADS=32, BLOCK_SIZE=16, GROUP=4, KIND=kind, SCALE_MODE=mode, ASYM=asym,
-                  ASM=decode_gluon.word_asm(kind, FP8_E4M3, not asym), SPLIT=True)
+                  **decode_gluon.widening(kf), SPLIT=True,
+                  SKIP_RESCALE=decode_gluon.skip_rescale(kf))
     names = fn.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    kf = KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=FP8_E4M3 if kind == 0 else 0, qmax=0.0, qmin=0.0,
-                      scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
     cap, _ = decode_gluon.registers(kf)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
@@ -49,8 +60,9 @@ def build(kind: int, mode: int, asym: bool) -> dict:
         f.flush()
         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return dict(cap=cap, regs=regs, stack=stack, shared=compiled.metadata.shared)
+    return dict(cap=cap, regs=regs, stack=stack, loop_local=loop_local_accesses(sass), shared=compiled.metadata.shared)
 
 
 def main() -> None:

@@ -414,6 +414,62 @@ def test_decode_gluon_kernel(fmt, shape, split):
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
 
+def _stored_values(words: torch.Tensor, kind: int, fp8_dtype, symmetric: bool) -> torch.Tensor:
+    """int32 words [n] -> their values [n, 4 or 8] in storage order, as the Gluon kernel widens them
+    (int8 / int4 centred: signed n, unsigned n - 128, nibble - 8)."""
+    raw = words.view(torch.uint8).reshape(-1, 4)
+    if kind == 0:
+        return raw.view(fp8_dtype).to(torch.float32)
+    if kind == 1:
+        return (raw.view(torch.int8) if symmetric else raw.to(torch.int32) - 128).to(torch.float32)
+    nib = torch.stack([raw & 0xF, raw >> 4], -1).reshape(-1, 8).to(torch.int32)
+    return (nib - 8).to(torch.float32)
+
+
+@pytest.mark.skipif(not CUDA, reason="inline PTX compiles for the GPU only; the interpreter has no PTX")
+@pytest.mark.parametrize("kind,fp8,symmetric", [(0, 1, True), (0, 2, True), (1, 0, True), (1, 0, False),
+                                                (2, 0, True), (2, 0, False)],
+                         ids=["e4m3", "e5m2", "int8", "uint8", "int4", "uint4"])
+def test_gluon_widening_exact_for_every_byte(kind, fp8, symmetric):
+    """decode_gluon.pair_asm (V: two tokens' words -> their values interleaved, centred) and word_asm
+    (K: one word -> its values; integers as the raw fp16 subnormals n * 2^-24, int4's high nibbles
+    16 n * 2^-24, signed int8 flipped to n + 128) are exact for every byte in every position."""
+    import triton
+    import triton.language as tl
+
+    from runtime.kernels import decode_gluon
+    from runtime.kernels.formats import FP8_E4M3
+
+    @triton.jit
+    def widen(A, B, Y, ASM: tl.constexpr, PAIR: tl.constexpr, N: tl.constexpr, CONSTRAINTS: tl.constexpr):
+        offs = tl.arange(0, 256)
+        args = [tl.load(A + offs), tl.load(B + offs)] if PAIR else [tl.load(A + offs)]
+        out = tl.inline_asm_elementwise(ASM, CONSTRAINTS, args, dtype=(tl.float16,) * N, is_pure=True, pack=1)
+        for i in tl.static_range(N):
+            tl.store(Y + offs * N + i, out[i].to(tl.float32))
+
+    per_word = 8 if kind == 2 else 4
+    i = torch.arange(256, dtype=torch.int32)
+    # word i holds bytes i, i + 85, i + 170, i + 37 (mod 256): every byte value in every position
+    a = torch.stack([i, (i + 85) % 256, (i + 170) % 256, (i + 37) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
+    b = torch.stack([(i + 3) % 256, (i + 101) % 256, (255 - i), (i * 7) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
+    fp8_dtype = torch.float8_e4m3fn if fp8 == FP8_E4M3 else torch.float8_e5m2
+    want_a, want_b = (_stored_values(w, kind, fp8_dtype, symmetric) for w in (a, b))
+    want_k = want_a
+    if kind:  # uncentred, in units of 2^-24; int4's odd (high-nibble) values x 16
+        raw = want_a + (8 if kind == 2 else 128)
+        want_k = raw * 2.0 ** -24 * (torch.tensor([1.0, 16.0] * 4) if kind == 2 else 1.0)
+    for pair in (False, True):
+        n = 2 * per_word if pair else per_word
+        asm = (decode_gluon.pair_asm if pair else decode_gluon.word_asm)(kind, fp8, symmetric)
+        y = torch.empty(256, n, dtype=torch.float32, device=DEV)
+        widen[(1,)](a.to(DEV), b.to(DEV), y, ASM=asm, PAIR=pair, N=n,
+                    CONSTRAINTS="=h," * n + ("r,r" if pair else "r"))
+        want = torch.stack([want_a, want_b], -1).reshape(256, n) if pair else want_k
+        assert torch.equal(y.cpu().nan_to_num(7777.0), want.nan_to_num(7777.0)), \
+            f"pair={pair}: first mismatch at {(y.cpu().nan_to_num(7777.0) != want.nan_to_num(7777.0)).nonzero()[0].tolist()}"
+
+
 @pytest.fixture(scope="module")
 def gluon_sm90_builds():
     """Every Gluon kernel variant cross-compiled for the H200 (tests/helpers_gluon_compile.py), in a
@@ -436,12 +492,14 @@ def gluon_sm90_builds():
 def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
     """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
     register renames (`assert_trivial` in `_k_operand` / `_v_operand`; a wrong permutation fails the
-    build), K and V never touch shared memory, and with 128 registers the static formats do not
-    spill (16 programs per SM is what the split rule assumes)."""
+    build), K and V never touch shared memory, no variant spills inside its tile loop, and with
+    128 registers the static formats do not spill at all (16 programs per SM is what the split
+    rule assumes)."""
     build = gluon_sm90_builds[variant]
     assert "error" not in build, build.get("error")
     assert build["shared"] == 0, "K and V should go straight to registers"
     assert build["regs"] <= (build["cap"] or 255)
+    assert build["loop_local"] == 0, f"spills in the tile loop: {build}"
     if variant[1] != 3:
         assert build["cap"] == 128 and build["stack"] == 0, f"static format spills: {build}"
 

@@ -239,7 +239,7 @@ def decode_attention_launch(
     p_scale: bool | None = None, swap: bool | None = None, maxnreg: int | None = None,
     warps: bool | None = None, heads_n: bool | None = None, int8_asm: bool | None = None,
     pages_ahead: bool | None = None, warp_page: bool | None = None, resident_per_sm: int | None = None,
-    gluon: bool | None = None,
+    gluon: bool | None = None, gluon_skip_rescale: bool | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -257,7 +257,8 @@ def decode_attention_launch(
     an SM holds at once, for the split rule (with a tile option that changes it). swap, v_transposed and cvt_early
     belong to the other kernel and are ignored by it. gluon: the Gluon kernel (`decode_gluon.py`) where it
     supports the launch (CUDA, head_dim 128, <= 8 heads per KV head, pages of 16k tokens, quantized
-    formats); of the other options it takes num_splits, maxnreg and resident_per_sm.
+    formats); of the other options it takes num_splits, maxnreg and resident_per_sm. gluon_skip_rescale:
+    there, skip the softmax rescale of tiles that raise no max (`decode_gluon.skip_rescale`).
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -284,7 +285,8 @@ def decode_attention_launch(
                                            resident_per_sm or resident, decode_gluon.MIN_TOKENS_PER_SPLIT,
                                            decode_gluon.MAX_SPLITS)
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, num_splits,
-                            scale_tensors(cache, cache.k), meta_strides(kf, cache), cap)
+                            scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
+                            gluon_skip_rescale)
         return out
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages

@@ -19,20 +19,26 @@ over 16-token tiles, with every layout written out:
   layouts (`_k_operand`, `_v_operand`): the final conversion to the mma operand layout is
   checked to move no data (`assert_trivial`).
 * Pages are loaded as 32-bit words (carried to the next iteration as words: a loop-carried
-  byte tensor costs a byte permute per value) and widened to fp16 in PTX (`word_asm`): fp8
-  with the hardware's paired conversion, int8/int4 by placing the value under the exponent
-  of 1024 and subtracting (FasterTransformer's trick), exact.
+  byte tensor costs a byte permute per value) and widened to fp16 in PTX. K (`word_asm`): fp8
+  by the hardware's paired conversion; int8/int4 by one LOP3 per register pair whose result,
+  an fp16 subnormal n * 2^-24, is the value (the 2^24 and the centre go into the softmax
+  scale and a sum(q) term). V (`pair_asm`): one byte permute interleaves two tokens' words so
+  that each register holds the token pair the p . V operand wants, then fp8 converts and
+  int8/int4 go under fp16's 1024 exponent and one packed add (a high nibble: one fma)
+  recentres them (FasterTransformer's trick), exact.
 * The next tile's words are loaded before this tile is used (one tile in flight while one is
-  computed), and its block-table entry one tile earlier still.
+  computed), and its block-table entry one tile earlier still. Integer pages load unmasked:
+  past a sequence's end the words are still inside a page and widen to finite values.
 * Online softmax per column (head); the row sums of p accumulate elementwise and are reduced
-  once at the end. Static K scales fold into the softmax scale, static V scales multiply the
-  output. Per-token K scales multiply the scores (zero points add qsum * z); per-token V
-  scales go on p as p * s / c with c the largest V scale seen so far (so the fp16 p stays in
-  [0, 1]); c's growth folds into the accumulator's rescale, zero points add sum_n p_n z_n.
+  once at the end, and where no column's max grew the rescale is skipped (`skip_rescale`).
+  Static K scales fold into the softmax scale, static V scales multiply the output. Per-token
+  K scales multiply the scores (zero points add qsum * z); per-token V scales go on p as
+  p * s / c with c the largest V scale seen so far (so the fp16 p stays in [0, 1]); c's growth
+  folds into the accumulator's rescale, zero points add sum_n p_n z_n.
 
 Numerics: the dots run in fp16 on exact operands (fp8, int8 and int4 values are exact in
-fp16; q / 16 and p are rounded to fp16, as in the Triton kernels' `dot_fp16` path), with fp32
-accumulation. Needs head_dim 128, a GQA group of <= 8 heads, pages of a multiple of 16 tokens
+fp16, K's integers as subnormals; q / 16 (int4's odd columns q / 256) and p are rounded to fp16,
+as in the Triton kernels' `dot_fp16` path), with fp32 accumulation. Needs head_dim 128, a GQA group of <= 8 heads, pages of a multiple of 16 tokens
 and fp16/bf16 q; `supported` says when, and the launcher falls back to the Triton kernels
 otherwise (and always under the interpreter, which cannot run Gluon).
 """
@@ -79,52 +85,122 @@ def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) ->
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
+def _half2(x: float) -> str:
+    """A PTX b32 immediate holding x as fp16 in both halves."""
+    h = torch.tensor(x, dtype=torch.float16).view(torch.int16).item() & 0xFFFF
+    return f"{(h << 16) | h:#010x}"
+
+
+# PTX registers c0-c2 holding the widening constants (f16x2 instructions take no immediates)
+_INT_CONSTANTS = (f".reg .b32 c0, c1, c2; mov.b32 c0, {_half2(-1032.0)}; mov.b32 c1, {_half2(0.0625)}; "
+                  f"mov.b32 c2, {_half2(-72.0)}; ")
+_INT8_CONSTANTS = f".reg .b32 c0; mov.b32 c0, {_half2(-1152.0)}; "
+
+
+def _int_widen(kind: int, symmetric: bool, src: str, dst: list[str]) -> str:
+    """PTX: the values at bits 0-7 / 16-23 of register `src` (int8) or at bits 0-3 / 16-19 and
+    4-7 / 20-23 (int4) -> packed fp16 pairs, centred (n - 128 / n - 8), into `dst` (after
+    `_INT8_CONSTANTS` / `_INT_CONSTANTS`).
+
+    A byte or low nibble n placed under fp16 1024.0's exponent (0x6400) is 1024 + n exactly;
+    a high nibble there is 1024 + 16 n, which one fma by 1/16 takes to 64 + n (FasterTransformer's
+    and LMDeploy's trick: no shift per nibble). Signed int8 is first flipped to n + 128 (XOR 0x80,
+    in the same LOP3)."""
+    if kind != KIND_INT4:
+        magic = 0x64806480 if symmetric else 0x64006400
+        return f"lop3.b32 {dst[0]}, {src}, 0x00FF00FF, {magic:#010x}, 0x6A; add.rn.f16x2 {dst[0]}, {dst[0]}, c0; "
+    return (f"lop3.b32 {dst[0]}, {src}, 0x000F000F, 0x64006400, 0xEA; "
+            f"lop3.b32 {dst[1]}, {src}, 0x00F000F0, 0x64006400, 0xEA; "
+            f"add.rn.f16x2 {dst[0]}, {dst[0]}, c0; fma.rn.f16x2 {dst[1]}, {dst[1]}, c1, c2; ")
+
+
 @functools.cache
 def word_asm(kind: int, fp8: int, symmetric: bool) -> str:
-    """PTX: one 32-bit word of stored values -> its 4 (8-bit) or 8 (int4) values as fp16, in
+    """PTX for K: one 32-bit word of stored values -> its 4 (8-bit) or 8 (int4) values as fp16, in
     storage order (int4: even element in the low nibble).
 
-    fp8: `cvt.rn.f16x2.e4m3x2` / `e5m2x2` (exact). int8 / int4: a byte (or nibble) n placed in
-    the low bits of fp16 1024.0 (0x6400) is 1024 + n exactly; one packed add removes 1024 and
-    the format's centre (`CENTER`: 128 for int8, whose signed bytes are first flipped to n + 128,
-    8 for int4). The LOP3s select alternate bytes, so each 32-bit result holds values (i, i + 2)
-    (int8) or (i, i + 4) (int4). Asymmetric (unsigned) values come out centred too, n - 128 or
-    n - 8: the kernel moves the centre into the zero point (z + 128 s), so the accumulator sums
-    values of |v|'s size instead of two large terms that cancel (the tensor cores' fp32
-    accumulation is not exact: uncentred, the error grew with the tokens per split).
+    fp8: `cvt.rn.f16x2.e4m3x2` / `e5m2x2` (exact). int8 / int4: the masked bits *are* the fp16
+    value, a subnormal: a byte (or low nibble) n at bits 0-7 of a half is n * 2^-24 exactly, a high
+    nibble 16 n * 2^-24. One LOP3 per register pair and nothing else: no bias to remove, so the
+    scores' accumulator sums terms of the stored values' own size (the tensor cores take fp16
+    subnormals; `test_decode_gluon_kernel` checks it). The kernel divides q's odd columns by 16 for
+    int4 (so high nibbles count n), multiplies the scores by 2^24 through the softmax scale, and
+    takes the centre (signed int8 is flipped to n + 128, symmetric int4 stores n + 8) off as
+    `K_CENTER * sum(q)`. Registers hold values (i, i + 2) (int8) or (i, i + 4) (int4); the K
+    operand's column order (`_k_columns`) is chosen so that these are its register pairs.
     """
     if kind == 0:
         name = {FP8_E4M3: "e4m3", FP8_E5M2: "e5m2"}[fp8]
         return ("{ .reg .b16 l, h; .reg .b32 a, b; mov.b32 {l, h}, $4; "
                 f"cvt.rn.f16x2.{name}x2 a, l; cvt.rn.f16x2.{name}x2 b, h; "
                 "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-    center = 8 if kind == KIND_INT4 else 128
-    bias = torch.tensor(-(1024.0 + center), dtype=torch.float16).view(torch.int16).item() & 0xFFFF
-    decl = f"{{ .reg .b32 w, s, a, b, c, d, z; mov.b32 z, {(bias << 16) | bias:#010x}; "
     if kind != KIND_INT4:
-        # signed bytes: n XOR 0x80 = n + 128, folded into the LOP3 that sets the exponent bits
-        magic = 0x64806480 if symmetric else 0x64006400
-        return (decl + "mov.b32 w, $4; shr.b32 s, w, 8; "
-                f"lop3.b32 a, w, 0x00FF00FF, {magic:#010x}, 0x6A; lop3.b32 b, s, 0x00FF00FF, {magic:#010x}, 0x6A; "
-                "add.rn.f16x2 a, a, z; add.rn.f16x2 b, b, z; "
+        flip = 0x00800080 if symmetric else 0  # (w & mask) ^ flip
+        return ("{ .reg .b32 s, a, b; shr.b32 s, $4, 8; "
+                f"lop3.b32 a, $4, 0x00FF00FF, {flip:#010x}, 0x6A; lop3.b32 b, s, 0x00FF00FF, {flip:#010x}, 0x6A; "
                 "mov.b32 {$0, $2}, a; mov.b32 {$1, $3}, b; }")
-    # int4: nibbles 0 and 4 of a word sit at bits 0-3 and 16-19, 1 and 5 at bits 4-7 and 20-23
-    # (shift right 4), 2 and 6 / 3 and 7 one byte further
-    return (decl + "mov.b32 w, $8; shr.b32 s, w, 4; "
-            "lop3.b32 a, w, 0x000F000F, 0x64006400, 0xEA; lop3.b32 b, s, 0x000F000F, 0x64006400, 0xEA; "
-            "shr.b32 w, w, 8; shr.b32 s, s, 8; "
-            "lop3.b32 c, w, 0x000F000F, 0x64006400, 0xEA; lop3.b32 d, s, 0x000F000F, 0x64006400, 0xEA; "
-            "add.rn.f16x2 a, a, z; add.rn.f16x2 b, b, z; add.rn.f16x2 c, c, z; add.rn.f16x2 d, d, z; "
+    return ("{ .reg .b32 s, a, b, c, d; shr.b32 s, $8, 8; "
+            "and.b32 a, $8, 0x000F000F; and.b32 b, $8, 0x00F000F0; and.b32 c, s, 0x000F000F; and.b32 d, s, 0x00F000F0; "
             "mov.b32 {$0, $4}, a; mov.b32 {$1, $5}, b; mov.b32 {$2, $6}, c; mov.b32 {$3, $7}, d; }")
+
+
+@functools.cache
+def pair_asm(kind: int, fp8: int, symmetric: bool) -> str:
+    """PTX for V: the same word of two consecutive tokens -> output 2i is the first token's value i,
+    output 2i + 1 the second's, each pair already in one register. Integers come out centred
+    (`_int_widen`): p . V sums over thousands of tokens, where uncentred values and a separate
+    centre term cancel and the tensor cores' fp32 accumulation (not exact) leaves the difference
+    (asymmetric int8 per-token: 4.0e-3 against 1.7e-3 at 2731 tokens per split).
+
+    p . V reduces over tokens, so V's A operand pairs two tokens of one head_dim column per
+    register. One byte permute per word interleaves the tokens before widening; widening the
+    tokens separately and repacking afterwards cost a permute per register instead (8-bit: two
+    per word, int4: four)."""
+    n = 8 if kind == KIND_INT4 else 4  # values per word; inputs are $2n (first token), $2n+1
+    a, b = f"${2 * n}", f"${2 * n + 1}"
+    if kind == 0:  # x = (a0, b0, a1, b1), y = (a2, b2, a3, b3): each 16-bit half is a token pair
+        name = {FP8_E4M3: "e4m3", FP8_E5M2: "e5m2"}[fp8]
+        body = (f"{{ .reg .b16 l0, h0, l1, h1; .reg .b32 x, y, r0, r1, r2, r3; "
+                f"prmt.b32 x, {a}, {b}, 0x5140; prmt.b32 y, {a}, {b}, 0x7362; "
+                "mov.b32 {l0, h0}, x; mov.b32 {l1, h1}, y; "
+                f"cvt.rn.f16x2.{name}x2 r0, l0; cvt.rn.f16x2.{name}x2 r1, h0; "
+                f"cvt.rn.f16x2.{name}x2 r2, l1; cvt.rn.f16x2.{name}x2 r3, h1; ")
+    else:  # x = (a0, a1, b0, b1), y = (a2, a3, b2, b3) bytes; >> 8 brings the odd bytes down
+        regs = [f"r{i}" for i in range(n)]
+        per = n // 4  # fp16 pairs per byte position: int8 1, int4 2 (low and high nibble)
+        body = (f"{{ .reg .b32 x, y, u, v, {', '.join(regs)}; "
+                + (_INT_CONSTANTS if kind == KIND_INT4 else _INT8_CONSTANTS)
+                + f"prmt.b32 x, {a}, {b}, 0x5410; prmt.b32 y, {a}, {b}, 0x7632; shr.b32 u, x, 8; shr.b32 v, y, 8; "
+                + "".join(_int_widen(kind, symmetric, src, regs[i * per:(i + 1) * per])
+                          for i, src in enumerate(("x", "u", "y", "v"))))
+    return body + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i}; " for i in range(n)) + "}"
+
+
+def widening(kf: KernelFormat) -> dict[str, str]:
+    """The kernel's PTX constants for this format: K's word widening and V's token-pair widening."""
+    return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=pair_asm(kf.kind, kf.fp8, not kf.asym))
+
+
+def skip_rescale(kf: KernelFormat) -> bool:
+    """Whether the kernel skips the softmax rescale of tiles that raise no column's max: int4, and
+    the int8 per-token formats (uncapped). fp8 and the 8-bit static formats spill at their
+    128-register cap with the branch, and read at 96-99% of bandwidth without it."""
+    return kf.kind == KIND_INT4 or (kf.kind != KIND_FLOAT and kf.scale_mode == SCALE_TOKEN)
 
 
 def registers(kf: KernelFormat, maxnreg: int | None = None) -> tuple[int | None, int]:
     """(register cap, programs per SM). 128 registers hold 16 one-warp programs per SM; the
-    per-token int8/int4 kernels would spill there and run faster uncapped (163-168 registers,
-    12 per SM). maxnreg: an explicit cap instead (0: none)."""
-    if maxnreg is None:
-        maxnreg = 0 if kf.scale_mode == SCALE_TOKEN and kf.kind != KIND_FLOAT else 128
-    return (maxnreg, 16) if 0 < maxnreg <= 128 else (maxnreg or None, 12)
+    per-token int8 and asymmetric int4 kernels would spill there and run faster uncapped (154-168
+    registers, 12 per SM). maxnreg: an explicit cap instead (0: none)."""
+    if maxnreg is None:  # symmetric int4 per-token fits 120 (17 per SM): 0.170 vs 0.191 ms uncapped
+        if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT:
+            maxnreg = 128
+        else:
+            maxnreg = 120 if kf.kind == KIND_INT4 and not kf.asym else 0
+    if not maxnreg:
+        return None, 12
+    # an SM's 64k registers, allocated per warp in multiples of 8 per thread
+    return maxnreg, min(32, 65536 // (32 * -(-maxnreg // 8) * 8))
 
 
 if gluon is not None:
@@ -186,10 +262,32 @@ if gluon is not None:
         return gl.convert_layout(_k_columns(_widen(w, KIND, ASM), KIND), A_OP, assert_trivial=True)
 
     @gluon.jit
+    def _widen_pairs(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """V words [16, C] -> fp16 values [16, 4C] (8-bit) or [16, 8C] (int4) in storage order, through
+        `pair_asm` on the words of tokens 2i and 2i + 1 (the token-parity axis is in registers)."""
+        C: gl.constexpr = w.shape[1]
+        even, odd = gl.split(gl.permute(gl.reshape(w, [8, 2, C]), (0, 2, 1)))
+        if KIND == 2:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 16 + "r,r", [even, odd], dtype=(gl.float16,) * 16,
+                                          is_pure=True, pack=1)
+            p0, p1, p2, p3, p4, p5, p6, p7 = (gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]),
+                                              gl.join(x[6], x[7]), gl.join(x[8], x[9]), gl.join(x[10], x[11]),
+                                              gl.join(x[12], x[13]), gl.join(x[14], x[15]))
+            y = gl.join(gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7)))
+            y = gl.permute(y, (0, 2, 1, 3, 4, 5))  # (token pair, parity, word, value bits high to low)
+            return gl.reshape(y, [16, 8 * C])
+        else:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 8 + "r,r", [even, odd], dtype=(gl.float16,) * 8,
+                                          is_pure=True, pack=1)
+            p0, p1, p2, p3 = gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]), gl.join(x[6], x[7])
+            y = gl.permute(gl.join(gl.join(p0, p2), gl.join(p1, p3)), (0, 2, 1, 3, 4))
+            return gl.reshape(y, [16, 4 * C])
+
+    @gluon.jit
     def _v_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
         """V words [16, W] -> p . V's A operand V^T [128 m, 16 tokens]: lane (g, t) holds stored
         columns d = 16g + 2j + r (j < 8, r < 2), which the A operand calls m = 16j + 8r + g."""
-        y = gl.permute(_widen(w, KIND, ASM), (1, 0))
+        y = gl.permute(_widen_pairs(w, KIND, ASM), (1, 0))
         y = gl.permute(gl.reshape(y, [8, 8, 2, 16]), (1, 2, 0, 3))
         return gl.convert_layout(gl.reshape(y, [128, 16]), A_OP, assert_trivial=True)
 
@@ -200,15 +298,22 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(y, [8, 128]), ROWS)
 
     @gluon.jit
-    def _tile_words(K, V, KS, VS, KZ, VZ, bt_row, n0, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb,
+    def _tile_words(n0, K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb,
                     stride_mh, koffs, voffs, tk, tv, ts, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
-                    ASYM: gl.constexpr):
-        """A tile's K/V words and per-token scales / zero points (0 past `end`)."""
+                    ASYM: gl.constexpr, KIND: gl.constexpr):
+        """A tile's K/V words and per-token scales / zero points (scales 0 past `end`)."""
         page = gl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(gl.int64)
         slot = n0 % BLOCK_SIZE
         base = page * stride_cb + kvh * stride_ch + slot * stride_ct
-        kw = gl.load(K + base + koffs, mask=((n0 + tk) < end)[:, None], other=0)
-        vw = gl.load(V + base + voffs, mask=((n0 + tv) < end)[:, None], other=0)
+        if KIND == 0:
+            kw = gl.load(K + base + koffs, mask=((n0 + tk) < end)[:, None], other=0)
+            vw = gl.load(V + base + voffs, mask=((n0 + tv) < end)[:, None], other=0)
+        else:
+            # Every address is inside a page (past `end`, page 0 of the cache), and the values there
+            # widen to finite numbers whose scores are masked and whose p is 0: no load masks.
+            # (A stale fp8 byte can be NaN, and NaN * 0 is NaN.)
+            kw = gl.load(K + base + koffs)
+            vw = gl.load(V + base + voffs)
         ks = 0.0
         vs = 0.0
         kz = 0.0
@@ -224,36 +329,96 @@ if gluon is not None:
         return kw, vw, ks, vs, kz, vz
 
     @gluon.jit
+    def _attend(n0, kw, vw, ks, vs, kz, vz, m_i, l_t, z_t, acc, c_v, end, qt, qsum, k_fold, k_off, ts,
+                KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr,
+                VASM: gl.constexpr, CENTER: gl.constexpr, K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+        """One 16-token tile into the online softmax state (m_i, l_t, z_t, acc, c_v)."""
+        s = mma_v2(_k_operand(kw, KIND, ASM), qt, gl.zeros([16, 8], gl.float32, layout=MMA))
+        if SCALE_MODE == 3:  # k = ks (n - K_CENTER) + kz for stored n
+            if K_CENTER != 0:
+                s = s - K_CENTER * qsum[None, :]
+            s = s * ks[:, None]
+            if ASYM:
+                s += kz[:, None] * qsum[None, :]
+            s = s * k_fold
+        elif K_CENTER != 0:  # k_off = K_CENTER * sum(q) * k_fold
+            s = s * k_fold - k_off[None, :]
+        else:
+            s = s * k_fold
+        s = gl.where(((n0 + ts) < end)[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        p = gl.exp2(s - m_new[None, :])
+        c_new = c_v
+        if SCALE_MODE == 3:
+            c_new = gl.maximum(c_v, gl.max(vs, 0))
+        # SKIP_RESCALE: rescale the state only when a column's max (or the V scale bound) grew:
+        # otherwise alpha is exactly 1. Past the first tiles of a long context it rarely grows, and
+        # the rescale is 36 of a tile's ~300 instructions. The condition is warp-uniform (one-warp
+        # programs).
+        grown = gl.max(m_new - m_i, 0) > 0
+        if SCALE_MODE == 3:
+            grown = grown | (c_new > c_v)
+        if grown or not SKIP_RESCALE:
+            alpha = gl.exp2(m_i - m_new)
+            l_t = l_t * alpha[None, :]
+            if ASYM:
+                z_t = z_t * alpha[None, :]
+            if SCALE_MODE == 3:
+                alpha = alpha * (c_v / c_new)
+            acc = acc * alpha[None, :]
+        l_t += p
+        if SCALE_MODE == 3:
+            if ASYM:
+                z_t += p * (vz + CENTER * vs)[:, None]
+            pw = p * (vs / c_new)[:, None]
+        else:
+            pw = p
+        pt = gl.convert_layout(pw.to(gl.float16), B_OP)
+        acc = mma_v2(_v_operand(vw, KIND, VASM), pt, acc)
+        return m_new, l_t, z_t, acc, c_new
+
+    @gluon.jit
     def _decode_kernel_gluon(
         Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
         qk_scale, tokens_per_split, num_splits,
         stride_qb, stride_qh, stride_ob, stride_oh, stride_btb,
         stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
         NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
-        KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, SPLIT: gl.constexpr,
+        KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, SPLIT: gl.constexpr,
+        SKIP_RESCALE: gl.constexpr,
     ):
         """K, V: the pages as int32 words, strides in words."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
 
-        # q rows of the group, / 16 (exact) so fp16 holds q up to 16 x 65504
+        # q rows of the group, / 16 (exact) so fp16 holds q up to 16 x 65504; int4's odd columns
+        # (high nibbles, widened to 16 n: `word_asm`) / 256
         hr = gl.arange(0, 8, layout=gl.SliceLayout(1, ROWS))
         dr = gl.arange(0, 128, layout=gl.SliceLayout(0, ROWS))
         hmask_r = hr < GROUP
         q = gl.load(Q + b * stride_qb + (kvh * GROUP + hr)[:, None] * stride_qh + dr[None, :],
                     mask=hmask_r[:, None], other=0.0)
-        q16 = (q.to(gl.float32) * 0.0625).to(gl.float16)
+        nibble = gl.full([1, 128], 1.0, gl.float32, layout=ROWS)
+        if KIND == 2:
+            nibble = gl.where(dr[None, :] % 2 == 1, 16.0, 1.0)
+        q16 = (q.to(gl.float32) * (0.0625 / nibble)).to(gl.float16)
         qt = gl.convert_layout(gl.permute(_k_columns(q16, KIND), (1, 0)), B_OP)
-        k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625, SCALE_MODE)
-        if ASYM:  # sum(q) of the rounded q the dots see, for K's zero points
-            qsum = gl.convert_layout(gl.sum(q16.to(gl.float32), 1), gl.SliceLayout(0, MMA))
+        # the dots' unit: q / 16, and for int8 / int4 K the subnormal 2^-24 (`word_asm`)
+        k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625 if KIND == 0 else 0.0625 / 16777216.0,
+                                       SCALE_MODE)
+        qsum = 0.0  # sum(q) of the rounded q the dots see, in the dots' unit: centres and zero points
+        if KIND != 0:
+            qsum = gl.convert_layout(gl.sum(q16.to(gl.float32) * (nibble / 16777216.0), 1), gl.SliceLayout(0, MMA))
 
+        # centres of the stored integers: V's (`pair_asm` widens centred) and K's (`word_asm` does not)
         if KIND == 2:
             CENTER: gl.constexpr = 8.0
+            K_CENTER: gl.constexpr = 0.0 if ASYM else 8.0
             KL: gl.constexpr = K_W4
             VL: gl.constexpr = V_W4
             WORDS: gl.constexpr = 16
         else:
             CENTER: gl.constexpr = 128.0
+            K_CENTER: gl.constexpr = 0.0 if ASYM or KIND == 0 else 128.0
             KL: gl.constexpr = K_W8
             VL: gl.constexpr = V_W8
             WORDS: gl.constexpr = 32
@@ -270,37 +435,18 @@ if gluon is not None:
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
         c_v = qk_scale * 0.0 + 1e-30  # per-token V: the largest V scale so far (acc holds sum p s / c_v)
 
-        kw_n, vw_n, ks_n, vs_n, kz_n, vz_n = _tile_words(
-            K, V, KS, VS, KZ, VZ, bt_row, start, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
-            koffs, voffs, tk, tv, ts, BLOCK_SIZE, SCALE_MODE, ASYM)
+        words = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
+                 koffs, voffs, tk, tv, ts)
+        state = (m_i, l_t, z_t, acc, c_v)
+        consts = (end, qt, qsum, k_fold, K_CENTER * qsum * k_fold, ts)
+        # the next tile's words load while this one computes
+        nxt = _tile_words(start, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND)
         for n0 in range(start, end, 16):
-            kw, vw, ks, vs, kz, vz = kw_n, vw_n, ks_n, vs_n, kz_n, vz_n
-            kw_n, vw_n, ks_n, vs_n, kz_n, vz_n = _tile_words(
-                K, V, KS, VS, KZ, VZ, bt_row, n0 + 16, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb,
-                stride_mh, koffs, voffs, tk, tv, ts, BLOCK_SIZE, SCALE_MODE, ASYM)
-
-            s = mma_v2(_k_operand(kw, KIND, ASM), qt, gl.zeros([16, 8], gl.float32, layout=MMA))
-            if SCALE_MODE == 3:
-                s = s * ks[:, None]
-                if ASYM:  # the stored values came out centred (word_asm): z + CENTER * s
-                    s += (kz + CENTER * ks)[:, None] * qsum[None, :]
-            s = gl.where(((n0 + ts) < end)[:, None], s * k_fold, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[None, :])
-            l_t = l_t * alpha[None, :] + p
-            m_i = m_new
-            if SCALE_MODE == 3:
-                if ASYM:
-                    z_t = z_t * alpha[None, :] + p * (vz + CENTER * vs)[:, None]
-                c_new = gl.maximum(c_v, gl.max(vs, 0))
-                pw = p * (vs / c_new)[:, None]
-                alpha = alpha * (c_v / c_new)
-                c_v = c_new
-            else:
-                pw = p
-            pt = gl.convert_layout(pw.to(gl.float16), B_OP)
-            acc = mma_v2(_v_operand(vw, KIND, ASM), pt, acc * alpha[None, :])
+            cur = nxt
+            nxt = _tile_words(n0 + 16, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND)
+            state = _attend(n0, *cur, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM, CENTER, K_CENTER,
+                            SKIP_RESCALE)
+        m_i, l_t, z_t, acc, c_v = state
 
         l_i = gl.sum(l_t, 0)
         if SCALE_MODE == 3:
@@ -327,8 +473,9 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
            qk_scale: float, out: torch.Tensor, num_splits: int, scale_args: tuple, meta_strides: tuple[int, int],
-           maxnreg: int | None):
-    """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`."""
+           maxnreg: int | None, skip: bool | None = None):
+    """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
+    skip: `skip_rescale`'s choice instead of the format's."""
     from .split_k import merge_splits, split_plan
 
     batch, num_heads, _ = q.shape
@@ -342,7 +489,8 @@ def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kw.stride(0), kw.stride(1), kw.stride(2), *meta_strides,
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
-        SCALE_MODE=kf.scale_mode, ASYM=kf.asym, ASM=word_asm(kf.kind, kf.fp8, not kf.asym), SPLIT=split,
+        SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **widening(kf), SPLIT=split,
+        SKIP_RESCALE=skip_rescale(kf) if skip is None else skip,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split:

@@ -50,17 +50,18 @@ class Tuned(NamedTuple):
 # per-token asym keeps round 9's heads on N (one-warp variants won at 16 x 32k only, by <= 7%).
 # bf16 keeps the heads x tokens kernel. Round 11 (seventh session): every quantized format
 # runs the Gluon kernel (decode_gluon.py) on the GPU where it supports the launch; the other
-# options here are the Triton kernels' (the interpreter, other shapes, gluon=False).
+# options here are the Triton kernels' (the interpreter, other shapes, gluon=False). The last
+# times are the eighth session's Gluon kernel (kernels.md), where it changed.
 TUNED = {
     ("float", False, False): Tuned(128, 2, False, False, False, False, None, 3),  # bf16/fp16: 0.49 ms
     ("fp8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True, gluon=True),  # 0.524 -> 0.267 -> 0.263
     ("int8", False, False): Tuned(16, 3, False, True, False, False, None, 12, True, False, True, gluon=True),  # 0.464 -> 0.311 -> 0.267
-    ("int4", False, False): Tuned(16, 3, False, False, False, False, None, 12, True, gluon=True),  # 0.432 -> 0.249 -> 0.200
+    ("int4", False, False): Tuned(16, 3, False, False, False, False, None, 12, True, gluon=True),  # 0.432 -> 0.249 -> 0.200 -> 0.158
     ("fp8", True, False): Tuned(16, 4, False, True, True, False, None, 12, True, gluon=True),  # 0.553 -> 0.379 -> 0.270
-    ("int8", True, False): Tuned(16, 3, False, True, True, False, None, 12, True, False, True, gluon=True),  # 0.691 -> 0.399 -> 0.278
-    ("int4", True, False): Tuned(16, 3, False, True, False, False, None, 12, True, gluon=True),  # 0.752 -> 0.311 -> 0.210
-    ("int8", True, True): Tuned(16, 2, False, True, True, False, None, 12, True, False, True, gluon=True),  # 0.534 -> 0.479 -> 0.286
-    ("int4", True, True): Tuned(64, 2, False, True, False, False, 128, 4, True, True, pages_ahead=False, gluon=True),  # 0.433 -> 0.223
+    ("int8", True, False): Tuned(16, 3, False, True, True, False, None, 12, True, False, True, gluon=True),  # 0.691 -> 0.399 -> 0.278 -> 0.274
+    ("int4", True, False): Tuned(16, 3, False, True, False, False, None, 12, True, gluon=True),  # 0.752 -> 0.311 -> 0.210 -> 0.170
+    ("int8", True, True): Tuned(16, 2, False, True, True, False, None, 12, True, False, True, gluon=True),  # 0.534 -> 0.479 -> 0.286 -> 0.282
+    ("int4", True, True): Tuned(64, 2, False, True, False, False, 128, 4, True, True, pages_ahead=False, gluon=True),  # 0.433 -> 0.223 -> 0.184
 }
 
 # One-warp programs need about 1024 of them to keep the memory busy: at 1 x 131072 (8 pairs)
