@@ -54,13 +54,17 @@ _HUGE = tl.constexpr(1.8446744073709552e19)  # 2**64: any quotient this large sa
 
 
 @triton.jit
-def _reciprocal(s):
+def _reciprocal(s, SCALE_UP: tl.constexpr):
     """(s', 1 / s' rounded to nearest, k) with s' = s * k, k a power of two that keeps s' >= 2**-64.
 
     Scaling both sides of a / s by the same power of two is exact, and it keeps the
-    fma corrections of `_quotient` clear of underflow (scales of 1e-38 are legal in fp32)."""
-    k = tl.where(s < _SMALL, _HUGE, 1.0)
-    s = s * k
+    fma corrections of `_quotient` clear of underflow (scales of 1e-38 are legal in fp32).
+    SCALE_UP False: the caller knows s >= 2**-64 (fp16 scales are >= 2**-14), k = 1."""
+    if SCALE_UP:
+        k = tl.where(s < _SMALL, _HUGE, 1.0)
+        s = s * k
+    else:
+        k = 1.0
     return s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), k
 
 
@@ -222,16 +226,18 @@ def _quantize_rows(
         BIG: tl.constexpr = 3.4028234663852886e38
     if SCALE_MODE == 3:
         if ASYM:
+            # int4's two column halves are combined before reducing: one cross-thread reduction
+            # (shuffles) instead of two (xa is xb for the other kinds)
             if FULL_D:  # masked rows load as 0 and store nothing: only padding columns need excluding
-                lo = tl.minimum(tl.min(xa, 1), tl.min(xb, 1))
-                hi = tl.maximum(tl.max(xa, 1), tl.max(xb, 1))
+                lo = tl.min(_halves(xa, xb, KIND, False), 1)
+                hi = tl.max(_halves(xa, xb, KIND, True), 1)
             else:
-                lo = tl.minimum(tl.min(tl.where(m2, xa, float("inf")), 1), tl.min(tl.where(m2, xb, float("inf")), 1))
-                hi = tl.maximum(tl.max(tl.where(m2, xa, -float("inf")), 1), tl.max(tl.where(m2, xb, -float("inf")), 1))
+                lo = tl.min(_halves(tl.where(m2, xa, float("inf")), tl.where(m2, xb, float("inf")), KIND, False), 1)
+                hi = tl.max(_halves(tl.where(m2, xa, -float("inf")), tl.where(m2, xb, -float("inf")), KIND, True), 1)
             z = _round_down(tl.minimum(tl.maximum(lo, -BIG), BIG), SCALE_DT)
             s = tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32))
         else:
-            amax = tl.maximum(tl.max(tl.abs(xa), 1), tl.max(tl.abs(xb), 1))
+            amax = tl.max(_halves(tl.abs(xa), tl.abs(xb), KIND, True), 1)
             s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
         # clamped like kv_format.dynamic_scales: never zero, never inf (a huge token saturates)
         s = _round_up(tl.minimum(tl.maximum(s, TINY), BIG), SCALE_DT)
@@ -240,15 +246,37 @@ def _quantize_rows(
             tl.store(zero_ptr + meta_off, z.to(zero_ptr.dtype.element_ty), mask=mask_t)
             xa = xa - z[:, None]
             xb = xb - z[:, None]
-        s, y, k = _reciprocal(s)
-        s, y, k = s[:, None], y[:, None], k[:, None]
+        s, y, k = _reciprocal(s, SCALE_DT != 0)
+        s, y = s[:, None], y[:, None]
+        if SCALE_DT != 0:
+            k = k[:, None]
     else:
         if SCALE_MODE == 2:
             s = tl.load(scale_ptr + head)
         else:
             s = tl.load(scale_ptr)
-        s, y, k = _reciprocal(s)
+        s, y, k = _reciprocal(s, True)
+    out = _encode(xa, xb, s, y, k, KIND, ASYM, FP8, QMIN, QMAX, FAST)
+    tl.store(cache_ptr + dst_base[:, None] + offs_d[None, :], out, mask=m2)
 
+
+@triton.jit
+def _halves(xa, xb, KIND: tl.constexpr, MAX: tl.constexpr):
+    """int4's two column halves combined elementwise (max or min) for one row reduction; the
+    other kinds have one half (xa is xb)."""
+    if KIND != 2:
+        out = xa
+    elif MAX:
+        out = tl.maximum(xa, xb)
+    else:
+        out = tl.minimum(xa, xb)
+    return out
+
+
+@triton.jit
+def _encode(xa, xb, s, y, k, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr, QMIN: tl.constexpr,
+            QMAX: tl.constexpr, FAST: tl.constexpr):
+    """Values (zero point already subtracted) / s -> the stored bytes (int4: xa low nibble, xb high)."""
     ya = _quotient(xa, s, y, k, FAST)
     if KIND == 0:
         ya = tl.minimum(tl.maximum(tl.where(ya != ya, 0.0, ya), QMIN), QMAX)
@@ -270,7 +298,7 @@ def _quantize_rows(
             na += 8
             nb += 8
         out = (na | (nb << 4)).to(tl.uint8)
-    tl.store(cache_ptr + dst_base[:, None] + offs_d[None, :], out, mask=m2)
+    return out
 
 
 @triton.jit
