@@ -546,6 +546,24 @@ def test_split_count_policy():
     assert choose_num_splits(1, 8, 600, 64, 132, 4) == 2
 
 
+def test_gluon_programs_per_sm_follow_the_register_cap():
+    """The split rule's resident programs for a register cap: an SM's 65536 registers over one-warp
+    programs, allocated 8 per thread at a time (worked by hand: 128 -> 16, 120 -> 17, 112 -> 18,
+    121 rounds up to 128 -> 16); uncapped counts 12 (154-168 registers)."""
+    from runtime.kernels import decode_gluon
+    from runtime.kernels.formats import KernelFormat
+
+    kf = lambda kind, mode, asym=False: KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=0, qmax=0.0,  # noqa: E731
+                                                     qmin=0.0, scale_dtype=0, head_dim=128)
+    assert [decode_gluon.registers(kf(2, 2), cap)[1] for cap in (128, 120, 112, 121)] == [16, 17, 18, 16]
+    assert decode_gluon.registers(kf(2, 2), 0) == (None, 12)
+    # defaults: static formats 128; symmetric int4 per-token 120; int8 per-token and int4 asym uncapped
+    assert decode_gluon.registers(kf(1, 2)) == (128, 16)
+    assert decode_gluon.registers(kf(2, 3)) == (120, 17)
+    assert decode_gluon.registers(kf(2, 3, asym=True)) == (None, 12)
+    assert decode_gluon.registers(kf(1, 3)) == (None, 12)
+
+
 def test_wave_cost_counts_partial_waves_whole():
     from runtime.kernels.split_k import wave_cost
 

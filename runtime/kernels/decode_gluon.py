@@ -92,7 +92,7 @@ def _half2(x: float) -> str:
 
 
 # PTX registers c0-c2 holding the widening constants (f16x2 instructions take no immediates)
-_INT_CONSTANTS = (f".reg .b32 c0, c1, c2; mov.b32 c0, {_half2(-1032.0)}; mov.b32 c1, {_half2(0.0625)}; "
+_INT4_CONSTANTS = (f".reg .b32 c0, c1, c2; mov.b32 c0, {_half2(-1032.0)}; mov.b32 c1, {_half2(0.0625)}; "
                   f"mov.b32 c2, {_half2(-72.0)}; ")
 _INT8_CONSTANTS = f".reg .b32 c0; mov.b32 c0, {_half2(-1152.0)}; "
 
@@ -100,11 +100,11 @@ _INT8_CONSTANTS = f".reg .b32 c0; mov.b32 c0, {_half2(-1152.0)}; "
 def _int_widen(kind: int, symmetric: bool, src: str, dst: list[str]) -> str:
     """PTX: the values at bits 0-7 / 16-23 of register `src` (int8) or at bits 0-3 / 16-19 and
     4-7 / 20-23 (int4) -> packed fp16 pairs, centred (n - 128 / n - 8), into `dst` (after
-    `_INT8_CONSTANTS` / `_INT_CONSTANTS`).
+    `_INT8_CONSTANTS` / `_INT4_CONSTANTS`).
 
     A byte or low nibble n placed under fp16 1024.0's exponent (0x6400) is 1024 + n exactly;
     a high nibble there is 1024 + 16 n, which one fma by 1/16 takes to 64 + n (FasterTransformer's
-    and LMDeploy's trick: no shift per nibble). Signed int8 is first flipped to n + 128 (XOR 0x80,
+    trick: no shift per nibble). Signed int8 is first flipped to n + 128 (XOR 0x80,
     in the same LOP3)."""
     if kind != KIND_INT4:
         magic = 0x64806480 if symmetric else 0x64006400
@@ -169,7 +169,7 @@ def pair_asm(kind: int, fp8: int, symmetric: bool) -> str:
         regs = [f"r{i}" for i in range(n)]
         per = n // 4  # fp16 pairs per byte position: int8 1, int4 2 (low and high nibble)
         body = (f"{{ .reg .b32 x, y, u, v, {', '.join(regs)}; "
-                + (_INT_CONSTANTS if kind == KIND_INT4 else _INT8_CONSTANTS)
+                + (_INT4_CONSTANTS if kind == KIND_INT4 else _INT8_CONSTANTS)
                 + f"prmt.b32 x, {a}, {b}, 0x5410; prmt.b32 y, {a}, {b}, 0x7632; shr.b32 u, x, 8; shr.b32 v, y, 8; "
                 + "".join(_int_widen(kind, symmetric, src, regs[i * per:(i + 1) * per])
                           for i, src in enumerate(("x", "u", "y", "v"))))
