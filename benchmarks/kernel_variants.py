@@ -117,7 +117,7 @@ VARIANTS = {
     "d-sp2": dict(num_splits=2),
     "d-sp8": dict(num_splits=8),
     "d-sp64": dict(num_splits=64),
-    # int8 widened in PTX (dequant._widen_asm; fp16 dots)
+    # int8 widened in PTX (widen_ptx.widen_asm; fp16 dots)
     "wN-n64-asm": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True),
     "wN-n64-asm-r128": dict(warps=True, heads_n=True, block_n=64, dot_fp16=True, int8_asm=True, maxnreg=128),
     "w-n128-asm": dict(warps=True, heads_n=False, block_n=128, dot_fp16=True, int8_asm=True),

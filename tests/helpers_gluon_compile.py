@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from runtime.kernels import decode_gluon  # noqa: E402
+from runtime.kernels import decode_gluon, tuning  # noqa: E402
 from runtime.kernels.formats import FP8_E4M3, KernelFormat  # noqa: E402
 
 # (storage kind, scale mode, asymmetric): fp8 / int8 / int4 x per-tensor, per-head, per-token (+ asym)
@@ -45,13 +45,13 @@ def build(kind: int, mode: int, asym: bool) -> dict:
                       scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
     consts = dict(NUM_HEADS=32, BLOCK_SIZE=16, GROUP=4, KIND=kind, SCALE_MODE=mode, ASYM=asym,
                   **decode_gluon.widening(kf), SPLIT=True,
-                  SKIP_RESCALE=decode_gluon.skip_rescale(kf))
+                  SKIP_RESCALE=tuning.skip_rescale_for(kf))
     names = fn.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    cap, _ = decode_gluon.registers(kf)
+    cap, _ = tuning.gluon_registers(kf)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -431,13 +431,13 @@ def _stored_values(words: torch.Tensor, kind: int, fp8_dtype, symmetric: bool) -
                                                 (2, 0, True), (2, 0, False)],
                          ids=["e4m3", "e5m2", "int8", "uint8", "int4", "uint4"])
 def test_gluon_widening_exact_for_every_byte(kind, fp8, symmetric):
-    """decode_gluon.pair_asm (V: two tokens' words -> their values interleaved, centred) and word_asm
+    """widen_ptx.pair_asm (V: two tokens' words -> their values interleaved, centred) and word_asm
     (K: one word -> its values; integers as the raw fp16 subnormals n * 2^-24, int4's high nibbles
     16 n * 2^-24, signed int8 flipped to n + 128) are exact for every byte in every position."""
     import triton
     import triton.language as tl
 
-    from runtime.kernels import decode_gluon
+    from runtime.kernels import widen_ptx
     from runtime.kernels.formats import FP8_E4M3
 
     @triton.jit
@@ -461,7 +461,7 @@ def test_gluon_widening_exact_for_every_byte(kind, fp8, symmetric):
         want_k = raw * 2.0 ** -24 * (torch.tensor([1.0, 16.0] * 4) if kind == 2 else 1.0)
     for pair in (False, True):
         n = 2 * per_word if pair else per_word
-        asm = (decode_gluon.pair_asm if pair else decode_gluon.word_asm)(kind, fp8, symmetric)
+        asm = (widen_ptx.pair_asm if pair else widen_ptx.word_asm)(kind, fp8, symmetric)
         y = torch.empty(256, n, dtype=torch.float32, device=DEV)
         widen[(1,)](a.to(DEV), b.to(DEV), y, ASM=asm, PAIR=pair, N=n,
                     CONSTRAINTS="=h," * n + ("r,r" if pair else "r"))
@@ -550,18 +550,18 @@ def test_gluon_programs_per_sm_follow_the_register_cap():
     """The split rule's resident programs for a register cap: an SM's 65536 registers over one-warp
     programs, allocated 8 per thread at a time (worked by hand: 128 -> 16, 120 -> 17, 112 -> 18,
     121 rounds up to 128 -> 16); uncapped counts 12 (154-168 registers)."""
-    from runtime.kernels import decode_gluon
     from runtime.kernels.formats import KernelFormat
+    from runtime.kernels.tuning import gluon_registers
 
     kf = lambda kind, mode, asym=False: KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=0, qmax=0.0,  # noqa: E731
                                                      qmin=0.0, scale_dtype=0, head_dim=128)
-    assert [decode_gluon.registers(kf(2, 2), cap)[1] for cap in (128, 120, 112, 121)] == [16, 17, 18, 16]
-    assert decode_gluon.registers(kf(2, 2), 0) == (None, 12)
+    assert [gluon_registers(kf(2, 2), cap)[1] for cap in (128, 120, 112, 121)] == [16, 17, 18, 16]
+    assert gluon_registers(kf(2, 2), 0) == (None, 12)
     # defaults: static formats 128; symmetric int4 per-token 120; int8 per-token and int4 asym uncapped
-    assert decode_gluon.registers(kf(1, 2)) == (128, 16)
-    assert decode_gluon.registers(kf(2, 3)) == (120, 17)
-    assert decode_gluon.registers(kf(2, 3, asym=True)) == (None, 12)
-    assert decode_gluon.registers(kf(1, 3)) == (None, 12)
+    assert gluon_registers(kf(1, 2)) == (128, 16)
+    assert gluon_registers(kf(2, 3)) == (120, 17)
+    assert gluon_registers(kf(2, 3, asym=True)) == (None, 12)
+    assert gluon_registers(kf(1, 3)) == (None, 12)
 
 
 def test_wave_cost_counts_partial_waves_whole():
@@ -578,11 +578,12 @@ def test_wave_cost_counts_partial_waves_whole():
                                                   (4, torch.float16, True), (4, torch.float16, False),
                                                   (8, torch.float16, True), (8, torch.float16, False)])
 def test_widen_asm_exact_for_every_byte(bits, dtype, symmetric):
-    """dequant._widen_asm turns each of the 256 stored bytes into exactly its integer value(s)."""
+    """widen_ptx.widen_asm turns each of the 256 stored bytes into exactly its integer value(s)."""
     import triton
     import triton.language as tl
 
-    from runtime.kernels.dequant import _unpack, _widen_asm
+    from runtime.kernels.dequant import _unpack
+    from runtime.kernels.widen_ptx import widen_asm
 
     @triton.jit
     def widen(X, Y, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, LO: tl.constexpr,
@@ -591,7 +592,7 @@ def test_widen_asm_exact_for_every_byte(bits, dtype, symmetric):
         y = _unpack(tl.load(X + offs), HALF, KIND, ASYM, LO, HI, DT)
         tl.store(Y + offs, y.to(tl.float32))
 
-    lo, hi = _widen_asm(bits, dtype, symmetric)
+    lo, hi = widen_asm(bits, dtype, symmetric)
     raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     if bits == 8 and symmetric:
         raw = raw.view(torch.int8)

@@ -23,9 +23,10 @@ write_kv.py, decode_attention.py (launcher and the query-heads x tokens kernel),
 decode_warps.py (the one-softmax-state-per-warp kernel), decode_gluon.py (the
 decode kernel the quantized formats run on the GPU, written in Gluon with explicit
 register layouts; the Triton kernels serve the interpreter, bf16 and the shapes it
-does not support), dequant.py (widening helpers both kernels share), group_io.py
+does not support), dequant.py (widening helpers both Triton kernels share), widen_ptx.py
+(the inline PTX that widens stored values, for the Triton and the Gluon kernels), group_io.py
 (their q load, scale folding and output/partial store), tuning.py
-(per-format launch defaults), split_k.py (split count, merge kernel), prefill_context.py
+(per-format launch defaults, the Gluon kernel's register caps), split_k.py (split count, merge kernel), prefill_context.py
 (the chunked-prefill kernel; it reuses the decode kernels' dequantization helpers).
 Kernels run on CUDA tensors; on CPU only under TRITON_INTERPRET=1 (set before
 this package is imported), otherwise they raise UnsupportedError.

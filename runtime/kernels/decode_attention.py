@@ -40,7 +40,7 @@ import triton.language as tl
 from ..kv_cache import LayerCache
 from . import decode_gluon
 from .decode_warps import _decode_kernel_warps
-from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack, _widen_asm
+from .dequant import DOT_IEEE, DOT_NATIVE, DOT_UPCAST, _dot, _operand, _unpack
 from .formats import (
     KIND_INT4,
     KIND_INT8,
@@ -54,7 +54,8 @@ from .formats import (
 )
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
 from .split_k import choose_num_splits, merge_splits, sm_count, split_plan
-from .tuning import ONE_WARP_MAX_SPLITS, tuned_for
+from .tuning import ONE_WARP_MAX_SPLITS, gluon_registers, skip_rescale_for, tuned_for
+from .widen_ptx import widen_asm
 
 _LOG2E = 1.4426950408889634
 
@@ -251,14 +252,14 @@ def decode_attention_launch(
     per thread (more resident programs per SM; GPU only; 0 = no cap). warps: the one-softmax-state-per-warp
     kernel (`decode_warps.py`; block_n tokens per tile, block_n / num_warps per warp, >= 16);
     heads_n: there, query heads on the mma N dimension. int8_asm: widen int8 with the PTX of
-    `dequant._widen_asm` (with fp16 dots only). pages_ahead: there, block-table entries loaded a
+    `widen_ptx.widen_asm` (with fp16 dots only). pages_ahead: there, block-table entries loaded a
     tile ahead (`group_io._tile_pages`; the heads x tokens kernel always does). warp_page: there,
     one block-table read per warp where a warp's tokens share a page. resident_per_sm: programs
     an SM holds at once, for the split rule (with a tile option that changes it). swap, v_transposed and cvt_early
     belong to the other kernel and are ignored by it. gluon: the Gluon kernel (`decode_gluon.py`) where it
     supports the launch (CUDA, head_dim 128, <= 8 heads per KV head, pages of 16k tokens, quantized
     formats); of the other options it takes num_splits, maxnreg and resident_per_sm. gluon_skip_rescale:
-    there, skip the softmax rescale of tiles that raise no max (`decode_gluon.skip_rescale`).
+    there, skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -279,14 +280,14 @@ def decode_attention_launch(
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     tuned = tuned_for(kf, batch * kv_heads, max_tokens)
     if (tuned.gluon if gluon is None else gluon) and decode_gluon.supported(kf, q, bs, group):
-        cap, resident = decode_gluon.registers(kf, maxnreg)
+        cap, resident = gluon_registers(kf, maxnreg)
         if num_splits is None:
             num_splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, sm_count(q.device),
                                            resident_per_sm or resident, decode_gluon.MIN_TOKENS_PER_SPLIT,
                                            decode_gluon.MAX_SPLITS)
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, num_splits,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
-                            gluon_skip_rescale)
+                            skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale)
         return out
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages
@@ -316,9 +317,9 @@ def decode_attention_launch(
     asm = ("", "")
     if dot_mode == DOT_NATIVE and q.device.type == "cuda" and fast_tile:
         if kf.kind == KIND_INT4:
-            asm = _widen_asm(4, torch.float16 if dot_fp16 else q.dtype, not kf.asym)
+            asm = widen_asm(4, torch.float16 if dot_fp16 else q.dtype, not kf.asym)
         elif kf.kind == KIND_INT8 and int8_asm and dot_fp16:
-            asm = _widen_asm(8, torch.float16, not kf.asym)
+            asm = widen_asm(8, torch.float16, not kf.asym)
     if num_splits is None:
         one_warp = {"max_splits": ONE_WARP_MAX_SPLITS} if warps and num_warps == 1 else {}
         num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device),

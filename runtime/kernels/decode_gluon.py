@@ -30,7 +30,8 @@ over 16-token tiles, with every layout written out:
   computed), and its block-table entry one tile earlier still. Integer pages load unmasked:
   past a sequence's end the words are still inside a page and widen to finite values.
 * Online softmax per column (head); the row sums of p accumulate elementwise and are reduced
-  once at the end, and where no column's max grew the rescale is skipped (`skip_rescale`).
+  once at the end, and where no column's max grew the rescale is skipped
+  (`tuning.skip_rescale_for`).
   Static K scales fold into the softmax scale, static V scales multiply the output. Per-token
   K scales multiply the scores (zero points add qsum * z); per-token V scales go on p as
   p * s / c with c the largest V scale seen so far (so the fp16 p stays in [0, 1]); c's growth
@@ -45,12 +46,11 @@ otherwise (and always under the interpreter, which cannot run Gluon).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .formats import FP8_E4M3, FP8_E5M2, KIND_FLOAT, KIND_INT4, SCALE_NONE, SCALE_TOKEN, KernelFormat
+from .formats import SCALE_NONE, KernelFormat
 from .group_io import _program_tokens, _static_folds
+from .widen_ptx import pair_asm, word_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
     from triton.experimental import gluon
@@ -85,122 +85,9 @@ def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) ->
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
-def _half2(x: float) -> str:
-    """A PTX b32 immediate holding x as fp16 in both halves."""
-    h = torch.tensor(x, dtype=torch.float16).view(torch.int16).item() & 0xFFFF
-    return f"{(h << 16) | h:#010x}"
-
-
-# PTX registers c0-c2 holding the widening constants (f16x2 instructions take no immediates)
-_INT4_CONSTANTS = (f".reg .b32 c0, c1, c2; mov.b32 c0, {_half2(-1032.0)}; mov.b32 c1, {_half2(0.0625)}; "
-                  f"mov.b32 c2, {_half2(-72.0)}; ")
-_INT8_CONSTANTS = f".reg .b32 c0; mov.b32 c0, {_half2(-1152.0)}; "
-
-
-def _int_widen(kind: int, symmetric: bool, src: str, dst: list[str]) -> str:
-    """PTX: the values at bits 0-7 / 16-23 of register `src` (int8) or at bits 0-3 / 16-19 and
-    4-7 / 20-23 (int4) -> packed fp16 pairs, centred (n - 128 / n - 8), into `dst` (after
-    `_INT8_CONSTANTS` / `_INT4_CONSTANTS`).
-
-    A byte or low nibble n placed under fp16 1024.0's exponent (0x6400) is 1024 + n exactly;
-    a high nibble there is 1024 + 16 n, which one fma by 1/16 takes to 64 + n (FasterTransformer's
-    trick: no shift per nibble). Signed int8 is first flipped to n + 128 (XOR 0x80,
-    in the same LOP3)."""
-    if kind != KIND_INT4:
-        magic = 0x64806480 if symmetric else 0x64006400
-        return f"lop3.b32 {dst[0]}, {src}, 0x00FF00FF, {magic:#010x}, 0x6A; add.rn.f16x2 {dst[0]}, {dst[0]}, c0; "
-    return (f"lop3.b32 {dst[0]}, {src}, 0x000F000F, 0x64006400, 0xEA; "
-            f"lop3.b32 {dst[1]}, {src}, 0x00F000F0, 0x64006400, 0xEA; "
-            f"add.rn.f16x2 {dst[0]}, {dst[0]}, c0; fma.rn.f16x2 {dst[1]}, {dst[1]}, c1, c2; ")
-
-
-@functools.cache
-def word_asm(kind: int, fp8: int, symmetric: bool) -> str:
-    """PTX for K: one 32-bit word of stored values -> its 4 (8-bit) or 8 (int4) values as fp16, in
-    storage order (int4: even element in the low nibble).
-
-    fp8: `cvt.rn.f16x2.e4m3x2` / `e5m2x2` (exact). int8 / int4: the masked bits *are* the fp16
-    value, a subnormal: a byte (or low nibble) n at bits 0-7 of a half is n * 2^-24 exactly, a high
-    nibble 16 n * 2^-24. One LOP3 per register pair and nothing else: no bias to remove, so the
-    scores' accumulator sums terms of the stored values' own size (the tensor cores take fp16
-    subnormals; `test_decode_gluon_kernel` checks it). The kernel divides q's odd columns by 16 for
-    int4 (so high nibbles count n), multiplies the scores by 2^24 through the softmax scale, and
-    takes the centre (signed int8 is flipped to n + 128, symmetric int4 stores n + 8) off as
-    `K_CENTER * sum(q)`. Registers hold values (i, i + 2) (int8) or (i, i + 4) (int4); the K
-    operand's column order (`_k_columns`) is chosen so that these are its register pairs.
-    """
-    if kind == 0:
-        name = {FP8_E4M3: "e4m3", FP8_E5M2: "e5m2"}[fp8]
-        return ("{ .reg .b16 l, h; .reg .b32 a, b; mov.b32 {l, h}, $4; "
-                f"cvt.rn.f16x2.{name}x2 a, l; cvt.rn.f16x2.{name}x2 b, h; "
-                "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-    if kind != KIND_INT4:
-        flip = 0x00800080 if symmetric else 0  # (w & mask) ^ flip
-        return ("{ .reg .b32 s, a, b; shr.b32 s, $4, 8; "
-                f"lop3.b32 a, $4, 0x00FF00FF, {flip:#010x}, 0x6A; lop3.b32 b, s, 0x00FF00FF, {flip:#010x}, 0x6A; "
-                "mov.b32 {$0, $2}, a; mov.b32 {$1, $3}, b; }")
-    return ("{ .reg .b32 s, a, b, c, d; shr.b32 s, $8, 8; "
-            "and.b32 a, $8, 0x000F000F; and.b32 b, $8, 0x00F000F0; and.b32 c, s, 0x000F000F; and.b32 d, s, 0x00F000F0; "
-            "mov.b32 {$0, $4}, a; mov.b32 {$1, $5}, b; mov.b32 {$2, $6}, c; mov.b32 {$3, $7}, d; }")
-
-
-@functools.cache
-def pair_asm(kind: int, fp8: int, symmetric: bool) -> str:
-    """PTX for V: the same word of two consecutive tokens -> output 2i is the first token's value i,
-    output 2i + 1 the second's, each pair already in one register. Integers come out centred
-    (`_int_widen`): p . V sums over thousands of tokens, where uncentred values and a separate
-    centre term cancel and the tensor cores' fp32 accumulation (not exact) leaves the difference
-    (asymmetric int8 per-token: 4.0e-3 against 1.7e-3 at 2731 tokens per split).
-
-    p . V reduces over tokens, so V's A operand pairs two tokens of one head_dim column per
-    register. One byte permute per word interleaves the tokens before widening; widening the
-    tokens separately and repacking afterwards cost a permute per register instead (8-bit: two
-    per word, int4: four)."""
-    n = 8 if kind == KIND_INT4 else 4  # values per word; inputs are $2n (first token), $2n+1
-    a, b = f"${2 * n}", f"${2 * n + 1}"
-    if kind == 0:  # x = (a0, b0, a1, b1), y = (a2, b2, a3, b3): each 16-bit half is a token pair
-        name = {FP8_E4M3: "e4m3", FP8_E5M2: "e5m2"}[fp8]
-        body = (f"{{ .reg .b16 l0, h0, l1, h1; .reg .b32 x, y, r0, r1, r2, r3; "
-                f"prmt.b32 x, {a}, {b}, 0x5140; prmt.b32 y, {a}, {b}, 0x7362; "
-                "mov.b32 {l0, h0}, x; mov.b32 {l1, h1}, y; "
-                f"cvt.rn.f16x2.{name}x2 r0, l0; cvt.rn.f16x2.{name}x2 r1, h0; "
-                f"cvt.rn.f16x2.{name}x2 r2, l1; cvt.rn.f16x2.{name}x2 r3, h1; ")
-    else:  # x = (a0, a1, b0, b1), y = (a2, a3, b2, b3) bytes; >> 8 brings the odd bytes down
-        regs = [f"r{i}" for i in range(n)]
-        per = n // 4  # fp16 pairs per byte position: int8 1, int4 2 (low and high nibble)
-        body = (f"{{ .reg .b32 x, y, u, v, {', '.join(regs)}; "
-                + (_INT4_CONSTANTS if kind == KIND_INT4 else _INT8_CONSTANTS)
-                + f"prmt.b32 x, {a}, {b}, 0x5410; prmt.b32 y, {a}, {b}, 0x7632; shr.b32 u, x, 8; shr.b32 v, y, 8; "
-                + "".join(_int_widen(kind, symmetric, src, regs[i * per:(i + 1) * per])
-                          for i, src in enumerate(("x", "u", "y", "v"))))
-    return body + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i}; " for i in range(n)) + "}"
-
-
 def widening(kf: KernelFormat) -> dict[str, str]:
     """The kernel's PTX constants for this format: K's word widening and V's token-pair widening."""
     return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=pair_asm(kf.kind, kf.fp8, not kf.asym))
-
-
-def skip_rescale(kf: KernelFormat) -> bool:
-    """Whether the kernel skips the softmax rescale of tiles that raise no column's max: int4, and
-    the int8 per-token formats (uncapped). fp8 and the 8-bit static formats spill at their
-    128-register cap with the branch, and read at 96-99% of bandwidth without it."""
-    return kf.kind == KIND_INT4 or (kf.kind != KIND_FLOAT and kf.scale_mode == SCALE_TOKEN)
-
-
-def registers(kf: KernelFormat, maxnreg: int | None = None) -> tuple[int | None, int]:
-    """(register cap, programs per SM). 128 registers hold 16 one-warp programs per SM; the
-    per-token int8 and asymmetric int4 kernels would spill there and run faster uncapped (154-168
-    registers, 12 per SM). maxnreg: an explicit cap instead (0: none)."""
-    if maxnreg is None:  # symmetric int4 per-token fits 120 (17 per SM): 0.170 vs 0.191 ms uncapped
-        if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT:
-            maxnreg = 128
-        else:
-            maxnreg = 120 if kf.kind == KIND_INT4 and not kf.asym else 0
-    if not maxnreg:
-        return None, 12
-    # an SM's 64k registers, allocated per warp in multiples of 8 per thread
-    return maxnreg, min(32, 65536 // (32 * -(-maxnreg // 8) * 8))
 
 
 if gluon is not None:
@@ -473,9 +360,9 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
            qk_scale: float, out: torch.Tensor, num_splits: int, scale_args: tuple, meta_strides: tuple[int, int],
-           maxnreg: int | None, skip: bool | None = None):
+           maxnreg: int | None, skip_rescale: bool):
     """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
-    skip: `skip_rescale`'s choice instead of the format's."""
+    skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`)."""
     from .split_k import merge_splits, split_plan
 
     batch, num_heads, _ = q.shape
@@ -490,7 +377,7 @@ def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor,
         kw.stride(0), kw.stride(1), kw.stride(2), *meta_strides,
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
         SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **widening(kf), SPLIT=split,
-        SKIP_RESCALE=skip_rescale(kf) if skip is None else skip,
+        SKIP_RESCALE=skip_rescale,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split:

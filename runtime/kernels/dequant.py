@@ -7,9 +7,6 @@ stored formats the same way; these are the pieces they have in common.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
@@ -57,7 +54,7 @@ def _unpack(raw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr,
             ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, dt: tl.constexpr):
     """Stored tile -> integer/fp values (exact). For int4, HALF 0 = low nibbles, 1 = high.
 
-    ASM_LO/ASM_HI (GPU only, else ""): the PTX of `_widen_asm`, which turns 4 stored bytes
+    ASM_LO/ASM_HI (GPU only, else ""): the PTX of `widen_ptx.widen_asm`, which turns 4 stored bytes
     into 4 fp16/bf16 values with an AND or XOR, two byte permutes and two packed FMAs -- the
     generic nibble code costs ~5 instructions per value (KERNEL_NOTES.md), and Triton widens
     int8 one value per conversion instruction.
@@ -82,37 +79,3 @@ def _unpack(raw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr,
     else:
         out = raw
     return out
-
-
-@functools.cache  # once per (bits, dtype, symmetric), not per launch
-def _widen_asm(bits: int, dtype: torch.dtype, symmetric: bool) -> tuple[str, str]:
-    """PTX turning 4 stored bytes into 4 values of `dtype`: (low nibbles, high nibbles) for int4,
-    (the 4 bytes, unused) for int8 (fp16 only: bf16's 8-bit significand cannot hold 256 + n).
-
-    A value n in [0, 256) placed under the exponent byte of 2**7 (bf16 0x43..) or 2**10
-    (fp16 0x64..) is exactly 128 + n or 1024 + n (int4 nibbles need no more than bf16's
-    7 stored bits); one packed FMA removes that offset and the stored zero (8 for symmetric
-    int4; symmetric int8 is flipped to n + 128 by an XOR of the sign bits first). Two values
-    per 32-bit register, element 2i in the low half.
-    """
-    if bits == 8 and dtype != torch.float16:
-        raise ValueError("int8 widening in PTX needs fp16 (bf16 cannot represent 1024 + n exactly)")
-    if dtype == torch.bfloat16:
-        magic, one, base, fma = 0x43434343, 0x3F803F80, 128.0, "fma.rn.bf16x2"
-    else:
-        magic, one, base, fma = 0x64646464, 0x3C003C00, 1024.0, "fma.rn.f16x2"
-    zero = (8 if bits == 4 else 128) if symmetric else 0
-    bias = torch.tensor(-(base + zero), dtype=dtype).view(torch.int16).item()
-    bias2 = ((bias & 0xFFFF) << 16) | (bias & 0xFFFF)
-    if bits == 4:
-        preps = ("and.b32 t, t, 0x0F0F0F0F; ", "shr.b32 t, t, 4; and.b32 t, t, 0x0F0F0F0F; ")
-    else:
-        preps = ("xor.b32 t, t, 0x80808080; " if symmetric else "",)
-    progs = [
-        "{ .reg .b32 t, m, o, b; mov.b32 t, $2; " + prep
-        + f"mov.b32 m, {magic:#010x}; mov.b32 o, {one:#010x}; mov.b32 b, {bias2:#010x}; "
-        "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; "
-        f"{fma} $0, $0, o, b; {fma} $1, $1, o, b; }}"
-        for prep in preps
-    ]
-    return progs[0], progs[1] if bits == 4 else ""

@@ -14,7 +14,7 @@ import torch
 
 from ..kv_cache import LayerCache
 from . import decode_gluon
-from .formats import KIND_INT4, KIND_INT8, SCALE_TOKEN, KernelFormat, kernel_format
+from .formats import KIND_FLOAT, KIND_INT4, KIND_INT8, SCALE_TOKEN, KernelFormat, kernel_format
 from .split_k import MIN_TOKENS_PER_SPLIT
 
 
@@ -29,7 +29,7 @@ class Tuned(NamedTuple):
     resident_per_sm: int  # programs an SM holds at once (regs, shared memory): the split-K waves
     warps: bool = False  # one softmax state per warp (decode_warps.py)
     heads_n: bool = False  # there: query heads on the mma N dimension
-    int8_asm: bool = False  # int8 -> fp16 through dequant._widen_asm (fp16 dots only)
+    int8_asm: bool = False  # int8 -> fp16 through widen_ptx.widen_asm (fp16 dots only)
     pages_ahead: bool = True  # per-warp kernel: block-table entries a tile ahead (group_io._tile_pages)
     warp_page: bool = True  # per-warp kernel: one block-table read per warp where its tokens share a page
     gluon: bool = False  # the Gluon kernel (decode_gluon.py) where it supports the launch
@@ -91,6 +91,28 @@ def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None
             if one_warp:
                 tuned = tuned._replace(block_n=64, resident_per_sm=3)
     return tuned
+
+
+def skip_rescale_for(kf: KernelFormat) -> bool:
+    """Whether the Gluon kernel (decode_gluon.py) skips the softmax rescale of tiles that raise no column's max: int4, and
+    the int8 per-token formats (uncapped). fp8 and the 8-bit static formats spill at their
+    128-register cap with the branch, and read at 96-99% of bandwidth without it."""
+    return kf.kind == KIND_INT4 or (kf.kind != KIND_FLOAT and kf.scale_mode == SCALE_TOKEN)
+
+
+def gluon_registers(kf: KernelFormat, maxnreg: int | None = None) -> tuple[int | None, int]:
+    """The Gluon kernel's (register cap, programs per SM). 128 registers hold 16 one-warp programs per SM; the
+    per-token int8 and asymmetric int4 kernels would spill there and run faster uncapped (154-168
+    registers, 12 per SM). maxnreg: an explicit cap instead (0: none)."""
+    if maxnreg is None:  # symmetric int4 per-token fits 120 (17 per SM): 0.170 vs 0.191 ms uncapped
+        if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT:
+            maxnreg = 128
+        else:
+            maxnreg = 120 if kf.kind == KIND_INT4 and not kf.asym else 0
+    if not maxnreg:
+        return None, 12
+    # an SM's 64k registers, allocated per warp in multiples of 8 per thread
+    return maxnreg, min(32, 65536 // (32 * -(-maxnreg // 8) * 8))
 
 
 def probability_dtype(cache: LayerCache, q_dtype: torch.dtype) -> torch.dtype:
