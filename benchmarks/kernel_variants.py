@@ -152,6 +152,10 @@ VARIANTS = {
     # the softmax rescale skipped where no max grew (or always done)
     "g-skip": dict(gluon=True, gluon_skip_rescale=True),
     "g-noskip": dict(gluon=True, gluon_skip_rescale=False),
+    **{f"g-st2-sp{n}": dict(gluon=True, gluon_stages=2, num_splits=n) for n in (17, 18, 32, 36)},
+    "g-st0": dict(gluon=True, gluon_stages=0),
+    **{f"g-st{n}{'-r%d' % r if r else ''}": dict(gluon=True, gluon_stages=n, **({"maxnreg": r} if r else {}))
+       for n in (2, 3, 4, 6, 8) for r in (0, 96, 104, 112)},
     "g-skip-r0": dict(gluon=True, gluon_skip_rescale=True, maxnreg=0),
     # register caps between: 112 -> 18 programs per SM, 120 -> 17, 144 -> 14
     **{f"g-r{r}{'-sp%d' % n if n else ''}": dict(gluon=True, maxnreg=r, **({"num_splits": n} if n else {}))

@@ -45,7 +45,8 @@ def build(kind: int, mode: int, asym: bool) -> dict:
                       scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
     consts = dict(NUM_HEADS=32, BLOCK_SIZE=16, GROUP=4, KIND=kind, SCALE_MODE=mode, ASYM=asym,
                   **decode_gluon.widening(kf), SPLIT=True,
-                  SKIP_RESCALE=tuning.skip_rescale_for(kf))
+                  SKIP_RESCALE=tuning.skip_rescale_for(kf),
+                  STAGES=tuning.gluon_stages_for(kf, 2048), OFF32=tuning.gluon_offsets32(kf, 0))
     names = fn.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]

@@ -414,6 +414,27 @@ def test_decode_gluon_kernel(fmt, shape, split):
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
 
+RING_FORMATS = [f for f in QUANTIZED if f.dtype == "int4" and f.granularity != "per_token"]
+
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("shape", list(GLUON_SHAPES))
+@pytest.mark.parametrize("fmt", RING_FORMATS, ids=lambda f: f.name)
+def test_decode_gluon_ring(fmt, shape, stages):
+    """The int4 shared-memory ring (cp.async a stage ahead, `tuning.gluon_stages_for`) meets the same
+    oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
+    with split-K (tiles past a split's end, pages out of order, lengths not a multiple of 16)."""
+    batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES[shape]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ring{shape}{fmt.name}".encode()))
+    cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=4, gluon=True, gluon_stages=stages)
+    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, torch.bfloat16)
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
+    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+
+
 def _stored_values(words: torch.Tensor, kind: int, fp8_dtype, symmetric: bool) -> torch.Tensor:
     """int32 words [n] -> their values [n, 4 or 8] in storage order, as the Gluon kernel widens them
     (int8 / int4 centred: signed n, unsigned n - 128, nibble - 8)."""
@@ -492,12 +513,14 @@ def gluon_sm90_builds():
 def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
     """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
     register renames (`assert_trivial` in `_k_operand` / `_v_operand`; a wrong permutation fails the
-    build), K and V never touch shared memory, no variant spills inside its tile loop, and with
+    build), K and V touch shared memory only in the int4 static-scale ring (`tuning.gluon_stages_for`:
+    2 stages of 1 KB of K and 1 KB of V), no variant spills inside its tile loop, and with
     128 registers the static formats do not spill at all (16 programs per SM is what the split
     rule assumes)."""
     build = gluon_sm90_builds[variant]
     assert "error" not in build, build.get("error")
-    assert build["shared"] == 0, "K and V should go straight to registers"
+    ring = 2 * 2 * 16 * 64 if variant[0] == 2 and variant[1] != 3 else 0
+    assert build["shared"] == ring, "K and V go to registers, int4 static tiles through a 2-stage ring"
     assert build["regs"] <= (build["cap"] or 255)
     assert build["loop_local"] == 0, f"spills in the tile loop: {build}"
     if variant[1] != 3:

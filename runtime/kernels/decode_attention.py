@@ -53,8 +53,15 @@ from .formats import (
     scale_tensors,
 )
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
-from .split_k import choose_num_splits, merge_splits, sm_count, split_plan
-from .tuning import ONE_WARP_MAX_SPLITS, gluon_registers, skip_rescale_for, tuned_for
+from .split_k import choose_num_splits, merge_splits, sm_count, split_plan, split_tokens
+from .tuning import (
+    ONE_WARP_MAX_SPLITS,
+    gluon_offsets32,
+    gluon_registers,
+    gluon_stages_for,
+    skip_rescale_for,
+    tuned_for,
+)
 from .widen_ptx import widen_asm
 
 _LOG2E = 1.4426950408889634
@@ -241,6 +248,7 @@ def decode_attention_launch(
     warps: bool | None = None, heads_n: bool | None = None, int8_asm: bool | None = None,
     pages_ahead: bool | None = None, warp_page: bool | None = None, resident_per_sm: int | None = None,
     gluon: bool | None = None, gluon_skip_rescale: bool | None = None,
+    gluon_stages: int | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -260,6 +268,8 @@ def decode_attention_launch(
     supports the launch (CUDA, head_dim 128, <= 8 heads per KV head, pages of 16k tokens, quantized
     formats); of the other options it takes num_splits, maxnreg and resident_per_sm. gluon_skip_rescale:
     there, skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
+    gluon_stages: there, int4 static-scale tiles through a shared-memory ring of this many stages (0: loaded
+    into registers; `tuning.gluon_stages_for`).
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -287,7 +297,10 @@ def decode_attention_launch(
                                            decode_gluon.MAX_SPLITS)
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, num_splits,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
-                            skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale)
+                            skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale,
+                            gluon_stages_for(kf, split_tokens(max_tokens, num_splits, decode_gluon.TILE))
+                            if gluon_stages is None else gluon_stages,
+                            gluon_offsets32(kf, cache.k.numel() // 4))
         return out
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages

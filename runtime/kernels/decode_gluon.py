@@ -27,8 +27,13 @@ over 16-token tiles, with every layout written out:
   int8/int4 go under fp16's 1024 exponent and one packed add (a high nibble: one fma)
   recentres them (FasterTransformer's trick), exact.
 * The next tile's words are loaded before this tile is used (one tile in flight while one is
-  computed), and its block-table entry one tile earlier still. Integer pages load unmasked:
-  past a sequence's end the words are still inside a page and widen to finite values.
+  computed). Integer pages load unmasked: past a sequence's end the words are still inside a
+  page and widen to finite values. ptxas copies the loop-carried words into place at the end of
+  each step, and that copy waits for the load (Nsight Compute: a third of int4's stall samples on
+  one move), so int4 with static scales and long splits takes a ring in shared memory instead
+  (`STAGES`, `tuning.gluon_stages_for`): cp.async fills the next stage while this one computes,
+  and the page index is loaded one step earlier. Page offsets are int32 where the cache allows
+  (`OFF32`), and a 16-token page needs no slot arithmetic.
 * Online softmax per column (head); the row sums of p accumulate elementwise and are reduced
   once at the end, and where no column's max grew the rescale is skipped
   (`tuning.skip_rescale_for`).
@@ -55,7 +60,7 @@ from .widen_ptx import pair_asm, word_asm
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -106,6 +111,13 @@ if gluon is not None:
     V_W4 = gl.constexpr(gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
         warp_bases=[], block_bases=[], shape=[16, 16]))
+
+    # Shared-memory rings of int4 tiles [stages, 16 tokens, 16 words] (`_copy_tile`). K rows are
+    # plain (a lane reads 4 words of rows g, g + 8: conflict-free). V is read as V_W4 (2 words of
+    # rows 2t, 2t + 1, 2t + 8, 2t + 9): row-major, rows 0, 2, 4, 6 would share banks, so the
+    # offset's bits 3-4 take row bits 1-2 and the word's bit 3 moves up (16-byte chunks stay whole).
+    RING_K = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    RING_V = gl.constexpr(gl.SharedLinearLayout([[0, 1], [0, 2], [0, 4], [2, 0], [4, 0], [0, 8], [1, 0], [8, 0]]))
 
     @gluon.jit
     def _widen(w, KIND: gl.constexpr, ASM: gl.constexpr):
@@ -187,10 +199,10 @@ if gluon is not None:
     @gluon.jit
     def _tile_words(n0, K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb,
                     stride_mh, koffs, voffs, tk, tv, ts, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
-                    ASYM: gl.constexpr, KIND: gl.constexpr):
+                    ASYM: gl.constexpr, KIND: gl.constexpr, OFF32: gl.constexpr):
         """A tile's K/V words and per-token scales / zero points (scales 0 past `end`)."""
-        page = gl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(gl.int64)
-        slot = n0 % BLOCK_SIZE
+        page = _page(bt_row, n0, end, BLOCK_SIZE, OFF32)
+        slot = _slot(n0, BLOCK_SIZE)
         base = page * stride_cb + kvh * stride_ch + slot * stride_ct
         if KIND == 0:
             kw = gl.load(K + base + koffs, mask=((n0 + tk) < end)[:, None], other=0)
@@ -216,6 +228,54 @@ if gluon is not None:
         return kw, vw, ks, vs, kz, vz
 
     @gluon.jit
+    def _page(bt_row, n0, end, BLOCK_SIZE: gl.constexpr, OFF32: gl.constexpr):
+        """The page of the tile at n0 (page 0 past `end`: a readable address whose scores are masked), as
+        the int type of the kernel's offsets (OFF32: int32, the cache holds < 2^31 words). n0 >= 0:
+        divided unsigned, by a shift (signed division costs four more uniform instructions a tile)."""
+        page = gl.load(bt_row + (n0.to(gl.uint32) // BLOCK_SIZE).to(gl.int32), mask=n0 < end, other=0)
+        return page if OFF32 else page.to(gl.int64)
+
+    @gluon.jit
+    def _slot(n0, BLOCK_SIZE: gl.constexpr):
+        """The tile's first token slot in its page: 0 for 16-token pages (splits start at multiples of 16)."""
+        if BLOCK_SIZE == 16:  # TILE
+            return 0
+        else:
+            return (n0.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+
+    @gluon.jit
+    def _copy_tile(n0, page, K, V, k_ring, v_ring, stage, kvh, stride_cb, stride_ch, stride_ct, coffs,
+                   BLOCK_SIZE: gl.constexpr):
+        """Start the asynchronous copy of a tile's K and V words into ring stage `stage` (one group)."""
+        base = page * stride_cb + kvh * stride_ch + _slot(n0, BLOCK_SIZE) * stride_ct
+        async_copy.async_copy_global_to_shared(k_ring.index(stage), K + base + coffs)
+        async_copy.async_copy_global_to_shared(v_ring.index(stage), V + base + coffs)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,
+                 SKIP_RESCALE: gl.constexpr):
+        """The new column max, p, and the state rescaled to it."""
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        p = gl.exp2(s - m_new[None, :])
+        # SKIP_RESCALE: rescale the state only when a column's max (or the V scale bound) grew:
+        # otherwise alpha is exactly 1. Past the first tiles of a long context it rarely grows, and
+        # the rescale is 36 of a tile's ~300 instructions. The condition is warp-uniform (one-warp
+        # programs).
+        grown = gl.max(m_new - m_i, 0) > 0
+        if SCALE_MODE == 3:
+            grown = grown | (c_new > c_v)
+        if grown or not SKIP_RESCALE:
+            alpha = gl.exp2(m_i - m_new)
+            l_t = l_t * alpha[None, :]
+            if ASYM:
+                z_t = z_t * alpha[None, :]
+            if SCALE_MODE == 3:
+                alpha = alpha * (c_v / c_new)
+            acc = acc * alpha[None, :]
+        return m_new, p, l_t, z_t, acc
+
+    @gluon.jit
     def _attend(n0, kw, vw, ks, vs, kz, vz, m_i, l_t, z_t, acc, c_v, end, qt, qsum, k_fold, k_off, ts,
                 KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr,
                 VASM: gl.constexpr, CENTER: gl.constexpr, K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr):
@@ -233,26 +293,10 @@ if gluon is not None:
         else:
             s = s * k_fold
         s = gl.where(((n0 + ts) < end)[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        p = gl.exp2(s - m_new[None, :])
         c_new = c_v
         if SCALE_MODE == 3:
             c_new = gl.maximum(c_v, gl.max(vs, 0))
-        # SKIP_RESCALE: rescale the state only when a column's max (or the V scale bound) grew:
-        # otherwise alpha is exactly 1. Past the first tiles of a long context it rarely grows, and
-        # the rescale is 36 of a tile's ~300 instructions. The condition is warp-uniform (one-warp
-        # programs).
-        grown = gl.max(m_new - m_i, 0) > 0
-        if SCALE_MODE == 3:
-            grown = grown | (c_new > c_v)
-        if grown or not SKIP_RESCALE:
-            alpha = gl.exp2(m_i - m_new)
-            l_t = l_t * alpha[None, :]
-            if ASYM:
-                z_t = z_t * alpha[None, :]
-            if SCALE_MODE == 3:
-                alpha = alpha * (c_v / c_new)
-            acc = acc * alpha[None, :]
+        m_new, p, l_t, z_t, acc = _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, ASYM, SKIP_RESCALE)
         l_t += p
         if SCALE_MODE == 3:
             if ASYM:
@@ -272,7 +316,8 @@ if gluon is not None:
         stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
         NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
         KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, SPLIT: gl.constexpr,
-        SKIP_RESCALE: gl.constexpr,
+        SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
+        OFF32: gl.constexpr = False,
     ):
         """K, V: the pages as int32 words, strides in words."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
@@ -326,13 +371,40 @@ if gluon is not None:
                  koffs, voffs, tk, tv, ts)
         state = (m_i, l_t, z_t, acc, c_v)
         consts = (end, qt, qsum, k_fold, K_CENTER * qsum * k_fold, ts)
-        # the next tile's words load while this one computes
-        nxt = _tile_words(start, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND)
-        for n0 in range(start, end, 16):
-            cur = nxt
-            nxt = _tile_words(n0 + 16, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND)
-            state = _attend(n0, *cur, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM, CENTER, K_CENTER,
-                            SKIP_RESCALE)
+        if STAGES > 0:
+            # int4: a ring of STAGES tiles in shared memory, filled by cp.async STAGES - 1 tiles ahead
+            # (bytes in flight that hold no registers); each tile's page is loaded one step earlier.
+            k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_K)
+            v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_V)
+            for i in gl.static_range(STAGES - 1):
+                _copy_tile(start + 16 * i, _page(bt_row, start + 16 * i, end, BLOCK_SIZE, OFF32), K, V, k_ring,
+                           v_ring, i, kvh, stride_cb, stride_ch, stride_ct, koffs, BLOCK_SIZE)
+            ahead = start + 16 * (STAGES - 1)
+            page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
+            stage = 0
+            for n0 in range(start, end, 16):
+                # tile n0 has landed (for every lane: the barrier), and the stage written next
+                # (read by the previous step) is free
+                async_copy.wait_group(STAGES - 2)
+                gl.thread_barrier()
+                _copy_tile(ahead, page, K, V, k_ring, v_ring, (stage + STAGES - 1) % STAGES, kvh, stride_cb,
+                           stride_ch, stride_ct, koffs, BLOCK_SIZE)
+                ahead += 16
+                page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)  # after its last use: no register move
+                kw = k_ring.index(stage).load(KL)
+                vw = v_ring.index(stage).load(VL)
+                stage = (stage + 1) % STAGES
+                state = _attend(n0, kw, vw, 0.0, 0.0, 0.0, 0.0, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
+                                CENTER, K_CENTER, SKIP_RESCALE)
+            async_copy.wait_group(0)
+        else:
+            # the next tile's words load while this one computes
+            nxt = _tile_words(start, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND, OFF32)
+            for n0 in range(start, end, 16):
+                cur = nxt
+                nxt = _tile_words(n0 + 16, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND, OFF32)
+                state = _attend(n0, *cur, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM, CENTER, K_CENTER,
+                                SKIP_RESCALE)
         m_i, l_t, z_t, acc, c_v = state
 
         l_i = gl.sum(l_t, 0)
@@ -360,9 +432,11 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
            qk_scale: float, out: torch.Tensor, num_splits: int, scale_args: tuple, meta_strides: tuple[int, int],
-           maxnreg: int | None, skip_rescale: bool):
+           maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False):
     """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
-    skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`)."""
+    skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
+    stages: int4 static-scale tiles through a shared-memory ring of this many stages (0: registers;
+    `tuning.gluon_stages_for`). offsets32: int32 page offsets (`tuning.gluon_offsets32`)."""
     from .split_k import merge_splits, split_plan
 
     batch, num_heads, _ = q.shape
@@ -377,7 +451,8 @@ def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor,
         kw.stride(0), kw.stride(1), kw.stride(2), *meta_strides,
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
         SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **widening(kf), SPLIT=split,
-        SKIP_RESCALE=skip_rescale,
+        SKIP_RESCALE=skip_rescale, STAGES=stages,
+        OFF32=offsets32,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split:

@@ -93,6 +93,26 @@ def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None
     return tuned
 
 
+GLUON_STAGES = 2
+
+
+def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
+    """Stages of the Gluon kernel's shared-memory ring (0: tiles loaded into registers a step ahead).
+    int4 with static scales and splits of >= 1024 tokens: 2 (16 x 32768: 0.149 ms against 0.156 from
+    registers, 3 stages 0.155; KERNEL_NOTES.md, ninth session). Short splits (Llama-3-70B at TP 8:
+    256 tokens) ran slower with it. The per-token formats load their scales with the words and are
+    not written for the ring."""
+    ring = kf.kind == KIND_INT4 and kf.scale_mode != SCALE_TOKEN and tokens_per_split >= 1024
+    return GLUON_STAGES if ring else 0
+
+
+def gluon_offsets32(kf: KernelFormat, cache_words: int) -> bool:
+    """Whether the Gluon kernel computes page offsets in int32 (the cache holds < 2^31 words): ~17 fewer
+    instructions a tile, but fp8 per-token spills at its 128-register cap with them (0.320 ms against
+    0.267 at 16 x 32768)."""
+    return cache_words < 2**31 and not (kf.kind == KIND_FLOAT and kf.scale_mode == SCALE_TOKEN)
+
+
 def skip_rescale_for(kf: KernelFormat) -> bool:
     """Whether the Gluon kernel (decode_gluon.py) skips the softmax rescale of tiles that raise no column's max: int4, and
     the int8 per-token formats (uncapped). fp8 and the 8-bit static formats spill at their
