@@ -131,7 +131,9 @@ def gluon_registers(kf: KernelFormat, maxnreg: int | None = None) -> tuple[int |
             maxnreg = 120 if kf.kind == KIND_INT4 and not kf.asym else 0
     if not maxnreg:
         return None, 12
-    # an SM's 64k registers, allocated per warp in multiples of 8 per thread
+    # an SM's 64k registers, allocated per warp in multiples of 8 per thread. (Measured since: the file is
+    # split over 4 sub-partitions, so caps 104-128 all hold 16, not 16-19; the split choices this
+    # count makes are the measured ones, and correcting it waits for a grid run: KERNEL_NOTES.md, ninth session.)
     return maxnreg, min(32, 65536 // (32 * -(-maxnreg // 8) * 8))
 
 
