@@ -53,7 +53,7 @@ from .formats import (
     scale_tensors,
 )
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
-from .split_k import choose_num_splits, merge_splits, sm_count, split_plan, split_tokens
+from .split_k import choose_num_splits, merge_splits, sm_count, split_plan
 from .tuning import (
     ONE_WARP_MAX_SPLITS,
     gluon_offsets32,
@@ -295,11 +295,11 @@ def decode_attention_launch(
             num_splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, sm_count(q.device),
                                            resident_per_sm or resident, decode_gluon.MIN_TOKENS_PER_SPLIT,
                                            decode_gluon.MAX_SPLITS)
-        decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, num_splits,
+        plan = split_plan(out, max_tokens, num_splits, decode_gluon.TILE)
+        decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, plan,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
                             skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale,
-                            gluon_stages_for(kf, split_tokens(max_tokens, num_splits, decode_gluon.TILE))
-                            if gluon_stages is None else gluon_stages,
+                            gluon_stages_for(kf, plan[0]) if gluon_stages is None else gluon_stages,
                             gluon_offsets32(kf, cache.k.numel() // 4))
         return out
     block_n = tuned.block_n if block_n is None else block_n

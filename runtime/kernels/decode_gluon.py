@@ -202,8 +202,7 @@ if gluon is not None:
                     ASYM: gl.constexpr, KIND: gl.constexpr, OFF32: gl.constexpr):
         """A tile's K/V words and per-token scales / zero points (scales 0 past `end`)."""
         page = _page(bt_row, n0, end, BLOCK_SIZE, OFF32)
-        slot = _slot(n0, BLOCK_SIZE)
-        base = page * stride_cb + kvh * stride_ch + slot * stride_ct
+        base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
         if KIND == 0:
             kw = gl.load(K + base + koffs, mask=((n0 + tk) < end)[:, None], other=0)
             vw = gl.load(V + base + voffs, mask=((n0 + tv) < end)[:, None], other=0)
@@ -236,18 +235,20 @@ if gluon is not None:
         return page if OFF32 else page.to(gl.int64)
 
     @gluon.jit
-    def _slot(n0, BLOCK_SIZE: gl.constexpr):
-        """The tile's first token slot in its page: 0 for 16-token pages (splits start at multiples of 16)."""
+    def _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE: gl.constexpr):
+        """The offset (words) of the tile's first row, and that row's slot in its page: 0 for 16-token
+        pages (splits start at multiples of 16)."""
         if BLOCK_SIZE == 16:  # TILE
-            return 0
+            slot = 0
         else:
-            return (n0.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+            slot = (n0.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+        return page * stride_cb + kvh * stride_ch + slot * stride_ct, slot
 
     @gluon.jit
     def _copy_tile(n0, page, K, V, k_ring, v_ring, stage, kvh, stride_cb, stride_ch, stride_ct, coffs,
                    BLOCK_SIZE: gl.constexpr):
         """Start the asynchronous copy of a tile's K and V words into ring stage `stage` (one group)."""
-        base = page * stride_cb + kvh * stride_ch + _slot(n0, BLOCK_SIZE) * stride_ct
+        base, _ = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
         async_copy.async_copy_global_to_shared(k_ring.index(stage), K + base + coffs)
         async_copy.async_copy_global_to_shared(v_ring.index(stage), V + base + coffs)
         async_copy.commit_group()
@@ -431,17 +432,17 @@ if gluon is not None:
 
 
 def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-           qk_scale: float, out: torch.Tensor, num_splits: int, scale_args: tuple, meta_strides: tuple[int, int],
+           qk_scale: float, out: torch.Tensor, plan: tuple, scale_args: tuple, meta_strides: tuple[int, int],
            maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False):
     """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
-    skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
+    plan: `split_k.split_plan`'s (tokens per split, splits, partial buffers) for tiles of TILE tokens. skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
     stages: int4 static-scale tiles through a shared-memory ring of this many stages (0: registers;
     `tuning.gluon_stages_for`). offsets32: int32 page offsets (`tuning.gluon_offsets32`)."""
-    from .split_k import merge_splits, split_plan
+    from .split_k import merge_splits
 
     batch, num_heads, _ = q.shape
     _, kv_heads, bs, _ = cache.k.shape
-    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, block_tables.shape[1] * bs, num_splits, TILE)
+    tokens_per_split, num_splits, (pm, pl, pacc) = plan
     split = num_splits > 1
     kw, vw = cache.k.view(torch.int32), cache.v.view(torch.int32)
     _decode_kernel_gluon[(batch, kv_heads, num_splits)](

@@ -79,15 +79,10 @@ def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, 
     return next(s for s, cost in enumerate(costs, start=1) if cost <= best * (1 + tolerance))
 
 
-def split_tokens(max_tokens: int, num_splits: int, tile: int) -> int:
-    """Tokens per split: the context over `num_splits`, rounded up to whole tiles."""
-    return triton.cdiv(triton.cdiv(max_tokens, num_splits), tile) * tile
-
-
 def split_plan(out: torch.Tensor, max_tokens: int, num_splits: int, tile: int) -> tuple[int, int, tuple]:
     """(tokens per split, a multiple of `tile`; the split count that leaves none empty; the partial
     buffers (m, l, acc) for a split launch, else `out` three times: SPLIT=False compiles their stores away)."""
-    tokens_per_split = split_tokens(max_tokens, num_splits, tile)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), tile) * tile
     num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
     if num_splits == 1:
         return tokens_per_split, 1, (out, out, out)
