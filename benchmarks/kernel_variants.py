@@ -143,25 +143,37 @@ VARIANTS = {
                           pages_ahead=True, warp_page=True) for st in (2, 3)},
     # the round-9 defaults of fp8 / int8 / int4 per-head (4 warps x 16 tokens, 3 resident per SM)
     "w4-n64-s3": dict(warps=True, heads_n=False, block_n=64, maxnreg=0, num_stages=3, resident_per_sm=3),
-    # the Gluon kernel (decode_gluon.py) and the Triton defaults beside it; -r0: no register cap
-    # (163-168 registers, 12 programs per SM); -spN: forced split count
+    # the Gluon kernel (decode_gluon.py) with the launcher's choices; other "g-..." names are parsed by
+    # `gluon_variant` (g-st2-r96-sp20: a 2-stage ring, 96 registers, 20 splits)
     "g": dict(gluon=True),
-    "g-r0": dict(gluon=True, maxnreg=0),
-    "g-r128": dict(gluon=True, maxnreg=128),
-    **{f"g-sp{n}": dict(gluon=True, num_splits=n) for n in (8, 12, 16, 24, 32, 64, 128, 256, 512)},
-    # the softmax rescale skipped where no max grew (or always done)
-    "g-skip": dict(gluon=True, gluon_skip_rescale=True),
-    "g-noskip": dict(gluon=True, gluon_skip_rescale=False),
-    **{f"g-st2-sp{n}": dict(gluon=True, gluon_stages=2, num_splits=n) for n in (17, 18, 32, 36)},
-    "g-st0": dict(gluon=True, gluon_stages=0),
-    **{f"g-st{n}{'-r%d' % r if r else ''}": dict(gluon=True, gluon_stages=n, **({"maxnreg": r} if r else {}))
-       for n in (2, 3, 4, 6, 8) for r in (0, 96, 104, 112)},
-    "g-skip-r0": dict(gluon=True, gluon_skip_rescale=True, maxnreg=0),
-    # register caps between: 112 -> 18 programs per SM, 120 -> 17, 144 -> 14
-    **{f"g-r{r}{'-sp%d' % n if n else ''}": dict(gluon=True, maxnreg=r, **({"num_splits": n} if n else {}))
-       for r in (112, 120) for n in (0, 32)},
     "t": dict(gluon=False),
 }
+GLUON_KEYS = {"st": "gluon_stages", "r": "maxnreg", "sp": "num_splits", "res": "resident_per_sm"}
+
+
+def gluon_variant(name: str) -> dict:
+    """Launch options of a Gluon variant named g-<key><int>-...: st (ring stages, 0: registers), r (register
+    cap, 0: none), sp (splits), res (programs per SM for the split rule); skip / noskip (softmax rescale)."""
+    opts = dict(gluon=True)
+    for part in name.split("-")[1:]:
+        if part in ("skip", "noskip"):
+            opts["gluon_skip_rescale"] = part == "skip"
+            continue
+        key = part.rstrip("0123456789")
+        if key not in GLUON_KEYS or key == part:
+            raise ValueError(f"variant {name!r}: {part!r} is not one of {sorted(GLUON_KEYS)} followed by a number")
+        opts[GLUON_KEYS[key]] = int(part[len(key):])
+    return opts
+
+
+def variant_options(name: str) -> dict:
+    if name not in VARIANTS and name.startswith("g-"):
+        return gluon_variant(name)
+    # named variants of the query-heads x tokens kernel stay on it whatever the defaults
+    opts = VARIANTS[name]
+    return opts if name in ("default", "t") or name.startswith(("w", "d-", "g")) else {"warps": False, **opts}
+
+
 PER_TOKEN_ONLY = {"f16-cvt0-pscale", "f16-cvt1-pscale", "swap-f16-pscale"}
 
 
@@ -205,8 +217,7 @@ def main() -> None:
             write_kv_launch(cache, case.k, case.v, case.slots)
             ref = case.reference(cache)
             for var in args.variants.split(","):
-                # named variants of the query-heads x tokens kernel stay on it whatever the defaults
-                opts = VARIANTS[var] if var in ("default", "t") or var.startswith(("w", "d-", "g")) else {"warps": False, **VARIANTS[var]}
+                opts = variant_options(var)
                 if var in PER_TOKEN_ONLY and not fmt.dynamic:
                     continue
                 if not fmt.quantized and not var.startswith(("w", "d-", "c-")) and var not in ("default", "swap", "sp8", "n64-s3-r128", "n64-s3-r128-sp8"):
@@ -233,19 +244,50 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
 
-# write kernel: launch options; "default" = the launcher's choice (16 tokens x 4 warps, GPU arithmetic),
-# "div_rn" = the same tile with the interpreter's arithmetic (a division per value, round by adding 1.5 * 2**23)
-WRITE_VARIANTS = {"default": {}, "div_rn": dict(fast=False), "t8w4": dict(block_t=8, num_warps=4),
+# write kernel: launch options; "default" = the launcher's choice (int4: rows over 8 lanes, 16 tokens x 4
+# warps, or per-token 4 lanes packed; other formats 16 tokens x 2 warps; GPU arithmetic), "tile" = int4 on
+# the [tokens, head_dim] tile of the other formats (the default before the tenth session), "div_rn" = the
+# interpreter's arithmetic (a division per value, round by adding 1.5 * 2**23).
+# "lN": int4 rows over N lanes (write_kv's int4_lanes: the clamp before the division, word stores;
+# other formats ignore it, so there it times the default again); "lNp": and int4_packed (bf16x2 row
+# min / max and symmetric clamp; per-token fp16-scale formats with bf16 input, else the same as "lN");
+# "-tXwY": with X tokens x Y warps per program (lanes x tokens = 32 x warps gives each thread one
+# row's 128 / N values, no idle lanes)
+WRITE_VARIANTS = {"default": {}, "tile": dict(int4_lanes=0, int4_packed=False),
+                  "div_rn": dict(fast=False), "t8w4": dict(block_t=8, num_warps=4),
                   "t16w2": dict(block_t=16, num_warps=2), "t32w4": dict(block_t=32, num_warps=4),
-                  "t32w8": dict(block_t=32, num_warps=8), "t64w8": dict(block_t=64, num_warps=8)}
+                  "t32w8": dict(block_t=32, num_warps=8), "t64w8": dict(block_t=64, num_warps=8),
+                  "l4": dict(int4_lanes=4), "l8": dict(int4_lanes=8), "l2": dict(int4_lanes=2),
+                  "l4-div_rn": dict(int4_lanes=4, fast=False),
+                  "l4-t32w4": dict(int4_lanes=4, block_t=32, num_warps=4),
+                  "l4-t8w1": dict(int4_lanes=4, block_t=8, num_warps=1),
+                  "l8-t16w4": dict(int4_lanes=8, block_t=16, num_warps=4),
+                  "l8-t8w2": dict(int4_lanes=8, block_t=8, num_warps=2),
+                  "l2-t32w2": dict(int4_lanes=2, block_t=32, num_warps=2),
+                  "l2-t16w1": dict(int4_lanes=2, block_t=16, num_warps=1),
+                  "l4p": dict(int4_lanes=4, int4_packed=True), "l8p": dict(int4_lanes=8, int4_packed=True),
+                  "l2p": dict(int4_lanes=2, int4_packed=True),
+                  "l2p-t32w2": dict(int4_lanes=2, int4_packed=True, block_t=32, num_warps=2),
+                  "l4p-t32w4": dict(int4_lanes=4, int4_packed=True, block_t=32, num_warps=4),
+                  "l4p-t8w1": dict(int4_lanes=4, int4_packed=True, block_t=8, num_warps=1),
+                  "l8p-t16w4": dict(int4_lanes=8, int4_packed=True, block_t=16, num_warps=4)}
 
 
 def write_variants(args) -> None:
     """Write-kernel GB/s (bf16 K/V read + cache bytes written) per variant, against the same run's
-    device copy; every variant's pages and scales must equal the default launch's, byte for byte."""
+    device copy; every variant's pages and scales must equal the default launch's, byte for byte.
+    --variants picks among WRITE_VARIANTS (the decode default list means all of them). On CPU
+    (TRITON_INTERPRET=1, tiny --shape) it only compares the bytes (fast=True variants are GPU-only)."""
+    names = list(WRITE_VARIANTS) if args.variants == ",".join(VARIANTS) else args.variants.split(",")
+    unknown = [v for v in names if v not in WRITE_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown write variants {unknown}; choose from {', '.join(WRITE_VARIANTS)}")
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        kb.DEVICE = "cpu"
     case = make_case(args)
     batch, ctx = case.batch, case.ctx
-    copy = ceilings()["copy_gbps"]
+    copy = float("nan") if cpu else ceilings()["copy_gbps"]
     print(f"{args.model} {batch}x{ctx}: copy {copy:.0f} GB/s", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -255,7 +297,10 @@ def write_variants(args) -> None:
             ref = case.cache(fmt)
             write_kv_launch(ref, case.k, case.v, case.slots)
             moved = case.write_bytes(fmt)
-            for var, opts in WRITE_VARIANTS.items():
+            for var in names:
+                opts = WRITE_VARIANTS[var]
+                if cpu and opts.get("fast"):
+                    continue
                 cache = case.cache(fmt)
                 fn = partial(write_kv_launch, cache, case.k, case.v, case.slots, **opts)
                 fn()
@@ -263,7 +308,7 @@ def write_variants(args) -> None:
                                        getattr(ref, f).reshape(-1).view(torch.uint8))
                            for f in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
                            if getattr(ref, f) is not None)
-                ms = median_ms(fn)
+                ms = float("nan") if cpu else median_ms(fn)
                 row = {"model": args.model, "batch": batch, "ctx": ctx, "format": name, "variant": var, "opts": opts,
                        "ms": ms, "gbps": moved / ms / 1e6, "copy_gbps": copy, "pct_copy": 100 * moved / ms / 1e6 / copy,
                        "bytes_equal_default": same}
@@ -272,14 +317,15 @@ def write_variants(args) -> None:
                       f"of copy {'same bytes' if same else 'BYTES DIFFER'}", flush=True)
                 del cache
             del ref
-            torch.cuda.empty_cache()
+            if not cpu:
+                torch.cuda.empty_cache()
 
 
 def profile(args, fmt_name: str, variant: str) -> None:
     case = make_case(args)
     cache = case.cache(kb.FORMATS[fmt_name])
     write_kv_launch(cache, case.k, case.v, case.slots)
-    opts = VARIANTS[variant]
+    opts = variant_options(variant)
     for _ in range(3):
         decode_attention_launch(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, **opts)
     torch.cuda.synchronize()

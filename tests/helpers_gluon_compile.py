@@ -19,9 +19,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from runtime.kernels import decode_gluon, tuning  # noqa: E402
 from runtime.kernels.formats import FP8_E4M3, KernelFormat  # noqa: E402
 
-# (storage kind, scale mode, asymmetric): fp8 / int8 / int4 x per-tensor, per-head, per-token (+ asym)
-GLUON_VARIANTS = [(kind, mode, asym) for kind in (0, 1, 2) for mode, asym in ((1, False), (2, False), (3, False))
-                  + (((3, True),) if kind else ())]
+# (storage kind, scale mode, asymmetric, ring stages): fp8 / int8 / int4 x per-tensor, per-head, per-token
+# (+ asym), as `tuning.gluon_stages_for` builds them for long splits; and int4 per-head's register path
+GLUON_VARIANTS = [(kind, mode, asym, 2 if kind == 2 and mode != 3 else 0) for kind in (0, 1, 2)
+                  for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
+GLUON_VARIANTS.append((2, 2, False, 0))
 
 
 def loop_local_accesses(sass: str) -> int:
@@ -34,7 +36,7 @@ def loop_local_accesses(sass: str) -> int:
     return sum(1 for a, line in addr if start <= a <= end and re.search(r"\b(LDL|STL)\b", line))
 
 
-def build(kind: int, mode: int, asym: bool) -> dict:
+def build(kind: int, mode: int, asym: bool, stages: int) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = decode_gluon._decode_kernel_gluon
@@ -44,9 +46,8 @@ def build(kind: int, mode: int, asym: bool) -> dict:
     kf = KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=FP8_E4M3 if kind == 0 else 0, qmax=0.0, qmin=0.0,
                       scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
     consts = dict(NUM_HEADS=32, BLOCK_SIZE=16, GROUP=4, KIND=kind, SCALE_MODE=mode, ASYM=asym,
-                  **decode_gluon.widening(kf), SPLIT=True,
-                  SKIP_RESCALE=tuning.skip_rescale_for(kf),
-                  STAGES=tuning.gluon_stages_for(kf, 2048), OFF32=tuning.gluon_offsets32(kf, 0))
+                  **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=tuning.skip_rescale_for(kf),
+                  STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0))
     names = fn.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]

@@ -137,11 +137,15 @@ def test_write_kv_bytes_equal_reference(fmt):
     _check_write(cache, fmt, k, v, slots)
 
 
-def _check_write(cache, fmt, k, v, slots):
-    """Write k, v at slots; the stored bytes, scales and zero points must equal kv_format's, the rest untouched."""
+def _check_write(cache, fmt, k, v, slots, **launch):
+    """Write k, v at slots (with write_kv_launch's options `launch`, if any); the stored bytes,
+    scales and zero points must equal kv_format's, the rest untouched."""
     nb, kv_heads, bs = cache.k.shape[:3]
     before_k = _bytes(cache.k).clone()
-    K.write_kv(cache, k, v, slots)
+    if launch:
+        K.write_kv_launch(cache, k, v, slots, **launch)
+    else:
+        K.write_kv(cache, k, v, slots)
 
     blk, off = (slots // bs).cpu(), (slots % bs).cpu()
     for name, x in (("k", k), ("v", v)):
@@ -204,9 +208,15 @@ def test_write_kv_exact_at_rounding_ties(fmt):
     fp32 per-token; fp16 clamps it to 2**-14), so its values are partly subnormal and the
     corrections would underflow without the kernel's power-of-two rescaling; the last
     tokens hold inf, -inf, NaN, a subnormal and a value that overflows the quotient."""
-    gen = torch.Generator().manual_seed(7)
-    head_dim, bs, nb, tokens = 32, 16, 8, 120
-    k_scales, v_scales = [3 * 2.0 ** -4, 3 * 2.0 ** -126], [5 * 2.0 ** 2, 7 * 2.0 ** -6]
+    _check_write_at_ties(fmt, 7, 32, [5 * 2.0 ** 2, 7 * 2.0 ** -6])
+
+
+def _check_write_at_ties(fmt, seed, head_dim, v_scales, **launch):
+    """Rows on rounding ties (`_tie_rows`) for 2 heads, K scales 3 * 2**-4 and 3 * 2**-126, the given
+    V scales, special values in the last tokens; the write's bytes against kv_format's."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, nb, tokens = 16, 8, 120
+    k_scales = [3 * 2.0 ** -4, 3 * 2.0 ** -126]
     k = _tie_rows(fmt, tokens, k_scales, head_dim, gen)
     v = _tie_rows(fmt, tokens, v_scales, head_dim, gen)
     for x in (k, v):
@@ -218,7 +228,80 @@ def test_write_kv_exact_at_rounding_ties(fmt):
         cache.k_scale.fill_(k_scales[0])
         cache.v_scale.fill_(v_scales[0])
     slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
-    _check_write(cache, fmt, k.to(DEV), v.to(DEV), slots)
+    _check_write(cache, fmt, k.to(DEV), v.to(DEV), slots, **launch)
+
+
+INT4_FORMATS = [f for f in FORMATS if f.dtype == "int4"]
+INT4_IDS = [i for f, i in zip(FORMATS, FMT_IDS) if f.dtype == "int4"]
+
+
+@pytest.mark.parametrize("lanes", [0, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fmt", INT4_FORMATS, ids=INT4_IDS)
+def test_write_kv_int4_lanes_bytes_equal_reference(fmt, dtype, lanes):
+    """write_kv_launch(int4_lanes=N): whole int4 rows over N lanes (0: the [tokens, head_dim] tile the
+    other formats use, which int4 took before; 4 and 8 are the defaults), the clamp in front of the
+    division, bf16 rows widened from 32-bit words, 32-bit word stores -- kv_format's bytes still.
+    On the GPU this is the fast path (fma-corrected quotient, cvt.rni / cvt.rni.u32); the
+    interpreter checks the layout, the packing and the clamp bound with div_rn. Special values:
+    an all-zero token, a token past the fp16 scale range, inf / -inf / NaN / subnormal / huge
+    values, (GPU) a token with NaN in every odd column, and per-head static scales at both ends of `_reciprocal2`'s
+    rescaling (3 * 2**-126 and 5 * 2**70)."""
+    gen = torch.Generator().manual_seed(5)
+    kv_heads, head_dim, bs, nb, tokens = 2, 64, 16, 6, 37
+    k, v = _kv(tokens, kv_heads, head_dim, torch.float32, gen)
+    k[3] = 0.0
+    k[5, 1, 2] = 3.0e7
+    k[6, 0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, 3e38])
+    v[7, 1, 3] = float("-inf")
+    if CUDA:  # NaNs in a token without inf: the interpreter's max propagates NaN into the scale (any kernel)
+        v[8, 0, 1::2] = float("nan")
+    k, v = k.to(dtype), v.to(dtype)
+    amax = lambda x: x.float().abs().nan_to_num(0.0, 0.0, 0.0).amax((0, 2)).cpu() / 2  # noqa: E731
+    cache = _make_cache(fmt, nb, bs, kv_heads, head_dim, amax(k), amax(v))
+    if fmt.granularity == "per_head":
+        cache.k_scale[1] = 3 * 2.0 ** -126
+        cache.v_scale[0] = 5 * 2.0 ** 70
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
+    _check_write(cache, fmt, k, v, slots, int4_lanes=lanes)
+
+
+@pytest.mark.parametrize("lanes", [0, 2, 4, 8])
+@pytest.mark.parametrize("fmt", INT4_FORMATS, ids=INT4_IDS)
+def test_write_kv_int4_lanes_exact_at_rounding_ties(fmt, lanes):
+    """`test_write_kv_exact_at_rounding_ties` for the int4_lanes kernels, at head_dim 64, and with a
+    V scale of 5 * 2**70 (its clamp bound needs `_reciprocal2`'s scale-down where the scale dtype has it)."""
+    _check_write_at_ties(fmt, 8, 64, [5 * 2.0 ** 70, 7 * 2.0 ** -6], int4_lanes=lanes)
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16x2 inline PTX (int4_packed) compiles for the GPU only")
+@pytest.mark.parametrize("lanes", [2, 4, 8])
+@pytest.mark.parametrize("fmt", [f for f in INT4_FORMATS if f.dynamic and f.scale_dtype == "float16"],
+                         ids=[i for f, i in zip(INT4_FORMATS, INT4_IDS) if f.dynamic and f.scale_dtype == "float16"])
+def test_write_kv_int4_packed_bytes_equal_reference(fmt, lanes):
+    """int4_packed (bf16x2 row min / max and symmetric clamp on the loaded words): kv_format's bytes,
+    on random rows with special values (NaN in a token without inf, NaN pairs, inf, huge, zeros)
+    and on rows whose quotients sit on rounding ties; and the same bytes as int4 on the tile path."""
+    gen = torch.Generator().manual_seed(9)
+    kv_heads, head_dim, bs, nb, tokens = 2, 128, 16, 8, 100
+    k, v = _kv(tokens, kv_heads, head_dim, torch.float32, gen)
+    k[3] = 0.0
+    k[5, 1, 2] = 3.0e7
+    k[6, 0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, 3e38])
+    v[7, 1, 3] = float("-inf")
+    v[8, 0, 1::2] = float("nan")
+    v[9, 1, 10:20] = float("nan")
+    v[10, 0, 1:] = float("nan")
+    k[11:] = _tie_rows(fmt, tokens - 11, [3 * 2.0 ** -4, 5 * 2.0 ** 2], head_dim, gen)
+    k, v = k.to(torch.bfloat16).to(DEV), v.to(torch.bfloat16).to(DEV)
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
+    cache = _make_cache(fmt, nb, bs, kv_heads, head_dim)
+    _check_write(cache, fmt, k, v, slots, int4_lanes=lanes, int4_packed=True)
+    ref = _make_cache(fmt, nb, bs, kv_heads, head_dim)
+    K.write_kv_launch(ref, k, v, slots, int4_lanes=0, int4_packed=False)
+    for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
+        if getattr(ref, name) is not None:
+            assert torch.equal(_bytes(getattr(cache, name)), _bytes(getattr(ref, name))), name
 
 
 def test_write_kv_skips_negative_slots():
@@ -509,21 +592,21 @@ def gluon_sm90_builds():
     return {tuple(r["variant"]): r for r in map(json.loads, run.stdout.splitlines())}
 
 
-@pytest.mark.parametrize("variant", GLUON_VARIANTS, ids=[f"kind{k}-mode{m}{'-asym' if a else ''}" for k, m, a in GLUON_VARIANTS])
+@pytest.mark.parametrize("variant", GLUON_VARIANTS,
+                         ids=[f"kind{k}-mode{m}{'-asym' if a else ''}-stages{s}" for k, m, a, s in GLUON_VARIANTS])
 def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
     """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
     register renames (`assert_trivial` in `_k_operand` / `_v_operand`; a wrong permutation fails the
-    build), K and V touch shared memory only in the int4 static-scale ring (`tuning.gluon_stages_for`:
-    2 stages of 1 KB of K and 1 KB of V), no variant spills inside its tile loop, and with
-    128 registers the static formats do not spill at all (16 programs per SM is what the split
-    rule assumes)."""
+    build), K and V touch shared memory only in the int4 static-scale ring (2 stages of 1 KB of K and
+    1 KB of V), no variant spills inside its tile loop, and with 128 registers the static formats do
+    not spill at all (16 programs per SM is what the split rule assumes)."""
     build = gluon_sm90_builds[variant]
     assert "error" not in build, build.get("error")
-    ring = 2 * 2 * 16 * 64 if variant[0] == 2 and variant[1] != 3 else 0
-    assert build["shared"] == ring, "K and V go to registers, int4 static tiles through a 2-stage ring"
+    _, mode, _, stages = variant
+    assert build["shared"] == stages * 2 * 16 * 64, "K and V go to registers, int4 static tiles through the ring"
     assert build["regs"] <= (build["cap"] or 255)
     assert build["loop_local"] == 0, f"spills in the tile loop: {build}"
-    if variant[1] != 3:
+    if mode != 3:
         assert build["cap"] == 128 and build["stack"] == 0, f"static format spills: {build}"
 
 
@@ -569,22 +652,55 @@ def test_split_count_policy():
     assert choose_num_splits(1, 8, 600, 64, 132, 4) == 2
 
 
-def test_gluon_programs_per_sm_follow_the_register_cap():
-    """The split rule's resident programs for a register cap: an SM's 65536 registers over one-warp
-    programs, allocated 8 per thread at a time (worked by hand: 128 -> 16, 120 -> 17, 112 -> 18,
-    121 rounds up to 128 -> 16); uncapped counts 12 (154-168 registers)."""
+def _kernel_format(kind, mode, asym=False):
     from runtime.kernels.formats import KernelFormat
+
+    return KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=0, qmax=0.0, qmin=0.0, scale_dtype=0, head_dim=128)
+
+
+def test_gluon_programs_per_sm_follow_the_register_cap():
+    """The split rule's resident programs for a register cap. A warp's registers come from one of an
+    SM's 4 sub-partitions of 16384, 8 per thread at a time (worked by hand: 128 -> 4 x 16384 // 4096
+    = 16, 120 -> 4 x (16384 // 3840 = 4) = 16, 112 and 104 -> 16 (the driver's count for 106 and 123
+    registers on the H200), 96 -> 4 x 5 = 20, 89 rounds up to 96 -> 20, 80 -> 4 x 6 = 24, 64 -> 32,
+    40 -> 4 x 12 = 48 but an SM runs at most 32); uncapped counts 12 (154-168 registers)."""
     from runtime.kernels.tuning import gluon_registers
 
-    kf = lambda kind, mode, asym=False: KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=0, qmax=0.0,  # noqa: E731
-                                                     qmin=0.0, scale_dtype=0, head_dim=128)
-    assert [gluon_registers(kf(2, 2), cap)[1] for cap in (128, 120, 112, 121)] == [16, 17, 18, 16]
-    assert gluon_registers(kf(2, 2), 0) == (None, 12)
+    int4 = _kernel_format(2, 2)
+    assert [gluon_registers(int4, cap)[1] for cap in (128, 120, 112, 104, 96, 89, 80, 64, 40)] == [
+        16, 16, 16, 16, 20, 20, 24, 32, 32]
+    assert gluon_registers(int4, 0) == (None, 12)
     # defaults: static formats 128; symmetric int4 per-token 120; int8 per-token and int4 asym uncapped
-    assert gluon_registers(kf(1, 2)) == (128, 16)
-    assert gluon_registers(kf(2, 3)) == (120, 17)
-    assert gluon_registers(kf(2, 3, asym=True)) == (None, 12)
-    assert gluon_registers(kf(1, 3)) == (None, 12)
+    assert gluon_registers(_kernel_format(1, 2)) == (128, 16)
+    assert gluon_registers(int4) == (128, 16)
+    assert gluon_registers(_kernel_format(2, 3)) == (120, 16)
+    assert gluon_registers(_kernel_format(2, 3, asym=True)) == (None, 12)
+    assert gluon_registers(_kernel_format(1, 3)) == (None, 12)
+
+
+def test_gluon_plan_takes_the_ring_only_for_long_splits():
+    """Splits by the wave rule at 16 programs per SM (132 SMs; splitting at all within 10% of the best,
+    then 5%); int4 with static scales takes the ring where they are >= 1024 tokens long, the registers
+    otherwise."""
+    from runtime.kernels.tuning import gluon_plan
+
+    int4 = _kernel_format(2, 2)
+    # 128 pairs, 2112 slots: 16 splits (2048 programs, 2048 tokens each); 15 would be 10% slower than
+    # the best count by the wave model (1920 of 2112), within the old 10% tolerance, not within 5%
+    assert gluon_plan(int4, 16, 8, 32768, 132) == (128, 16, 2)
+    assert gluon_plan(int4, 128, 8, 4096, 132) == (128, 2, 2)  # 2048 programs of 2048 tokens
+    # one KV head per GPU (70B at TP 8): 64 pairs, 31 splits of ~264 tokens, on the register path
+    assert gluon_plan(int4, 64, 1, 8192, 132) == (128, 31, 0)
+    # 8-bit formats never take the ring
+    assert gluon_plan(_kernel_format(1, 2), 16, 8, 32768, 132) == (128, 16, 0)
+    # int8 per-token (uncapped, 12 per SM), 1464 pairs in 1584 slots: one split (92% of the slots) is within
+    # 10% of the model's best count, so no split (5% alone would take 14: 13 waves of 1/14 each)
+    assert gluon_plan(_kernel_format(1, 3), 183, 8, 8448, 132) == (None, 1, 0)
+    # ... while 93 sequences (744 pairs) split: 2 is the first count within 10%, then 5% picks 17
+    assert gluon_plan(_kernel_format(1, 3), 93, 8, 8448, 132) == (None, 17, 0)
+    # explicit options are kept
+    assert gluon_plan(int4, 16, 8, 32768, 132, stages=0, num_splits=7, maxnreg=96) == (96, 7, 0)
+    assert gluon_plan(int4, 64, 1, 8192, 132, stages=3) == (128, 31, 3)
 
 
 def test_wave_cost_counts_partial_waves_whole():

@@ -57,8 +57,7 @@ from .split_k import choose_num_splits, merge_splits, sm_count, split_plan
 from .tuning import (
     ONE_WARP_MAX_SPLITS,
     gluon_offsets32,
-    gluon_registers,
-    gluon_stages_for,
+    gluon_plan,
     skip_rescale_for,
     tuned_for,
 )
@@ -290,17 +289,13 @@ def decode_attention_launch(
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     tuned = tuned_for(kf, batch * kv_heads, max_tokens)
     if (tuned.gluon if gluon is None else gluon) and decode_gluon.supported(kf, q, bs, group):
-        cap, resident = gluon_registers(kf, maxnreg)
-        if num_splits is None:
-            num_splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, sm_count(q.device),
-                                           resident_per_sm or resident, decode_gluon.MIN_TOKENS_PER_SPLIT,
-                                           decode_gluon.MAX_SPLITS)
+        cap, num_splits, stages = gluon_plan(kf, batch, kv_heads, max_tokens, sm_count(q.device), maxnreg,
+                                             gluon_stages, num_splits, resident_per_sm)
         plan = split_plan(out, max_tokens, num_splits, decode_gluon.TILE)
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, plan,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
                             skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale,
-                            gluon_stages_for(kf, plan[0]) if gluon_stages is None else gluon_stages,
-                            gluon_offsets32(kf, cache.k.numel() // 4))
+                            stages, gluon_offsets32(kf, cache.k.numel() // 4))
         return out
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages

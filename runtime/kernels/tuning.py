@@ -15,7 +15,7 @@ import torch
 from ..kv_cache import LayerCache
 from . import decode_gluon
 from .formats import KIND_FLOAT, KIND_INT4, KIND_INT8, SCALE_TOKEN, KernelFormat, kernel_format
-from .split_k import MIN_TOKENS_PER_SPLIT
+from .split_k import MIN_TOKENS_PER_SPLIT, choose_num_splits
 
 
 class Tuned(NamedTuple):
@@ -94,6 +94,11 @@ def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None
 
 
 GLUON_STAGES = 2
+# Among split counts > 1 the Gluon kernel takes the fewest within 5% of the best by the wave model: at
+# 16 x 32768, 16 splits (2048 programs) beat 15 by 2-3% for int4 and ~1% for the 8-bit formats. Splitting
+# at all must win 10% (the split rule's default): 14 splits instead of 1 for int8 per-token at 183 x 8448
+# (12 per SM, 5% by the model) cost the headline's decode 5% (KERNEL_NOTES.md, ninth and tenth sessions).
+GLUON_SPLIT_TOLERANCE = 0.05
 
 
 def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
@@ -104,6 +109,20 @@ def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
     not written for the ring."""
     ring = kf.kind == KIND_INT4 and kf.scale_mode != SCALE_TOKEN and tokens_per_split >= 1024
     return GLUON_STAGES if ring else 0
+
+
+def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms: int, maxnreg: int | None = None,
+               stages: int | None = None, num_splits: int | None = None,
+               resident_per_sm: int | None = None) -> tuple[int | None, int, int]:
+    """The Gluon kernel's (register cap, split count, ring stages); arguments not None are kept."""
+    cap, resident = gluon_registers(kf, maxnreg)
+    if num_splits is None:
+        args = (batch, kv_heads, max_tokens, decode_gluon.TILE, sms, resident_per_sm or resident,
+                decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS)
+        num_splits = choose_num_splits(*args)
+        if num_splits > 1:
+            num_splits = choose_num_splits(*args, GLUON_SPLIT_TOLERANCE)
+    return cap, num_splits, gluon_stages_for(kf, max_tokens // num_splits) if stages is None else stages
 
 
 def gluon_offsets32(kf: KernelFormat, cache_words: int) -> bool:
@@ -121,20 +140,27 @@ def skip_rescale_for(kf: KernelFormat) -> bool:
 
 
 def gluon_registers(kf: KernelFormat, maxnreg: int | None = None) -> tuple[int | None, int]:
-    """The Gluon kernel's (register cap, programs per SM). 128 registers hold 16 one-warp programs per SM; the
-    per-token int8 and asymmetric int4 kernels would spill there and run faster uncapped (154-168
+    """The Gluon kernel's (register cap, programs per SM). 128 registers hold 16 one-warp programs per SM
+    (so does the int4 ring's 106: at 96, 20 per SM ran no faster; KERNEL_NOTES.md, tenth session); the
+    per-token int8 and asymmetric int4 kernels would spill at 128 and run faster uncapped (140-168
     registers, 12 per SM). maxnreg: an explicit cap instead (0: none)."""
-    if maxnreg is None:  # symmetric int4 per-token fits 120 (17 per SM): 0.170 vs 0.191 ms uncapped
+    if maxnreg is None:  # symmetric int4 per-token fits 120: 0.170 vs 0.191 ms uncapped
         if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT:
             maxnreg = 128
         else:
             maxnreg = 120 if kf.kind == KIND_INT4 and not kf.asym else 0
     if not maxnreg:
         return None, 12
-    # an SM's 64k registers, allocated per warp in multiples of 8 per thread. (Measured since: the file is
-    # split over 4 sub-partitions, so caps 104-128 all hold 16, not 16-19; the split choices this
-    # count makes are the measured ones, and correcting it waits for a grid run: KERNEL_NOTES.md, ninth session.)
-    return maxnreg, min(32, 65536 // (32 * -(-maxnreg // 8) * 8))
+    return maxnreg, programs_per_sm(maxnreg)
+
+
+def programs_per_sm(registers: int) -> int:
+    """One-warp programs an H100/H200 SM holds at `registers` per thread. A warp's registers come from
+    one of the SM's 4 sub-partitions (16k registers each), allocated 8 per thread at a time, so
+    every cap from 104 to 128 holds 16 (the driver's occupancy count for the 106- and 123-register
+    builds; KERNEL_NOTES.md, ninth session), 96 holds 20; an SM runs at most 32 programs."""
+    per_warp = 32 * -(-registers // 8) * 8
+    return min(32, 4 * (16384 // per_warp))
 
 
 def probability_dtype(cache: LayerCache, q_dtype: torch.dtype) -> torch.dtype:

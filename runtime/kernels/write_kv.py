@@ -28,6 +28,13 @@ uses its correctly rounded reciprocal and two fma corrections (`_quotient`), and
 integers round with one `cvt.rni` whose NaN -> 0 and saturation the integer clamp
 finishes. The interpreter has no fused multiply-add, so it keeps `div_rn`.
 
+int4 takes a layout of its own by default (`write_int4_rows.py`, `_int4_defaults`;
+`write_kv_launch(int4_lanes=N)`): whole rows over N lanes, the clamp in front of the division, one
+fma correction where the scale has at most 11 significant bits, word loads and stores, and for
+per-token fp16 scales bf16x2 row reductions (`int4_packed`). Same bytes; on the tile below, int4's
+per-row reductions and scale arithmetic cost more instructions than its few bytes can hide (78% of
+copy bandwidth against 88-96%).
+
 Negative slots are skipped (padding tokens), as in vLLM.
 """
 
@@ -39,18 +46,18 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..kv_cache import LayerCache
-from .formats import FP8_HARDWARE, FP8_NONE, SCALE_NONE, check_device, kernel_format, scale_tensors
-
-_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 half-to-even
-
-
-@triton.jit
-def _rne(y):
-    return (y + _RNE_MAGIC) - _RNE_MAGIC
-
-
-_SMALL = tl.constexpr(5.421010862427522e-20)  # 2**-64: scales below it are scaled up for _quotient
-_HUGE = tl.constexpr(1.8446744073709552e19)  # 2**64: any quotient this large saturates whatever its digits
+from .exact_round import _HUGE, _SMALL, _clamp_round, _rne
+from .formats import (
+    FP8_HARDWARE,
+    FP8_NONE,
+    KIND_INT4,
+    SCALE_NONE,
+    SCALE_TOKEN,
+    check_device,
+    kernel_format,
+    scale_tensors,
+)
+from .write_int4_rows import _rows_load, _rows_store, _rows_store_words, _rows_words
 
 
 @triton.jit
@@ -97,53 +104,6 @@ def _to_int(y, QMIN: tl.constexpr, QMAX: tl.constexpr, FAST: tl.constexpr):
     else:
         n = _rne(tl.minimum(tl.maximum(tl.where(y != y, 0.0, y), QMIN), QMAX)).to(tl.int32)
     return n
-
-
-@triton.jit
-def _to_scale_dtype(x, SCALE_DT: tl.constexpr):
-    if SCALE_DT == 0:
-        return x.to(tl.float16)
-    elif SCALE_DT == 1:
-        return x.to(tl.bfloat16)
-    else:
-        return x
-
-
-@triton.jit
-def _round_up(x, SCALE_DT: tl.constexpr):
-    """Smallest scale-dtype value >= x (x > 0), returned as fp32."""
-    if SCALE_DT == 2:
-        out = x
-    else:
-        r = _to_scale_dtype(x, SCALE_DT)
-        bits = r.to(tl.int16, bitcast=True)
-        # x > 0, so one more in the bit pattern is the next value up
-        if SCALE_DT == 0:
-            up = (bits + 1).to(tl.float16, bitcast=True)
-        else:
-            up = (bits + 1).to(tl.bfloat16, bitcast=True)
-        rf = r.to(tl.float32)
-        out = tl.where(rf < x, up.to(tl.float32), rf)
-    return out
-
-
-@triton.jit
-def _round_down(x, SCALE_DT: tl.constexpr):
-    """Largest scale-dtype value <= x (any sign), returned as fp32."""
-    if SCALE_DT == 2:
-        out = x
-    else:
-        r = _to_scale_dtype(x, SCALE_DT)
-        bits = r.to(tl.int16, bitcast=True)
-        # sign-magnitude: positive -> bits - 1; negative (and -0) -> bits + 1; +0 -> -smallest subnormal
-        step = tl.where(bits > 0, bits - 1, tl.where(bits == 0, -32767, bits + 1)).to(tl.int16)
-        if SCALE_DT == 0:
-            down = step.to(tl.float16, bitcast=True)
-        else:
-            down = step.to(tl.bfloat16, bitcast=True)
-        rf = r.to(tl.float32)
-        out = tl.where(rf > x, down.to(tl.float32), rf)
-    return out
 
 
 @triton.jit
@@ -214,16 +174,6 @@ def _quantize_rows(
     FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
     FULL_D: tl.constexpr, FAST: tl.constexpr,
 ):
-    # the scale dtype's smallest normal and largest finite value (torch.finfo tiny / max)
-    if SCALE_DT == 0:
-        TINY: tl.constexpr = 6.103515625e-05
-        BIG: tl.constexpr = 65504.0
-    elif SCALE_DT == 1:
-        TINY: tl.constexpr = 1.1754943508222875e-38
-        BIG: tl.constexpr = 3.3895313892515355e38
-    else:
-        TINY: tl.constexpr = 1.1754943508222875e-38
-        BIG: tl.constexpr = 3.4028234663852886e38
     if SCALE_MODE == 3:
         if ASYM:
             # int4's two column halves are combined before reducing: one cross-thread reduction
@@ -234,13 +184,13 @@ def _quantize_rows(
             else:
                 lo = tl.min(_halves(tl.where(m2, xa, float("inf")), tl.where(m2, xb, float("inf")), KIND, False), 1)
                 hi = tl.max(_halves(tl.where(m2, xa, -float("inf")), tl.where(m2, xb, -float("inf")), KIND, True), 1)
-            z = _round_down(tl.minimum(tl.maximum(lo, -BIG), BIG), SCALE_DT)
+            z = _clamp_round(lo, SCALE_DT, False)
             s = tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32))
         else:
             amax = tl.max(_halves(tl.abs(xa), tl.abs(xb), KIND, True), 1)
             s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
         # clamped like kv_format.dynamic_scales: never zero, never inf (a huge token saturates)
-        s = _round_up(tl.minimum(tl.maximum(s, TINY), BIG), SCALE_DT)
+        s = _clamp_round(s, SCALE_DT, True)
         tl.store(scale_ptr + meta_off, s.to(scale_ptr.dtype.element_ty), mask=mask_t)
         if ASYM:
             tl.store(zero_ptr + meta_off, z.to(zero_ptr.dtype.element_ty), mask=mask_t)
@@ -311,6 +261,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
     QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr, FULL_D: tl.constexpr, FAST: tl.constexpr,
+    LANES: tl.constexpr = 0, PACKED: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
@@ -322,25 +273,46 @@ def _write_kv_kernel(
     off = slot % BLOCK_SIZE
     dst = tl.multiple_of(blk * stride_cb + head * stride_ch + off * stride_ct, 16)
     meta = blk * stride_mb + head * stride_mh + off
-    offs_d = tl.arange(0, BLOCK_D)
-    # both loads before any store: the compiler may not move a load across a store that could
-    # alias it, and two loads in flight halve the latency each program waits on
-    ka, kb, m2 = _load_rows(K, t, mask_t, head, offs_d, stride_kt, stride_kh, HEAD_DIM, KIND)
-    va, vb, _ = _load_rows(V, t, mask_t, head, offs_d, stride_vt, stride_vh, HEAD_DIM, KIND)
-    _store_rows(ka, kb, m2, KC, KS, KZ, mask_t, dst, meta, head, offs_d,
-                KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
-    _store_rows(va, vb, m2, VC, VS, VZ, mask_t, dst, meta, head, offs_d,
-                KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
+    if LANES and PACKED:  # ... with bf16x2 instructions (`_rows_store_words`)
+        C: tl.constexpr = HEAD_DIM // (8 * LANES)
+        kw = _rows_words(K, t, mask_t, head, stride_kt, stride_kh, C, LANES)
+        vw = _rows_words(V, t, mask_t, head, stride_vt, stride_vh, C, LANES)
+        _rows_store_words(kw, KC, KS, KZ, mask_t, dst, meta, ASYM, QMAX)
+        _rows_store_words(vw, VC, VS, VZ, mask_t, dst, meta, ASYM, QMAX)
+    elif LANES:  # int4 with whole rows over LANES lanes (`_rows_load`)
+        # both loads before any store (as below)
+        C: tl.constexpr = HEAD_DIM // (8 * LANES)
+        ke, ko = _rows_load(K, t, mask_t, head, stride_kt, stride_kh, C, LANES)
+        ve, vo = _rows_load(V, t, mask_t, head, stride_vt, stride_vh, C, LANES)
+        _rows_store(ke, ko, KC, KS, KZ, mask_t, dst, meta, head, SCALE_MODE, ASYM, QMAX, SCALE_DT, FAST)
+        _rows_store(ve, vo, VC, VS, VZ, mask_t, dst, meta, head, SCALE_MODE, ASYM, QMAX, SCALE_DT, FAST)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        # both loads before any store: the compiler may not move a load across a store that could
+        # alias it, and two loads in flight halve the latency each program waits on
+        ka, kb, m2 = _load_rows(K, t, mask_t, head, offs_d, stride_kt, stride_kh, HEAD_DIM, KIND)
+        va, vb, _ = _load_rows(V, t, mask_t, head, offs_d, stride_vt, stride_vh, HEAD_DIM, KIND)
+        _store_rows(ka, kb, m2, KC, KS, KZ, mask_t, dst, meta, head, offs_d,
+                    KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
+        _store_rows(va, vb, m2, VC, VS, VZ, mask_t, dst, meta, head, offs_d,
+                    KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
 
 
 def write_kv_launch(
     cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-    block_t: int | None = None, num_warps: int = 2, fast: bool | None = None,
+    block_t: int | None = None, num_warps: int | None = None, fast: bool | None = None,
+    int4_lanes: int | None = None, int4_packed: bool | None = None,
 ) -> None:
     """Validate, then launch one program per (BLOCK_T tokens, KV head).
 
     fast: the GPU's exact shortcuts (hardware fp8 conversion, division through the
-    reciprocal, `cvt.rni` rounding; same bytes); default on CUDA, impossible in the interpreter."""
+    reciprocal, `cvt.rni` rounding; same bytes); default on CUDA, impossible in the interpreter.
+    int4_lanes: int4 only (other formats ignore it), 2/4/8: whole rows over that many lanes, the
+    clamp before the division and 32-bit word stores (`_rows_load`, `_rows_store`; same bytes);
+    0, or a head_dim that is not a power of two >= 8 * int4_lanes: the [tokens, head_dim] tile.
+    int4_packed: with int4_lanes, fast, bf16 k / v and per-token fp16 scales (else ignored): the row
+    min / max and the symmetric clamp on bf16 pairs (`_rows_store_words`; same bytes).
+    Options left at None take the measured best (`_int4_defaults`; the tile path: 2 warps)."""
     kf = kernel_format(cache)
     check_device(cache.k, k, v, slot_mapping)
     nb, heads, bs, _ = cache.k.shape
@@ -371,6 +343,17 @@ def write_kv_launch(
     fp8 = FP8_HARDWARE[kf.fp8] if kf.fp8 != FP8_NONE and fast else kf.fp8
     if block_t is None:
         block_t = 16 if num_tokens >= 16 * heads else 4
+    default_lanes, default_packed = _int4_defaults(kf)
+    int4_lanes = default_lanes if int4_lanes is None else int4_lanes
+    int4_packed = default_packed if int4_packed is None else int4_packed
+    if int4_lanes not in (0, 2, 4, 8, 16):
+        raise ValueError(f"int4_lanes must be 0, 2, 4, 8 or 16, got {int4_lanes}")
+    hd = kf.head_dim
+    lanes = int4_lanes if kf.kind == KIND_INT4 and hd & (hd - 1) == 0 and hd >= 8 * int4_lanes else 0
+    packed = bool(int4_packed and lanes and fast and k.dtype == torch.bfloat16 and kf.scale_mode == SCALE_TOKEN
+                  and kf.scale_dtype == 0)
+    if num_warps is None:  # a row per `lanes` threads: 8 lanes x 16 tokens fill 4 warps; fewer tokens, fewer warps
+        num_warps = max(1, min(4 if lanes == 8 else 2, lanes * block_t // 32)) if lanes else 2
     grid = (triton.cdiv(num_tokens, block_t), heads)
     _write_kv_kernel[grid](
         k, v, kc, vc, ks, vs, kz, vz, slot_mapping,
@@ -381,9 +364,18 @@ def write_kv_launch(
         BLOCK_SIZE=bs, HEAD_DIM=kf.head_dim, BLOCK_D=triton.next_power_of_2(stored), BLOCK_T=block_t,
         KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, FP8=fp8,
         QMIN=kf.qmin, QMAX=kf.qmax, SCALE_DT=kf.scale_dtype,
-        FULL_D=triton.next_power_of_2(stored) == stored, FAST=fast,
+        FULL_D=triton.next_power_of_2(stored) == stored, FAST=fast, LANES=lanes, PACKED=packed,
         num_warps=num_warps,
     )
+
+
+def _int4_defaults(kf) -> tuple[int, bool]:
+    """(int4_lanes, int4_packed) measured fastest on the H200, 16 x 32768 written, % of the same run's
+    copy (`results/write_variants_round14.jsonl`): static scales 8 lanes x 16 tokens x 4 warps, 78 -> 88%;
+    per-token 4 lanes, packed, 68 -> 96% (asymmetric 58 -> 93%). Other formats: the tile path."""
+    if kf.kind != KIND_INT4:
+        return 0, False
+    return (4, True) if kf.scale_mode == SCALE_TOKEN else (8, False)
 
 
 def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

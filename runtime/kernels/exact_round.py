@@ -1,0 +1,87 @@
+"""Exact rounding steps shared by the write kernels (`write_kv.py`, `write_int4_rows.py`): round half to
+even by the 1.5 * 2**23 trick, and rounding fp32 scales up / zero points down to the scale dtype
+(comparing the cast with the fp32 value and stepping one ulp through the bit pattern, which is right
+whichever way the cast itself rounds)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 half-to-even
+
+
+@triton.jit
+def _rne(y):
+    return (y + _RNE_MAGIC) - _RNE_MAGIC
+
+
+_SMALL = tl.constexpr(5.421010862427522e-20)  # 2**-64: scales below it are scaled up for _quotient
+_HUGE = tl.constexpr(1.8446744073709552e19)  # 2**64: any quotient this large saturates whatever its digits
+
+
+@triton.jit
+def _to_scale_dtype(x, SCALE_DT: tl.constexpr):
+    if SCALE_DT == 0:
+        return x.to(tl.float16)
+    elif SCALE_DT == 1:
+        return x.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def _round_up(x, SCALE_DT: tl.constexpr):
+    """Smallest scale-dtype value >= x (x > 0), returned as fp32."""
+    if SCALE_DT == 2:
+        out = x
+    else:
+        r = _to_scale_dtype(x, SCALE_DT)
+        bits = r.to(tl.int16, bitcast=True)
+        # x > 0, so one more in the bit pattern is the next value up
+        if SCALE_DT == 0:
+            up = (bits + 1).to(tl.float16, bitcast=True)
+        else:
+            up = (bits + 1).to(tl.bfloat16, bitcast=True)
+        rf = r.to(tl.float32)
+        out = tl.where(rf < x, up.to(tl.float32), rf)
+    return out
+
+
+@triton.jit
+def _round_down(x, SCALE_DT: tl.constexpr):
+    """Largest scale-dtype value <= x (any sign), returned as fp32."""
+    if SCALE_DT == 2:
+        out = x
+    else:
+        r = _to_scale_dtype(x, SCALE_DT)
+        bits = r.to(tl.int16, bitcast=True)
+        # sign-magnitude: positive -> bits - 1; negative (and -0) -> bits + 1; +0 -> -smallest subnormal
+        step = tl.where(bits > 0, bits - 1, tl.where(bits == 0, -32767, bits + 1)).to(tl.int16)
+        if SCALE_DT == 0:
+            down = step.to(tl.float16, bitcast=True)
+        else:
+            down = step.to(tl.bfloat16, bitcast=True)
+        rf = r.to(tl.float32)
+        out = tl.where(rf > x, down.to(tl.float32), rf)
+    return out
+
+
+@triton.jit
+def _clamp_round(x, SCALE_DT: tl.constexpr, UP: tl.constexpr):
+    """UP: a scale, clamped to the scale dtype's [smallest normal, largest finite] (torch.finfo tiny /
+    max) and rounded up to it; else a zero point, clamped to its finite range and rounded down."""
+    if SCALE_DT == 0:
+        TINY: tl.constexpr = 6.103515625e-05
+        BIG: tl.constexpr = 65504.0
+    elif SCALE_DT == 1:
+        TINY: tl.constexpr = 1.1754943508222875e-38
+        BIG: tl.constexpr = 3.3895313892515355e38
+    else:
+        TINY: tl.constexpr = 1.1754943508222875e-38
+        BIG: tl.constexpr = 3.4028234663852886e38
+    if UP:
+        out = _round_up(tl.minimum(tl.maximum(x, TINY), BIG), SCALE_DT)
+    else:
+        out = _round_down(tl.minimum(tl.maximum(x, -BIG), BIG), SCALE_DT)
+    return out
