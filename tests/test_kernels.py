@@ -231,6 +231,16 @@ def _check_write_at_ties(fmt, seed, head_dim, v_scales, **launch):
     _check_write(cache, fmt, k.to(DEV), v.to(DEV), slots, **launch)
 
 
+def _special_values(k, v):
+    """k, v with an all-zero token, a token past the fp16 scale range, inf / -inf / NaN / subnormal /
+    huge values in one token and -inf in another."""
+    k[3] = 0.0
+    k[5, 1, 2] = 3.0e7
+    k[6, 0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, 3e38])
+    v[7, 1, 3] = float("-inf")
+    return k, v
+
+
 INT4_FORMATS = [f for f in FORMATS if f.dtype == "int4"]
 INT4_IDS = [i for f, i in zip(FORMATS, FMT_IDS) if f.dtype == "int4"]
 
@@ -249,11 +259,7 @@ def test_write_kv_int4_lanes_bytes_equal_reference(fmt, dtype, lanes):
     rescaling (3 * 2**-126 and 5 * 2**70)."""
     gen = torch.Generator().manual_seed(5)
     kv_heads, head_dim, bs, nb, tokens = 2, 64, 16, 6, 37
-    k, v = _kv(tokens, kv_heads, head_dim, torch.float32, gen)
-    k[3] = 0.0
-    k[5, 1, 2] = 3.0e7
-    k[6, 0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, 3e38])
-    v[7, 1, 3] = float("-inf")
+    k, v = _special_values(*_kv(tokens, kv_heads, head_dim, torch.float32, gen))
     if CUDA:  # NaNs in a token without inf: the interpreter's max propagates NaN into the scale (any kernel)
         v[8, 0, 1::2] = float("nan")
     k, v = k.to(dtype), v.to(dtype)
@@ -284,11 +290,7 @@ def test_write_kv_int4_packed_bytes_equal_reference(fmt, lanes):
     and on rows whose quotients sit on rounding ties; and the same bytes as int4 on the tile path."""
     gen = torch.Generator().manual_seed(9)
     kv_heads, head_dim, bs, nb, tokens = 2, 128, 16, 8, 100
-    k, v = _kv(tokens, kv_heads, head_dim, torch.float32, gen)
-    k[3] = 0.0
-    k[5, 1, 2] = 3.0e7
-    k[6, 0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, 3e38])
-    v[7, 1, 3] = float("-inf")
+    k, v = _special_values(*_kv(tokens, kv_heads, head_dim, torch.float32, gen))
     v[8, 0, 1::2] = float("nan")
     v[9, 1, 10:20] = float("nan")
     v[10, 0, 1:] = float("nan")

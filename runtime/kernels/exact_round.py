@@ -68,6 +68,27 @@ def _round_down(x, SCALE_DT: tl.constexpr):
 
 
 @triton.jit
+def _reciprocal(s, SCALE_UP: tl.constexpr, SCALE_DOWN: tl.constexpr = False):
+    """(s', 1 / s' rounded to nearest, k) with s' = s * k, k a power of two that keeps s' >= 2**-64.
+
+    Scaling both sides of a / s by the same power of two is exact, and it keeps the
+    fma corrections of `write_kv._quotient` clear of underflow (scales of 1e-38 are legal in fp32).
+    SCALE_UP False: the caller knows s >= 2**-64 (fp16 scales are >= 2**-14), k = 1. SCALE_DOWN:
+    scales from 2**64 up are scaled down to below it too (`write_int4_rows._rows_store`'s clamp bound
+    QMAX * s must be finite; scaling a by 2**-64 is inexact only for |a| < 2**-62, whose quotients,
+    below 2**-126, round to 0 with or without it)."""
+    if SCALE_DOWN:
+        k = tl.where(s < _SMALL, _HUGE, tl.where(s >= _HUGE, _SMALL, 1.0))
+        s = s * k
+    elif SCALE_UP:
+        k = tl.where(s < _SMALL, _HUGE, 1.0)
+        s = s * k
+    else:
+        k = 1.0
+    return s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), k
+
+
+@triton.jit
 def _clamp_round(x, SCALE_DT: tl.constexpr, UP: tl.constexpr):
     """UP: a scale, clamped to the scale dtype's [smallest normal, largest finite] (torch.finfo tiny /
     max) and rounded up to it; else a zero point, clamped to its finite range and rounded down."""

@@ -60,7 +60,7 @@ def wave_cost(pairs: int, splits: int, slots: int) -> float:
 
 def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, sm_count: int,
                       resident_per_sm: int, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT, max_splits: int = 64,
-                      tolerance: float = 0.10) -> int:
+                      tolerance: float = 0.10, refine_tolerance: float | None = None) -> int:
     """The fewest splits whose `wave_cost` is within `tolerance` of the best possible.
 
     Too few programs leave SMs idle (one long sequence); a last wave that is mostly
@@ -69,20 +69,30 @@ def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, 
     0.653 vs 0.575 ms). More splits cost partial write-backs and a merge, so among
     near-equal counts the smallest wins; splits stay >= min_tokens_per_split long.
     resident_per_sm: programs of this kernel an SM holds at once (registers and shared
-    memory of the compiled kernel; tuning.TUNED).
+    memory of the compiled kernel; tuning.TUNED). refine_tolerance: where `tolerance` already
+    splits, the fewest splits within this (smaller) one instead: splitting at all must win
+    `tolerance`, one more split per program costs little once there is a merge.
     """
     pairs = batch * kv_heads
     slots = max(1, resident_per_sm * sm_count)
     cap = max(1, min(max_splits, math.ceil(max_tokens / max(min_tokens_per_split, block_n))))
     costs = [wave_cost(pairs, s, slots) for s in range(1, cap + 1)]
     best = min(costs)
-    return next(s for s, cost in enumerate(costs, start=1) if cost <= best * (1 + tolerance))
+    splits = next(s for s, cost in enumerate(costs, start=1) if cost <= best * (1 + tolerance))
+    if splits > 1 and refine_tolerance is not None:
+        splits = next(s for s, cost in enumerate(costs, start=1) if cost <= best * (1 + refine_tolerance))
+    return splits
+
+
+def split_tokens(max_tokens: int, num_splits: int, tile: int) -> int:
+    """Tokens per split: a multiple of `tile`, num_splits of them covering max_tokens."""
+    return triton.cdiv(triton.cdiv(max_tokens, num_splits), tile) * tile
 
 
 def split_plan(out: torch.Tensor, max_tokens: int, num_splits: int, tile: int) -> tuple[int, int, tuple]:
     """(tokens per split, a multiple of `tile`; the split count that leaves none empty; the partial
     buffers (m, l, acc) for a split launch, else `out` three times: SPLIT=False compiles their stores away)."""
-    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), tile) * tile
+    tokens_per_split = split_tokens(max_tokens, num_splits, tile)
     num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
     if num_splits == 1:
         return tokens_per_split, 1, (out, out, out)

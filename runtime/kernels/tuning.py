@@ -15,7 +15,7 @@ import torch
 from ..kv_cache import LayerCache
 from . import decode_gluon
 from .formats import KIND_FLOAT, KIND_INT4, KIND_INT8, SCALE_TOKEN, KernelFormat, kernel_format
-from .split_k import MIN_TOKENS_PER_SPLIT, choose_num_splits
+from .split_k import MIN_TOKENS_PER_SPLIT, choose_num_splits, split_tokens
 
 
 class Tuned(NamedTuple):
@@ -117,12 +117,12 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
     """The Gluon kernel's (register cap, split count, ring stages); arguments not None are kept."""
     cap, resident = gluon_registers(kf, maxnreg)
     if num_splits is None:
-        args = (batch, kv_heads, max_tokens, decode_gluon.TILE, sms, resident_per_sm or resident,
-                decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS)
-        num_splits = choose_num_splits(*args)
-        if num_splits > 1:
-            num_splits = choose_num_splits(*args, GLUON_SPLIT_TOLERANCE)
-    return cap, num_splits, gluon_stages_for(kf, max_tokens // num_splits) if stages is None else stages
+        num_splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, sms, resident_per_sm or resident,
+                                       decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
+                                       refine_tolerance=GLUON_SPLIT_TOLERANCE)
+    if stages is None:
+        stages = gluon_stages_for(kf, split_tokens(max_tokens, num_splits, decode_gluon.TILE))
+    return cap, num_splits, stages
 
 
 def gluon_offsets32(kf: KernelFormat, cache_words: int) -> bool:

@@ -16,19 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .exact_round import _HUGE, _SMALL, _clamp_round, _rne
-
-
-@triton.jit
-def _reciprocal2(s):
-    """(s', 1 / s' rounded to nearest, k) with s' = s * k, k a power of two that puts s' in [2**-64, 2**64).
-
-    `_reciprocal`'s scale-up, and a scale-down for scales from 2**64 up: there QMAX * s could
-    overflow, and `_rows_store`'s clamp bound must be finite (scaling a by 2**-64 is inexact
-    only for |a| < 2**-62, whose quotients, below 2**-126, round to 0 with or without it)."""
-    k = tl.where(s < _SMALL, _HUGE, tl.where(s >= _HUGE, _SMALL, 1.0))
-    s = s * k
-    return s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), k
+from .exact_round import _clamp_round, _reciprocal, _rne
 
 
 @triton.jit
@@ -89,16 +77,15 @@ def _rows_load(x_ptr, t, mask_t, head, stride_xt, stride_xh, C: tl.constexpr, G:
 
     bf16 rows are loaded as 32-bit words and widened with one shift or mask per value (the even
     column is the low half); Triton's own cast extracts the high half first (two instructions)."""
-    g = (tl.arange(0, G) ^ 1)[:, None, None, None]
-    c = tl.arange(0, C)[None, None, :, None]
-    j = tl.arange(0, 4)[None, None, None, :]
-    m = mask_t[None, :, None, None]
     if x_ptr.dtype.element_ty == tl.bfloat16:
-        row = (x_ptr + t * stride_xt + head * stride_xh).to(tl.pointer_type(tl.int32))
-        w = tl.load(row[None, :, None, None] + (c * (4 * G) + g * 4 + j), mask=m, other=0)
-        xe = (w << 16).to(tl.float32, bitcast=True)
-        xo = (w & -65536).to(tl.float32, bitcast=True)
+        w = _rows_words(x_ptr, t, mask_t, head, stride_xt, stride_xh, C, G)
+        xe = _widen_lo(w)
+        xo = _widen_hi(w)
     else:
+        g = (tl.arange(0, G) ^ 1)[:, None, None, None]
+        c = tl.arange(0, C)[None, None, :, None]
+        j = tl.arange(0, 4)[None, None, None, :]
+        m = mask_t[None, :, None, None]
         row = x_ptr + t * stride_xt + head * stride_xh
         v = tl.arange(0, 2)[None, None, None, None, :]
         x = tl.load(row[None, :, None, None, None] + (c * (8 * G) + g * 8 + 2 * j)[:, :, :, :, None] + v,
@@ -121,6 +108,29 @@ def _rows_reduce(xe, xo, MAX: tl.constexpr):
 
 
 @triton.jit
+def _row_scale_store(lo, hi, scale_ptr, zero_ptr, meta_off, mask_t, G: tl.constexpr, ASYM: tl.constexpr,
+                     QMAX: tl.constexpr, SCALE_DT: tl.constexpr):
+    """A row's scale (and zero point) from its min and max (symmetric: hi = lo = amax), stored at
+    its slot, as `kv_format.dynamic_scales` rounds them; [1, BLOCK_T, 1, 1] in the tile's own layout
+    (keep_dims: no conversion to broadcast them back), stored through a [G, BLOCK_T, 1, 1] view of
+    them that only the lane g == 0 stores."""
+    if ASYM:
+        z = _clamp_round(lo, SCALE_DT, False)
+        s = tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32))
+    else:
+        z = 0.0
+        s = tl.math.div_rn(hi, tl.full(hi.shape, QMAX, tl.float32))
+    s = _clamp_round(s, SCALE_DT, True)
+    T: tl.constexpr = s.shape[1]
+    first = (tl.arange(0, G) == 0)[:, None, None, None] & mask_t[None, :, None, None]
+    meta = tl.broadcast_to(meta_off[None, :, None, None], (G, T, 1, 1))
+    tl.store(scale_ptr + meta, tl.broadcast_to(s.to(scale_ptr.dtype.element_ty), (G, T, 1, 1)), mask=first)
+    if ASYM:
+        tl.store(zero_ptr + meta, tl.broadcast_to(z.to(zero_ptr.dtype.element_ty), (G, T, 1, 1)), mask=first)
+    return s, z
+
+
+@triton.jit
 def _rows_int(x, s, y, b, ASYM: tl.constexpr, FAST: tl.constexpr, ONE_FMA: tl.constexpr,
               CLAMPED: tl.constexpr = False):
     """Clamped values (see `_rows_store`) / s, rounded half to even, as int32 (NaN -> 0).
@@ -135,7 +145,7 @@ def _rows_int(x, s, y, b, ASYM: tl.constexpr, FAST: tl.constexpr, ONE_FMA: tl.co
     ulp(s) u / 4 >= 2**-10 s u / 8, so |a/s - M| > 2**-13 u > |e|. (With a 24-bit s the gap can be
     2**-25 u, smaller than |e|: fp32 scales keep `_quotient`'s two corrections, Markstein's theorem.)"""
     if CLAMPED:  # `_rows_store_words` clamped the bf16 pairs already
-        x = x
+        pass
     elif ASYM and FAST:
         # cvt.rni.u32 saturates negatives (a - z < 0 only where the zero point was clamped) to 0
         x = tl.minimum(x, b, propagate_nan=tl.PropagateNan.ALL)
@@ -198,34 +208,23 @@ def _rows_store(
     too); so nothing needs clamping after the division, the quotients are finite (the
     correction of an infinite one would be inf - inf: `_quotient`'s |q0| < 2**64 select is not
     needed), and a NaN stays NaN until `cvt.rni` (FAST) or the where (interpreter) makes it 0.
-    The power-of-two scaling k of `_reciprocal2` is applied to the values before the clamp (the
+    The power-of-two scaling k of `_reciprocal` is applied to the values before the clamp (the
     bound is computed from the scaled scale), as `_quotient` applies it."""
     if SCALE_MODE == 3:
-        # row quantities are [1, BLOCK_T, 1, 1] in the tile's own layout (keep_dims): no conversion
-        # to broadcast them back; the scale (and zero) stores go through a [G, BLOCK_T, 1, 1] view
-        # of them that only the lane g == 0 stores, in the same layout
         if ASYM:
             lo = _rows_reduce(xe, xo, False)
             hi = _rows_reduce(xe, xo, True)
-            z = _clamp_round(lo, SCALE_DT, False)
-            s = tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32))
         else:
-            amax = _rows_reduce(tl.abs(xe), tl.abs(xo), True)
-            s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-        s = _clamp_round(s, SCALE_DT, True)
-        G: tl.constexpr = xe.shape[0]
-        T: tl.constexpr = xe.shape[1]
-        first = (tl.arange(0, G) == 0)[:, None, None, None] & mask_t[None, :, None, None]
-        meta = tl.broadcast_to(meta_off[None, :, None, None], (G, T, 1, 1))
-        tl.store(scale_ptr + meta, tl.broadcast_to(s.to(scale_ptr.dtype.element_ty), (G, T, 1, 1)), mask=first)
+            hi = _rows_reduce(tl.abs(xe), tl.abs(xo), True)
+            lo = hi
+        s, z = _row_scale_store(lo, hi, scale_ptr, zero_ptr, meta_off, mask_t, xe.shape[0], ASYM, QMAX, SCALE_DT)
         if ASYM:
-            tl.store(zero_ptr + meta, tl.broadcast_to(z.to(zero_ptr.dtype.element_ty), (G, T, 1, 1)), mask=first)
             xe = xe - z
             xo = xo - z
         if SCALE_DT == 0:  # fp16 scales lie in [2**-14, 65504]: no scaling
             y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         else:
-            s, y, k = _reciprocal2(s)
+            s, y, k = _reciprocal(s, True, True)
             xe = xe * k
             xo = xo * k
     else:
@@ -233,7 +232,7 @@ def _rows_store(
             s = tl.load(scale_ptr + head)
         else:
             s = tl.load(scale_ptr)
-        s, y, k = _reciprocal2(s)
+        s, y, k = _reciprocal(s, True, True)
         xe = xe * k
         xo = xo * k
     b = s * QMAX
@@ -262,24 +261,16 @@ def _rows_store_words(
     symmetric format the clamp, done on the bf16 pairs before widening, to [-B, B] with B = QMAX * s
     rounded to bf16 (B / s = QMAX (1 + d), |d| < 2**-8.9, rounds to QMAX, so `_rows_store`'s argument
     holds with this B; s <= 65504 keeps B finite). The asymmetric clamp stays in fp32 (after a - z)."""
-    G: tl.constexpr = w.shape[0]
-    T: tl.constexpr = w.shape[1]
     if ASYM:
         lo = _words_reduce(w, False)
         hi = _words_reduce(w, True)
-        z = _clamp_round(lo, 0, False)
-        s = tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32))
     else:
-        amax = _words_reduce(w & 0x7FFF7FFF, True)
-        s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-    s = _clamp_round(s, 0, True)
-    first = (tl.arange(0, G) == 0)[:, None, None, None] & mask_t[None, :, None, None]
-    meta = tl.broadcast_to(meta_off[None, :, None, None], (G, T, 1, 1))
-    tl.store(scale_ptr + meta, tl.broadcast_to(s.to(scale_ptr.dtype.element_ty), (G, T, 1, 1)), mask=first)
+        hi = _words_reduce(w & 0x7FFF7FFF, True)
+        lo = hi
+    s, z = _row_scale_store(lo, hi, scale_ptr, zero_ptr, meta_off, mask_t, w.shape[0], ASYM, QMAX, 0)
     y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     b = s * QMAX
     if ASYM:
-        tl.store(zero_ptr + meta, tl.broadcast_to(z.to(zero_ptr.dtype.element_ty), (G, T, 1, 1)), mask=first)
         xe = _widen_lo(w) - z
         xo = _widen_hi(w) - z
         ne = _rows_int(xe, s, y, b, ASYM, True, True)

@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..kv_cache import LayerCache
-from .exact_round import _HUGE, _SMALL, _clamp_round, _rne
+from .exact_round import _HUGE, _clamp_round, _reciprocal, _rne
 from .formats import (
     FP8_HARDWARE,
     FP8_NONE,
@@ -58,21 +58,6 @@ from .formats import (
     scale_tensors,
 )
 from .write_int4_rows import _rows_load, _rows_store, _rows_store_words, _rows_words
-
-
-@triton.jit
-def _reciprocal(s, SCALE_UP: tl.constexpr):
-    """(s', 1 / s' rounded to nearest, k) with s' = s * k, k a power of two that keeps s' >= 2**-64.
-
-    Scaling both sides of a / s by the same power of two is exact, and it keeps the
-    fma corrections of `_quotient` clear of underflow (scales of 1e-38 are legal in fp32).
-    SCALE_UP False: the caller knows s >= 2**-64 (fp16 scales are >= 2**-14), k = 1."""
-    if SCALE_UP:
-        k = tl.where(s < _SMALL, _HUGE, 1.0)
-        s = s * k
-    else:
-        k = 1.0
-    return s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), k
 
 
 @triton.jit
