@@ -11,7 +11,16 @@ import torch
 import triton
 from triton.testing import do_bench
 
-_FLUSH: list[torch.Tensor] = []  # 256 MiB written before every timed call: L2 (50 MB on the H200) starts cold
+_FLUSH: list[torch.Tensor] = []  # 256 MiB touched before every timed call: L2 (50 MB on the H200) starts cold
+# How the L2 is emptied before a timed call. "write" zeroes the buffer: L2 is then full of dirty lines,
+# and the timed kernel pays for writing them back to DRAM (up to 50 MB) as it evicts them -- a fixed
+# cost that no kernel of a decode step meets (the GEMMs before attention leave clean weight lines),
+# and that weighs most on the fastest kernel. "read" reduces the buffer instead: L2 holds clean lines
+# of other data, as it does in a decode step. Both are kept so a run can show the difference.
+# Measured (results/flush_artifact_round15.txt): a 512 MiB read took 140.9 us after the write, 133.0 us
+# after the read; 2 GiB 511 against 504 us; a read of 1 GiB empties L2 no better than 256 MiB.
+FLUSH_MODES = ("read", "write")
+DEFAULT_FLUSH = "read"
 
 
 def gpu_env(**extra) -> dict:
@@ -35,18 +44,22 @@ def eager_ms(fn) -> float:
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def median_ms(fn, reps: int = 20, rounds: int = 5) -> float:
+def median_ms(fn, reps: int = 20, rounds: int = 5, flush: str = DEFAULT_FLUSH) -> float:
     """GPU time of one call of fn: a CUDA graph of reps x (L2 flush, fn) minus one of the flushes alone,
-    median over rounds of replays.
+    median over rounds of replays. flush: one of FLUSH_MODES.
 
     Graphs take the host out of the number: at the 70B-per-GPU shapes the eager launcher's Python
     (split choice, allocations, the merge launch) outlasts the kernels, and eager timing measured
     it. The engine replays its decode steps from graphs too (runtime/cuda_graphs.py). Falls back
     to eager timing where fn cannot be captured (then host time is in).
     """
+    if flush not in FLUSH_MODES:
+        raise ValueError(f"flush={flush!r}: choose one of {FLUSH_MODES}")
     if not _FLUSH:
-        _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
-    flush = _FLUSH[0]
+        _FLUSH.append(torch.zeros(256 << 20, dtype=torch.int8, device="cuda"))
+        _FLUSH.append(torch.zeros(1, dtype=torch.int64, device="cuda"))
+    buf, total = _FLUSH
+    empty_l2 = buf.zero_ if flush == "write" else partial(torch.sum, buf.view(torch.int32), (0,), True, out=total)
     fn()  # compile and allocate outside the capture
     torch.cuda.synchronize()
 
@@ -54,7 +67,7 @@ def median_ms(fn, reps: int = 20, rounds: int = 5) -> float:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(reps):
-                flush.zero_()
+                empty_l2()
                 if with_fn:
                     fn()
         return g
@@ -78,8 +91,10 @@ def median_ms(fn, reps: int = 20, rounds: int = 5) -> float:
     return times[rounds // 2]
 
 
-def ceilings() -> dict:
-    """Device-to-device copy (read + write) and read-only reduction bandwidth, GB/s."""
+def ceilings(flush: str = DEFAULT_FLUSH) -> dict:
+    """Device-to-device copy (read + write) and read-only reduction bandwidth, GB/s. The read is
+    timed as the kernels are (`median_ms`, this flush); the copy eagerly (do_bench empties L2 by
+    writing: over 4 GiB moved that costs ~0.3%)."""
     n = 2 << 30  # 2 GiB
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
@@ -87,6 +102,6 @@ def ceilings() -> dict:
     # engines (2.8 TB/s on the H200), not the SM copy kernel the ceiling is meant to measure
     copy_ms = eager_ms(partial(dst.copy_, src))
     x = src.view(torch.bfloat16)
-    read_ms = eager_ms(partial(x.sum, dtype=torch.float32))
+    read_ms = median_ms(partial(x.sum, dtype=torch.float32), flush=flush)
     del src, dst
     return {"copy_gbps": 2 * n / copy_ms / 1e6, "read_gbps": n / read_ms / 1e6}

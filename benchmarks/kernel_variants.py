@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels as kb  # noqa: E402  (benchmarks/kernels.py: shapes, formats, the fp32 reference)
-from gpu_timing import ceilings, median_ms  # noqa: E402
+from gpu_timing import FLUSH_MODES, ceilings, median_ms  # noqa: E402
 
 from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
 
@@ -194,7 +194,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--profile", default="", help="FORMAT:VARIANT: only launch it 3 times (run under ncu)")
     ap.add_argument("--write", action="store_true", help="time the write kernel's variants instead (WRITE_VARIANTS)")
+    ap.add_argument("--flush", default=kb.FLUSH, choices=FLUSH_MODES, help="how L2 is emptied before each timed call")
     args = ap.parse_args()
+    kb.FLUSH = args.flush
     if args.profile:
         profile(args, *args.profile.split(":"))
         return
@@ -226,7 +228,7 @@ def main() -> None:
                 try:
                     o = fn()
                     err = ((o.float() - ref).norm() / ref.norm()).item()
-                    ms = float("nan") if cpu else median_ms(fn)
+                    ms = float("nan") if cpu else median_ms(fn, flush=kb.FLUSH)
                 except Exception as e:  # a variant that does not compile: say so, go on
                     print(f"  {name:14s} {var:16s} {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
@@ -234,7 +236,7 @@ def main() -> None:
                 row = {"model": args.model, "batch": batch, "ctx": ctx, "block_size": args.block_size,
                        "format": name, "variant": var,
                        "opts": opts, "ms": ms, "gbps": kvb / ms / 1e6, "sdpa_ms": sdpa_ms,
-                       "speedup": sdpa_ms / ms, "relerr_vs_fp32": err}
+                       "speedup": sdpa_ms / ms, "relerr_vs_fp32": err, "flush": kb.FLUSH}
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 print(f"  {name:14s} {var:16s} {ms:.4f} ms {row['gbps']:6.0f} GB/s x{row['speedup']:.2f} err={err:.2e}",
@@ -308,10 +310,10 @@ def write_variants(args) -> None:
                                        getattr(ref, f).reshape(-1).view(torch.uint8))
                            for f in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
                            if getattr(ref, f) is not None)
-                ms = float("nan") if cpu else median_ms(fn)
+                ms = float("nan") if cpu else median_ms(fn, flush=kb.FLUSH)
                 row = {"model": args.model, "batch": batch, "ctx": ctx, "format": name, "variant": var, "opts": opts,
                        "ms": ms, "gbps": moved / ms / 1e6, "copy_gbps": copy, "pct_copy": 100 * moved / ms / 1e6 / copy,
-                       "bytes_equal_default": same}
+                       "bytes_equal_default": same, "flush": kb.FLUSH}
                 sink.write(json.dumps(row) + "\n")
                 print(f"  {name:14s} {var:10s} {ms:.4f} ms {row['gbps']:6.0f} GB/s {row['pct_copy']:4.0f}% "
                       f"of copy {'same bytes' if same else 'BYTES DIFFER'}", flush=True)

@@ -6,8 +6,10 @@ Run on the GPU machine from the repository root (needs only torch and triton):
     python3 benchmarks/kernels.py --quick --out /tmp/r                 # one shape
 
 For each model shape x (batch, context) x KV format it records the decode
-kernel's median GPU time (CUDA-graph replays, L2 flushed before each call; the
-eager launch time beside it), the GB/s of KV it actually reads (pages of the valid
+kernel's median GPU time (CUDA-graph replays, L2 emptied before each call by
+reading 256 MiB -- `--flush write` zeroes them instead, as runs before 2026-11-30
+did, which charges every call the write-back of those dirty lines: gpu_timing.py;
+the eager launch time beside it), the GB/s of KV it actually reads (pages of the valid
 tokens plus per-token scales/zeros), its speedup over torch SDPA with the
 cuDNN backend on dense BF16 KV of the same shape measured in the same run, and
 its error against an fp32 attention over the dequantized cache. The write
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_timing import ceilings, eager_ms, env_line, gpu_env, median_ms  # noqa: E402
+from gpu_timing import DEFAULT_FLUSH, FLUSH_MODES, ceilings, eager_ms, env_line, gpu_env, median_ms  # noqa: E402
 
 from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
 from runtime.kernels.formats import kernel_format  # noqa: E402
@@ -55,6 +57,7 @@ MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
 GRID = [(1, 131072), (16, 32768), (64, 8192), (128, 4096)]
 BLOCK_SIZE = 16
 DEVICE = "cuda"
+FLUSH = DEFAULT_FLUSH  # how median_ms empties L2 before a timed call (gpu_timing.FLUSH_MODES)
 # (block_n, num_warps, num_stages, V tile loaded transposed) candidates for the tuning pass
 # (None = the launcher's defaults, chosen with benchmarks/kernel_variants.py; --tune-tiles adds the rest)
 CONFIGS_16BIT = [(64, 4, 3, 0), (128, 4, 3, 0)]
@@ -95,7 +98,7 @@ class Case:
                 with sdpa_kernel([backend]):
                     fn = lambda: F.scaled_dot_product_attention(q4, kd, vd, scale=self.sm_scale)  # noqa: E731
                     fn()
-                    ms = median_ms(fn)
+                    ms = median_ms(fn, flush=FLUSH)
                 return ms, backend.name
             except RuntimeError as e:  # backend refuses this shape: try the next, say which ran
                 print(f"  {backend.name} unavailable: {str(e)[:120]}", flush=True)
@@ -159,7 +162,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
     for name in fmt_names:
         fmt = FORMATS[name]
         cache = case.cache(fmt)
-        write_ms = median_ms(partial(write_kv_launch, cache, case.k, case.v, case.slots))
+        write_ms = median_ms(partial(write_kv_launch, cache, case.k, case.v, case.slots), flush=FLUSH)
         write_bytes = case.write_bytes(fmt)
         best = None
         tried = []
@@ -172,7 +175,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
             else:
                 opts = dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], v_transposed=bool(cfg[3]))
             try:
-                ms = median_ms(partial(launch, **opts))
+                ms = median_ms(partial(launch, **opts), flush=FLUSH)
             except Exception as e:  # a config that does not compile (e.g. out of shared memory)
                 print(f"  {name} cfg={cfg}: {type(e).__name__} {str(e)[:100]}", flush=True)
                 continue
@@ -190,7 +193,7 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
             "kind": "decode", "model": case.model, "batch": case.batch, "ctx": case.ctx, "format": name,
             "fmt": fmt.name, "ms": ms, "kv_bytes": kvb, "gbps": kvb / ms / 1e6,
             "sdpa_ms": sdpa_ms, "sdpa_backend": backend, "speedup": sdpa_ms / ms, "eager_ms": eager,
-            "timing": "cuda graph, L2 flushed per call",
+            "timing": f"cuda graph, L2 flushed per call ({FLUSH})",
             "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6,
             "block_n": bn, "num_warps": warps, "num_stages": stages, "v_transposed": vt, "relerr_vs_fp32": err,
             "kernel": kernel_name(tuned, kernel_format(cache), case, opts), "default_tile": not opts,
@@ -257,7 +260,8 @@ def markdown(env: dict, rows: list[dict]) -> str:
         f"read-only reduction {env['read_gbps']:.0f} GB/s.",
         f"Page size {BLOCK_SIZE}, pages in random order, all sequences full length, q/out bf16. "
         "GB/s = KV bytes actually read (values + per-token scales) / median time. Times are GPU times "
-        "from CUDA-graph replays with L2 flushed before each call; 'eager ms' times the launcher's "
+        f"from CUDA-graph replays with L2 emptied before each call (by a {env.get('flush', 'write')} of 256 MiB); "
+        "'eager ms' times the launcher's "
         "eager calls (host time included where it outlasts the kernel). "
         "Baseline: torch SDPA (cuDNN backend) on dense BF16 KV of the same shape, same run.",
         "",
@@ -291,7 +295,10 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="only run FORMAT's decode at 16x32768 a few times (under ncu)")
     ap.add_argument("--e2e", default="", help="only the end-to-end greedy check, on this device (cuda)")
     ap.add_argument("--markdown", default="", help="only rebuild kernels.md from this kernels.jsonl")
+    ap.add_argument("--flush", default=DEFAULT_FLUSH, choices=FLUSH_MODES, help="how L2 is emptied before each timed call")
     args = ap.parse_args()
+    global FLUSH
+    FLUSH = args.flush
     if args.markdown:
         lines = [json.loads(x) for x in open(args.markdown)]
         Path(args.out, "kernels.md").write_text(markdown(lines[0], [r for r in lines if r["kind"] == "decode"]))
@@ -312,7 +319,7 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = gpu_env(**ceilings())
+    env = gpu_env(flush=FLUSH, **ceilings(FLUSH))
     print(f"{env['gpu']}: copy {env['copy_gbps']:.0f} GB/s, read {env['read_gbps']:.0f} GB/s", flush=True)
     fmt_names = args.formats.split(",")
     fixed = {}

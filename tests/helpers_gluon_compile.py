@@ -20,10 +20,10 @@ from runtime.kernels import decode_gluon, tuning  # noqa: E402
 from runtime.kernels.formats import FP8_E4M3, KernelFormat  # noqa: E402
 
 # (storage kind, scale mode, asymmetric, ring stages): fp8 / int8 / int4 x per-tensor, per-head, per-token
-# (+ asym), as `tuning.gluon_stages_for` builds them for long splits; and int4 per-head's register path
-GLUON_VARIANTS = [(kind, mode, asym, 2 if kind == 2 and mode != 3 else 0) for kind in (0, 1, 2)
+# (+ asym), as `tuning.gluon_stages_for` builds them for long splits; and int4's register path (short splits)
+GLUON_VARIANTS = [(kind, mode, asym, 2 if kind == 2 else 0) for kind in (0, 1, 2)
                   for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
-GLUON_VARIANTS.append((2, 2, False, 0))
+GLUON_VARIANTS += [(2, 2, False, 0), (2, 3, False, 0), (2, 3, True, 0)]
 
 
 def loop_local_accesses(sass: str) -> int:
@@ -53,7 +53,7 @@ def build(kind: int, mode: int, asym: bool, stages: int) -> dict:
     aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    cap, _ = tuning.gluon_registers(kf)
+    cap, _ = tuning.gluon_registers(kf, ring=stages > 0)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

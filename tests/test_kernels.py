@@ -499,7 +499,7 @@ def test_decode_gluon_kernel(fmt, shape, split):
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
 
-RING_FORMATS = [f for f in QUANTIZED if f.dtype == "int4" and f.granularity != "per_token"]
+RING_FORMATS = [f for f in QUANTIZED if f.dtype == "int4"]
 
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
@@ -507,8 +507,8 @@ RING_FORMATS = [f for f in QUANTIZED if f.dtype == "int4" and f.granularity != "
 @pytest.mark.parametrize("shape", list(GLUON_SHAPES))
 @pytest.mark.parametrize("fmt", RING_FORMATS, ids=lambda f: f.name)
 def test_decode_gluon_ring(fmt, shape, stages):
-    """The int4 shared-memory ring (cp.async a stage ahead, `tuning.gluon_stages_for`) meets the same
-    oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
+    """The int4 shared-memory ring (cp.async a stage ahead, per-token scales and zero points with the words;
+    `tuning.gluon_stages_for`) meets the same oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
     with split-K (tiles past a split's end, pages out of order, lengths not a multiple of 16)."""
     batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES[shape]
     gen = torch.Generator().manual_seed(zlib.crc32(f"ring{shape}{fmt.name}".encode()))
@@ -599,13 +599,14 @@ def gluon_sm90_builds():
 def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
     """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
     register renames (`assert_trivial` in `_k_operand` / `_v_operand`; a wrong permutation fails the
-    build), K and V touch shared memory only in the int4 static-scale ring (2 stages of 1 KB of K and
-    1 KB of V), no variant spills inside its tile loop, and with 128 registers the static formats do
+    build), K and V touch shared memory only in the int4 ring (2 stages of 1 KB of K, 1 KB of V and the
+    tile's per-token scales and zero points), no variant spills inside its tile loop, and with 128 registers the static formats do
     not spill at all (16 programs per SM is what the split rule assumes)."""
     build = gluon_sm90_builds[variant]
     assert "error" not in build, build.get("error")
-    _, mode, _, stages = variant
-    assert build["shared"] == stages * 2 * 16 * 64, "K and V go to registers, int4 static tiles through the ring"
+    _, mode, asym, stages = variant
+    metas = (4 if asym else 2) * 16 * 2 if mode == 3 else 0  # per-token fp16 scales (and zero points) a tile
+    assert build["shared"] == stages * (2 * 16 * 64 + metas), "K and V go to registers, int4 tiles through the ring"
     assert build["regs"] <= (build["cap"] or 255)
     assert build["loop_local"] == 0, f"spills in the tile loop: {build}"
     if mode != 3:
@@ -677,13 +678,14 @@ def test_gluon_programs_per_sm_follow_the_register_cap():
     assert gluon_registers(int4) == (128, 16)
     assert gluon_registers(_kernel_format(2, 3)) == (120, 16)
     assert gluon_registers(_kernel_format(2, 3, asym=True)) == (None, 12)
+    assert gluon_registers(_kernel_format(2, 3, asym=True), ring=True) == (128, 16)  # 118 registers built
     assert gluon_registers(_kernel_format(1, 3)) == (None, 12)
 
 
 def test_gluon_plan_takes_the_ring_only_for_long_splits():
     """Splits by the wave rule at 16 programs per SM (132 SMs; splitting at all within 10% of the best,
-    then 5%); int4 with static scales takes the ring where they are >= 1024 tokens long, the registers
-    otherwise."""
+    then 5%); int4 takes the ring where they are >= 1024 tokens long, the registers otherwise (and
+    asymmetric per-token int4 the registers' uncapped 12 programs per SM)."""
     from runtime.kernels.tuning import gluon_plan
 
     int4 = _kernel_format(2, 2)
@@ -693,6 +695,12 @@ def test_gluon_plan_takes_the_ring_only_for_long_splits():
     assert gluon_plan(int4, 128, 8, 4096, 132) == (128, 2, 2)  # 2048 programs of 2048 tokens
     # one KV head per GPU (70B at TP 8): 64 pairs, 31 splits of ~264 tokens, on the register path
     assert gluon_plan(int4, 64, 1, 8192, 132) == (128, 31, 0)
+    # per-token int4 the same, through the ring at its own cap; asymmetric at 128 (16 per SM) there, but
+    # 70B's 31 splits are too short for it: the register plan, uncapped (12 per SM, 1584 slots for 64
+    # pairs: 24 splits fill one wave, 22 is the first within 10%, 23 within 5%)
+    assert gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132) == (120, 16, 2)
+    assert gluon_plan(_kernel_format(2, 3, asym=True), 16, 8, 32768, 132) == (128, 16, 2)
+    assert gluon_plan(_kernel_format(2, 3, asym=True), 64, 1, 8192, 132) == (None, 23, 0)
     # 8-bit formats never take the ring
     assert gluon_plan(_kernel_format(1, 2), 16, 8, 32768, 132) == (128, 16, 0)
     # int8 per-token (uncapped, 12 per SM), 1464 pairs in 1584 slots: one split (92% of the slots) is within

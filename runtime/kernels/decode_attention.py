@@ -267,7 +267,7 @@ def decode_attention_launch(
     supports the launch (CUDA, head_dim 128, <= 8 heads per KV head, pages of 16k tokens, quantized
     formats); of the other options it takes num_splits, maxnreg and resident_per_sm. gluon_skip_rescale:
     there, skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
-    gluon_stages: there, int4 static-scale tiles through a shared-memory ring of this many stages (0: loaded
+    gluon_stages: there, int4 tiles through a shared-memory ring of this many stages (0: loaded
     into registers; `tuning.gluon_stages_for`).
     """
     kf = kernel_format(cache)

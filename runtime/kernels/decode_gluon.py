@@ -30,9 +30,9 @@ over 16-token tiles, with every layout written out:
   computed). Integer pages load unmasked: past a sequence's end the words are still inside a
   page and widen to finite values. ptxas copies the loop-carried words into place at the end of
   each step, and that copy waits for the load (Nsight Compute: a third of int4's stall samples on
-  one move), so int4 with static scales and long splits takes a ring in shared memory instead
-  (`STAGES`, `tuning.gluon_stages_for`): cp.async fills the next stage while this one computes,
-  and the page index is loaded one step earlier. Page offsets are int32 where the cache allows
+  one move), so int4 with long splits takes a ring in shared memory instead (`STAGES`,
+  `tuning.gluon_stages_for`): cp.async fills the next stage (words, and per-token scales and zero
+  points) while this one computes, and the page index is loaded one step earlier. Page offsets are int32 where the cache allows
   (`OFF32`), and a 16-token page needs no slot arithmetic.
 * Online softmax per column (head); the row sums of p accumulate elementwise and are reduced
   once at the end, and where no column's max grew the rescale is skipped
@@ -118,6 +118,9 @@ if gluon is not None:
     # offset's bits 3-4 take row bits 1-2 and the word's bit 3 moves up (16-byte chunks stay whole).
     RING_K = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     RING_V = gl.constexpr(gl.SharedLinearLayout([[0, 1], [0, 2], [0, 4], [2, 0], [4, 0], [0, 8], [1, 0], [8, 0]]))
+    # Per-token scales / zero points of the ring's tiles [stages, 16 tokens], copied 2 a lane (4-8 bytes)
+    RING_META = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    META_COPY = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))
 
     @gluon.jit
     def _widen(w, KIND: gl.constexpr, ASM: gl.constexpr):
@@ -245,13 +248,40 @@ if gluon is not None:
         return page * stride_cb + kvh * stride_ch + slot * stride_ct, slot
 
     @gluon.jit
-    def _copy_tile(n0, page, K, V, k_ring, v_ring, stage, kvh, stride_cb, stride_ch, stride_ct, coffs,
-                   BLOCK_SIZE: gl.constexpr):
-        """Start the asynchronous copy of a tile's K and V words into ring stage `stage` (one group)."""
-        base, _ = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
+    def _copy_tile(n0, page, K, V, k_ring, v_ring, stage, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
+                   BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr):
+        """Start the asynchronous copy of a tile's K and V words (and per-token scales, zero points: `metas`)
+        into ring stage `stage` (one group)."""
+        base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
         async_copy.async_copy_global_to_shared(k_ring.index(stage), K + base + coffs)
         async_copy.async_copy_global_to_shared(v_ring.index(stage), V + base + coffs)
+        if SCALE_MODE == 3:
+            KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh = metas
+            # tiles start at multiples of 16 tokens: say so, or cp.async falls back to 2-byte copies it lacks
+            meta = gl.multiple_of(page * stride_mb + kvh * stride_mh + slot, 16) + gl.arange(0, 16, layout=META_COPY)
+            async_copy.async_copy_global_to_shared(ks_ring.index(stage), KS + meta)
+            async_copy.async_copy_global_to_shared(vs_ring.index(stage), VS + meta)
+            if ASYM:
+                async_copy.async_copy_global_to_shared(kz_ring.index(stage), KZ + meta)
+                async_copy.async_copy_global_to_shared(vz_ring.index(stage), VZ + meta)
         async_copy.commit_group()
+
+    @gluon.jit
+    def _ring_metas(n0, end, metas, stage, ts, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr):
+        """A ring tile's per-token scales and zero points (0 past `end`, as `_tile_words` loads them)."""
+        ks = 0.0
+        vs = 0.0
+        kz = 0.0
+        vz = 0.0
+        if SCALE_MODE == 3:
+            _, _, _, _, ks_ring, vs_ring, kz_ring, vz_ring, _, _ = metas
+            valid = (n0 + ts) < end
+            ks = gl.where(valid, ks_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
+            vs = gl.where(valid, vs_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
+            if ASYM:
+                kz = gl.where(valid, kz_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
+                vz = gl.where(valid, vz_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
+        return ks, vs, kz, vz
 
     @gluon.jit
     def _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,
@@ -373,13 +403,25 @@ if gluon is not None:
         state = (m_i, l_t, z_t, acc, c_v)
         consts = (end, qt, qsum, k_fold, K_CENTER * qsum * k_fold, ts)
         if STAGES > 0:
-            # int4: a ring of STAGES tiles in shared memory, filled by cp.async STAGES - 1 tiles ahead
-            # (bytes in flight that hold no registers); each tile's page is loaded one step earlier.
+            # int4: a ring of STAGES tiles in shared memory (words, per-token scales and zero points), filled
+            # by cp.async STAGES - 1 tiles ahead (bytes in flight that hold no registers); each tile's page
+            # is loaded one step earlier.
             k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_K)
             v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_V)
+            # static scales: no scale rings (the word rings hold their places in the tuple, unread)
+            metas = (KS, VS, KZ, VZ, k_ring, v_ring, k_ring, v_ring, stride_mb, stride_mh)
+            if SCALE_MODE == 3:
+                ks_ring = gl.allocate_shared_memory(KS.dtype.element_ty, [STAGES, 16], RING_META)
+                vs_ring = gl.allocate_shared_memory(VS.dtype.element_ty, [STAGES, 16], RING_META)
+                kz_ring = ks_ring
+                vz_ring = vs_ring
+                if ASYM:
+                    kz_ring = gl.allocate_shared_memory(KZ.dtype.element_ty, [STAGES, 16], RING_META)
+                    vz_ring = gl.allocate_shared_memory(VZ.dtype.element_ty, [STAGES, 16], RING_META)
+                metas = (KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh)
             for i in gl.static_range(STAGES - 1):
                 _copy_tile(start + 16 * i, _page(bt_row, start + 16 * i, end, BLOCK_SIZE, OFF32), K, V, k_ring,
-                           v_ring, i, kvh, stride_cb, stride_ch, stride_ct, koffs, BLOCK_SIZE)
+                           v_ring, i, kvh, stride_cb, stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
             ahead = start + 16 * (STAGES - 1)
             page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
             stage = 0
@@ -389,13 +431,14 @@ if gluon is not None:
                 async_copy.wait_group(STAGES - 2)
                 gl.thread_barrier()
                 _copy_tile(ahead, page, K, V, k_ring, v_ring, (stage + STAGES - 1) % STAGES, kvh, stride_cb,
-                           stride_ch, stride_ct, koffs, BLOCK_SIZE)
+                           stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
                 ahead += 16
                 page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)  # after its last use: no register move
                 kw = k_ring.index(stage).load(KL)
                 vw = v_ring.index(stage).load(VL)
+                ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM)
                 stage = (stage + 1) % STAGES
-                state = _attend(n0, kw, vw, 0.0, 0.0, 0.0, 0.0, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
+                state = _attend(n0, kw, vw, ks, vs, kz, vz, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
                                 CENTER, K_CENTER, SKIP_RESCALE)
             async_copy.wait_group(0)
         else:
@@ -436,7 +479,7 @@ def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor,
            maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False):
     """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
     plan: `split_k.split_plan`'s (tokens per split, splits, partial buffers) for tiles of TILE tokens. skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
-    stages: int4 static-scale tiles through a shared-memory ring of this many stages (0: registers;
+    stages: int4 tiles through a shared-memory ring of this many stages (0: registers;
     `tuning.gluon_stages_for`). offsets32: int32 page offsets (`tuning.gluon_offsets32`)."""
     from .split_k import merge_splits
 

@@ -103,26 +103,36 @@ GLUON_SPLIT_TOLERANCE = 0.05
 
 def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
     """Stages of the Gluon kernel's shared-memory ring (0: tiles loaded into registers a step ahead).
-    int4 with static scales and splits of >= 1024 tokens: 2 (16 x 32768: 0.149 ms against 0.156 from
-    registers, 3 stages 0.155; KERNEL_NOTES.md, ninth session). Short splits (Llama-3-70B at TP 8:
-    256 tokens) ran slower with it. The per-token formats load their scales with the words and are
-    not written for the ring."""
-    ring = kf.kind == KIND_INT4 and kf.scale_mode != SCALE_TOKEN and tokens_per_split >= 1024
+    int4 with splits of >= 1024 tokens: 2 (16 x 32768: per-head 0.149 ms against 0.156 from registers,
+    3 stages 0.155, ninth session; per-token 0.157 against 0.163, asym 0.165 against 0.175 with the scales
+    and zero points in the ring, eleventh). Short splits (Llama-3-70B at TP 8: 256 tokens) ran slower
+    with it (per-token: 0.040 against 0.034 ms)."""
+    ring = kf.kind == KIND_INT4 and tokens_per_split >= 1024
     return GLUON_STAGES if ring else 0
 
 
 def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms: int, maxnreg: int | None = None,
                stages: int | None = None, num_splits: int | None = None,
                resident_per_sm: int | None = None) -> tuple[int | None, int, int]:
-    """The Gluon kernel's (register cap, split count, ring stages); arguments not None are kept."""
-    cap, resident = gluon_registers(kf, maxnreg)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, sms, resident_per_sm or resident,
+    """The Gluon kernel's (register cap, split count, ring stages); arguments not None are kept. int4 is
+    planned for the ring first (its register cap sets the programs per SM the split rule counts on), and
+    for the registers where the ring's splits would be too short for it."""
+    def plan(ring: bool) -> tuple[int | None, int, int]:
+        cap, resident = gluon_registers(kf, maxnreg, ring)
+        splits = num_splits
+        if splits is None:
+            splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, sms, resident_per_sm or resident,
                                        decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
                                        refine_tolerance=GLUON_SPLIT_TOLERANCE)
-    if stages is None:
-        stages = gluon_stages_for(kf, split_tokens(max_tokens, num_splits, decode_gluon.TILE))
-    return cap, num_splits, stages
+        if stages is not None:
+            return cap, splits, stages
+        return cap, splits, gluon_stages_for(kf, split_tokens(max_tokens, splits, decode_gluon.TILE)) if ring else 0
+
+    if kf.kind == KIND_INT4 and stages != 0:
+        ring_plan = plan(True)
+        if ring_plan[2]:
+            return ring_plan
+    return plan(False)
 
 
 def gluon_offsets32(kf: KernelFormat, cache_words: int) -> bool:
@@ -139,13 +149,14 @@ def skip_rescale_for(kf: KernelFormat) -> bool:
     return kf.kind == KIND_INT4 or (kf.kind != KIND_FLOAT and kf.scale_mode == SCALE_TOKEN)
 
 
-def gluon_registers(kf: KernelFormat, maxnreg: int | None = None) -> tuple[int | None, int]:
+def gluon_registers(kf: KernelFormat, maxnreg: int | None = None, ring: bool = False) -> tuple[int | None, int]:
     """The Gluon kernel's (register cap, programs per SM). 128 registers hold 16 one-warp programs per SM
     (so does the int4 ring's 106: at 96, 20 per SM ran no faster; KERNEL_NOTES.md, tenth session); the
     per-token int8 and asymmetric int4 kernels would spill at 128 and run faster uncapped (140-168
-    registers, 12 per SM). maxnreg: an explicit cap instead (0: none)."""
+    registers, 12 per SM) -- except asymmetric int4 through the ring (`ring`), which needs 124 (16 per SM
+    at a cap of 128: 0.165 ms against 0.167 uncapped at 16 x 32768). maxnreg: an explicit cap instead (0: none)."""
     if maxnreg is None:  # symmetric int4 per-token fits 120: 0.170 vs 0.191 ms uncapped
-        if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT:
+        if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT or (ring and kf.asym):
             maxnreg = 128
         else:
             maxnreg = 120 if kf.kind == KIND_INT4 and not kf.asym else 0
