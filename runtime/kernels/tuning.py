@@ -153,8 +153,9 @@ def gluon_registers(kf: KernelFormat, maxnreg: int | None = None, ring: bool = F
     """The Gluon kernel's (register cap, programs per SM). 128 registers hold 16 one-warp programs per SM
     (so does the int4 ring's 106: at 96, 20 per SM ran no faster; KERNEL_NOTES.md, tenth session); the
     per-token int8 and asymmetric int4 kernels would spill at 128 and run faster uncapped (140-168
-    registers, 12 per SM) -- except asymmetric int4 through the ring (`ring`), which needs 124 (16 per SM
-    at a cap of 128: 0.165 ms against 0.167 uncapped at 16 x 32768). maxnreg: an explicit cap instead (0: none)."""
+    registers, 12 per SM) -- except asymmetric int4 through the ring (`ring`): 118 registers at a cap of 128
+    (124 uncapped), 16 per SM: 0.165 ms against 0.167 uncapped at 16 x 32768. maxnreg: an explicit cap
+    instead (0: none)."""
     if maxnreg is None:  # symmetric int4 per-token fits 120: 0.170 vs 0.191 ms uncapped
         if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT or (ring and kf.asym):
             maxnreg = 128
