@@ -31,6 +31,16 @@ def _to_scale_dtype(x, SCALE_DT: tl.constexpr):
 
 
 @triton.jit
+def _from_bits(bits, SCALE_DT: tl.constexpr):
+    """The fp16 (SCALE_DT 0) or bf16 (1) values of int16 bit patterns."""
+    if SCALE_DT == 0:
+        v = bits.to(tl.float16, bitcast=True)
+    else:
+        v = bits.to(tl.bfloat16, bitcast=True)
+    return v
+
+
+@triton.jit
 def _round_up(x, SCALE_DT: tl.constexpr):
     """Smallest scale-dtype value >= x (x > 0), returned as fp32."""
     if SCALE_DT == 2:
@@ -39,10 +49,7 @@ def _round_up(x, SCALE_DT: tl.constexpr):
         r = _to_scale_dtype(x, SCALE_DT)
         bits = r.to(tl.int16, bitcast=True)
         # x > 0, so one more in the bit pattern is the next value up
-        if SCALE_DT == 0:
-            up = (bits + 1).to(tl.float16, bitcast=True)
-        else:
-            up = (bits + 1).to(tl.bfloat16, bitcast=True)
+        up = _from_bits(bits + 1, SCALE_DT)
         rf = r.to(tl.float32)
         out = tl.where(rf < x, up.to(tl.float32), rf)
     return out
@@ -58,10 +65,7 @@ def _round_down(x, SCALE_DT: tl.constexpr):
         bits = r.to(tl.int16, bitcast=True)
         # sign-magnitude: positive -> bits - 1; negative (and -0) -> bits + 1; +0 -> -smallest subnormal
         step = tl.where(bits > 0, bits - 1, tl.where(bits == 0, -32767, bits + 1)).to(tl.int16)
-        if SCALE_DT == 0:
-            down = step.to(tl.float16, bitcast=True)
-        else:
-            down = step.to(tl.bfloat16, bitcast=True)
+        down = _from_bits(step, SCALE_DT)
         rf = r.to(tl.float32)
         out = tl.where(rf > x, down.to(tl.float32), rf)
     return out
