@@ -148,12 +148,13 @@ VARIANTS = {
     "g": dict(gluon=True),
     "t": dict(gluon=False),
 }
-GLUON_KEYS = {"st": "gluon_stages", "r": "maxnreg", "sp": "num_splits", "res": "resident_per_sm"}
+GLUON_KEYS = {"st": "gluon_stages", "r": "maxnreg", "sp": "num_splits", "res": "resident_per_sm", "pr": "gluon_pairs"}
 
 
 def gluon_variant(name: str) -> dict:
     """Launch options of a Gluon variant named g-<key><int>-...: st (ring stages, 0: registers), r (register
-    cap, 0: none), sp (splits), res (programs per SM for the split rule); skip / noskip (softmax rescale)."""
+    cap, 0: none), sp (splits), res (programs per SM for the split rule), pr (int4 ring tiles two a step: 1, or
+    one: 0); skip / noskip (softmax rescale)."""
     opts = dict(gluon=True)
     for part in name.split("-")[1:]:
         if part in ("skip", "noskip"):
@@ -162,7 +163,8 @@ def gluon_variant(name: str) -> dict:
         key = part.rstrip("0123456789")
         if key not in GLUON_KEYS or key == part:
             raise ValueError(f"variant {name!r}: {part!r} is not one of {sorted(GLUON_KEYS)} followed by a number")
-        opts[GLUON_KEYS[key]] = int(part[len(key):])
+        value = int(part[len(key):])
+        opts[GLUON_KEYS[key]] = bool(value) if key == "pr" else value
     return opts
 
 

@@ -19,11 +19,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from runtime.kernels import decode_gluon, tuning  # noqa: E402
 from runtime.kernels.formats import FP8_E4M3, KernelFormat  # noqa: E402
 
-# (storage kind, scale mode, asymmetric, ring stages): fp8 / int8 / int4 x per-tensor, per-head, per-token
-# (+ asym), as `tuning.gluon_stages_for` builds them for long splits; and int4's register path (short splits)
-GLUON_VARIANTS = [(kind, mode, asym, 2 if kind == 2 else 0) for kind in (0, 1, 2)
+# (storage kind, scale mode, asymmetric, ring stages, tiles two a step): fp8 / int8 / int4 x per-tensor, per-head,
+# per-token (+ asym), as `tuning.gluon_plan` builds them for long splits (int4 per-token: a 4-stage ring, tiles
+# two a step); and int4's register path (short splits)
+GLUON_VARIANTS = [(kind, mode, asym, (4 if mode == 3 else 2) if kind == 2 else 0, kind == 2 and mode == 3)
+                  for kind in (0, 1, 2)
                   for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
-GLUON_VARIANTS += [(2, 2, False, 0), (2, 3, False, 0), (2, 3, True, 0)]
+GLUON_VARIANTS += [(2, 2, False, 0, False), (2, 3, False, 0, False), (2, 3, True, 0, False)]
 
 
 def loop_local_accesses(sass: str) -> int:
@@ -36,7 +38,7 @@ def loop_local_accesses(sass: str) -> int:
     return sum(1 for a, line in addr if start <= a <= end and re.search(r"\b(LDL|STL)\b", line))
 
 
-def build(kind: int, mode: int, asym: bool, stages: int) -> dict:
+def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = decode_gluon._decode_kernel_gluon
@@ -47,7 +49,7 @@ def build(kind: int, mode: int, asym: bool, stages: int) -> dict:
                       scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
     consts = dict(NUM_HEADS=32, BLOCK_SIZE=16, GROUP=4, KIND=kind, SCALE_MODE=mode, ASYM=asym,
                   **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=tuning.skip_rescale_for(kf),
-                  STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0))
+                  STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0), PAIRS=pairs)
     names = fn.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]

@@ -503,18 +503,21 @@ RING_FORMATS = [f for f in QUANTIZED if f.dtype == "int4"]
 
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages,pairs", [(2, False), (3, False), (4, True), (5, True)])
 @pytest.mark.parametrize("shape", list(GLUON_SHAPES))
 @pytest.mark.parametrize("fmt", RING_FORMATS, ids=lambda f: f.name)
-def test_decode_gluon_ring(fmt, shape, stages):
+def test_decode_gluon_ring(fmt, shape, stages, pairs):
     """The int4 shared-memory ring (cp.async a stage ahead, per-token scales and zero points with the words;
-    `tuning.gluon_stages_for`) meets the same oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
-    with split-K (tiles past a split's end, pages out of order, lengths not a multiple of 16)."""
+    `tuning.gluon_stages_for`), a tile or two tiles a step (`decode_gluon._attend_pair`), meets the same
+    oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
+    with split-K (tiles past a split's end, an odd number of tiles in a split, pages out of order, lengths
+    not a multiple of 16)."""
     batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES[shape]
     gen = torch.Generator().manual_seed(zlib.crc32(f"ring{shape}{fmt.name}".encode()))
     cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
-    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=4, gluon=True, gluon_stages=stages)
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=4, gluon=True, gluon_stages=stages,
+                                  gluon_pairs=pairs)
     truth, torch_err = _oracle(q, cache, bt, lens, 0.25, torch.bfloat16)
     assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
@@ -595,16 +598,17 @@ def gluon_sm90_builds():
 
 
 @pytest.mark.parametrize("variant", GLUON_VARIANTS,
-                         ids=[f"kind{k}-mode{m}{'-asym' if a else ''}-stages{s}" for k, m, a, s in GLUON_VARIANTS])
+                         ids=[f"kind{k}-mode{m}{'-asym' if a else ''}-stages{s}{'-pairs' if p else ''}"
+                              for k, m, a, s, p in GLUON_VARIANTS])
 def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
     """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
     register renames (`assert_trivial` in `_k_operand` / `_v_operand`; a wrong permutation fails the
-    build), K and V touch shared memory only in the int4 ring (2 stages of 1 KB of K, 1 KB of V and the
-    tile's per-token scales and zero points), no variant spills inside its tile loop, and with 128 registers the static formats do
+    build), K and V touch shared memory only in the int4 ring (2 stages, or 4 for per-token tiles two a step,
+    of 1 KB of K, 1 KB of V and the tile's per-token scales and zero points), no variant spills inside its tile loop, and with 128 registers the static formats do
     not spill at all (16 programs per SM is what the split rule assumes)."""
     build = gluon_sm90_builds[variant]
     assert "error" not in build, build.get("error")
-    _, mode, asym, stages = variant
+    _, mode, asym, stages, _ = variant
     metas = (4 if asym else 2) * 16 * 2 if mode == 3 else 0  # per-token fp16 scales (and zero points) a tile
     assert build["shared"] == stages * (2 * 16 * 64 + metas), "K and V go to registers, int4 tiles through the ring"
     assert build["regs"] <= (build["cap"] or 255)
@@ -691,26 +695,31 @@ def test_gluon_plan_takes_the_ring_only_for_long_splits():
     int4 = _kernel_format(2, 2)
     # 128 pairs, 2112 slots: 16 splits (2048 programs, 2048 tokens each); 15 would be 10% slower than
     # the best count by the wave model (1920 of 2112), within the old 10% tolerance, not within 5%
-    assert gluon_plan(int4, 16, 8, 32768, 132) == (128, 16, 2)
-    assert gluon_plan(int4, 128, 8, 4096, 132) == (128, 2, 2)  # 2048 programs of 2048 tokens
+    assert gluon_plan(int4, 16, 8, 32768, 132) == (128, 16, 2, False)
+    assert gluon_plan(int4, 128, 8, 4096, 132) == (128, 2, 2, False)  # 2048 programs of 2048 tokens
     # one KV head per GPU (70B at TP 8): 64 pairs, 31 splits of ~264 tokens, on the register path
-    assert gluon_plan(int4, 64, 1, 8192, 132) == (128, 31, 0)
-    # per-token int4 the same, through the ring at its own cap; asymmetric at 128 (16 per SM) there, but
+    assert gluon_plan(int4, 64, 1, 8192, 132) == (128, 31, 0, False)
+    # per-token int4 the same, through a 4-stage ring at its own cap, tiles two a step; asymmetric at 128 (16
+    # per SM) there, but
     # 70B's 31 splits are too short for it: the register plan, uncapped (12 per SM, 1584 slots for 64
     # pairs: 24 splits fill one wave, 22 is the first within 10%, 23 within 5%)
-    assert gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132) == (120, 16, 2)
-    assert gluon_plan(_kernel_format(2, 3, asym=True), 16, 8, 32768, 132) == (128, 16, 2)
-    assert gluon_plan(_kernel_format(2, 3, asym=True), 64, 1, 8192, 132) == (None, 23, 0)
+    assert gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132) == (120, 16, 4, True)
+    assert gluon_plan(_kernel_format(2, 3, asym=True), 16, 8, 32768, 132) == (128, 16, 4, True)
+    assert gluon_plan(_kernel_format(2, 3, asym=True), 64, 1, 8192, 132) == (None, 23, 0, False)
     # 8-bit formats never take the ring
-    assert gluon_plan(_kernel_format(1, 2), 16, 8, 32768, 132) == (128, 16, 0)
+    assert gluon_plan(_kernel_format(1, 2), 16, 8, 32768, 132) == (128, 16, 0, False)
     # int8 per-token (uncapped, 12 per SM), 1464 pairs in 1584 slots: one split (92% of the slots) is within
     # 10% of the model's best count, so no split (5% alone would take 14: 13 waves of 1/14 each)
-    assert gluon_plan(_kernel_format(1, 3), 183, 8, 8448, 132) == (None, 1, 0)
+    assert gluon_plan(_kernel_format(1, 3), 183, 8, 8448, 132) == (None, 1, 0, False)
     # ... while 93 sequences (744 pairs) split: 2 is the first count within 10%, then 5% picks 17
-    assert gluon_plan(_kernel_format(1, 3), 93, 8, 8448, 132) == (None, 17, 0)
+    assert gluon_plan(_kernel_format(1, 3), 93, 8, 8448, 132) == (None, 17, 0, False)
     # explicit options are kept
-    assert gluon_plan(int4, 16, 8, 32768, 132, stages=0, num_splits=7, maxnreg=96) == (96, 7, 0)
-    assert gluon_plan(int4, 64, 1, 8192, 132, stages=3) == (128, 31, 3)
+    assert gluon_plan(int4, 16, 8, 32768, 132, stages=0, num_splits=7, maxnreg=96) == (96, 7, 0, False)
+    assert gluon_plan(int4, 64, 1, 8192, 132, stages=3) == (128, 31, 3, False)
+    # per-token int4 takes its tiles two a step in a 4-stage ring; an explicit smaller ring is refused
+    assert gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132, pairs=False) == (120, 16, 2, False)
+    with pytest.raises(ValueError, match="gluon_stages=4"):
+        gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132, stages=3, pairs=True)
 
 
 def test_wave_cost_counts_partial_waves_whole():

@@ -247,7 +247,7 @@ def decode_attention_launch(
     warps: bool | None = None, heads_n: bool | None = None, int8_asm: bool | None = None,
     pages_ahead: bool | None = None, warp_page: bool | None = None, resident_per_sm: int | None = None,
     gluon: bool | None = None, gluon_skip_rescale: bool | None = None,
-    gluon_stages: int | None = None,
+    gluon_stages: int | None = None, gluon_pairs: bool | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -268,7 +268,8 @@ def decode_attention_launch(
     formats); of the other options it takes num_splits, maxnreg and resident_per_sm. gluon_skip_rescale:
     there, skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
     gluon_stages: there, int4 tiles through a shared-memory ring of this many stages (0: loaded
-    into registers; `tuning.gluon_stages_for`).
+    into registers; `tuning.gluon_stages_for`). gluon_pairs: there, the ring's tiles two a step (one softmax
+    max, rescale test and V scale bound per 32 tokens; `tuning.gluon_pairs_for`).
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -289,13 +290,13 @@ def decode_attention_launch(
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     tuned = tuned_for(kf, batch * kv_heads, max_tokens)
     if (tuned.gluon if gluon is None else gluon) and decode_gluon.supported(kf, q, bs, group):
-        cap, num_splits, stages = gluon_plan(kf, batch, kv_heads, max_tokens, sm_count(q.device), maxnreg,
-                                             gluon_stages, num_splits, resident_per_sm)
-        plan = split_plan(out, max_tokens, num_splits, decode_gluon.TILE)
+        cap, num_splits, stages, pairs = gluon_plan(kf, batch, kv_heads, max_tokens, sm_count(q.device), maxnreg,
+                                                    gluon_stages, num_splits, resident_per_sm, gluon_pairs)
+        plan = split_plan(out, max_tokens, num_splits, decode_gluon.TILE * (2 if pairs else 1))
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, plan,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
                             skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale,
-                            stages, gluon_offsets32(kf, cache.k.numel() // 4))
+                            stages, gluon_offsets32(kf, cache.k.numel() // 4), pairs)
         return out
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages

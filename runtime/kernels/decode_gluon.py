@@ -307,10 +307,9 @@ if gluon is not None:
         return m_new, p, l_t, z_t, acc
 
     @gluon.jit
-    def _attend(n0, kw, vw, ks, vs, kz, vz, m_i, l_t, z_t, acc, c_v, end, qt, qsum, k_fold, k_off, ts,
-                KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr,
-                VASM: gl.constexpr, CENTER: gl.constexpr, K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr):
-        """One 16-token tile into the online softmax state (m_i, l_t, z_t, acc, c_v)."""
+    def _scores(n0, kw, ks, kz, end, qt, qsum, k_fold, k_off, ts, KIND: gl.constexpr, SCALE_MODE: gl.constexpr,
+                ASYM: gl.constexpr, ASM: gl.constexpr, K_CENTER: gl.constexpr):
+        """A tile's scores s^T [16 tokens, 8 heads] in log2 units, -inf past `end`."""
         s = mma_v2(_k_operand(kw, KIND, ASM), qt, gl.zeros([16, 8], gl.float32, layout=MMA))
         if SCALE_MODE == 3:  # k = ks (n - K_CENTER) + kz for stored n
             if K_CENTER != 0:
@@ -323,21 +322,64 @@ if gluon is not None:
             s = s * k_fold - k_off[None, :]
         else:
             s = s * k_fold
-        s = gl.where(((n0 + ts) < end)[:, None], s, float("-inf"))
+        return gl.where(((n0 + ts) < end)[:, None], s, float("-inf"))
+
+    @gluon.jit
+    def _p_dot_v(p, vw, vs, vz, c_new, c_inv, z_t, acc, KIND: gl.constexpr, SCALE_MODE: gl.constexpr,
+                 ASYM: gl.constexpr, VASM: gl.constexpr, CENTER: gl.constexpr, INV: gl.constexpr = False):
+        """acc += V^T p^T for a tile's p (per-token V: p s / c, with c_inv = 1 / c where INV, and the zero
+        points' sum into z_t)."""
+        if SCALE_MODE == 3:
+            if ASYM:
+                z_t += p * (vz + CENTER * vs)[:, None]
+            if INV:
+                pw = p * (vs * c_inv)[:, None]
+            else:
+                pw = p * (vs / c_new)[:, None]
+        else:
+            pw = p
+        pt = gl.convert_layout(pw.to(gl.float16), B_OP)
+        return z_t, mma_v2(_v_operand(vw, KIND, VASM), pt, acc)
+
+    @gluon.jit
+    def _attend(n0, kw, vw, ks, vs, kz, vz, m_i, l_t, z_t, acc, c_v, end, qt, qsum, k_fold, k_off, ts,
+                KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr,
+                VASM: gl.constexpr, CENTER: gl.constexpr, K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+        """One 16-token tile into the online softmax state (m_i, l_t, z_t, acc, c_v)."""
+        s = _scores(n0, kw, ks, kz, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER)
         c_new = c_v
         if SCALE_MODE == 3:
             c_new = gl.maximum(c_v, gl.max(vs, 0))
         m_new, p, l_t, z_t, acc = _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, ASYM, SKIP_RESCALE)
         l_t += p
-        if SCALE_MODE == 3:
-            if ASYM:
-                z_t += p * (vz + CENTER * vs)[:, None]
-            pw = p * (vs / c_new)[:, None]
-        else:
-            pw = p
-        pt = gl.convert_layout(pw.to(gl.float16), B_OP)
-        acc = mma_v2(_v_operand(vw, KIND, VASM), pt, acc)
+        z_t, acc = _p_dot_v(p, vw, vs, vz, c_new, 0.0, z_t, acc, KIND, SCALE_MODE, ASYM, VASM, CENTER)
         return m_new, l_t, z_t, acc, c_new
+
+    @gluon.jit
+    def _attend_pair(n0, kw0, vw0, ks0, vs0, kz0, vz0, kw1, ks1, vs1, kz1, m_i, l_t, z_t, acc, c_v,
+                     end, qt, qsum, k_fold, k_off, ts, KIND: gl.constexpr, SCALE_MODE: gl.constexpr,
+                     ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, CENTER: gl.constexpr,
+                     K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+        """Tiles n0 and n0 + 16 into the state with one max, one rescale test and one V scale bound: the
+        softmax bookkeeping (warp reductions, the division by c) is paid once per 32 tokens. Returns the
+        state with tile n0's p . V in it, and what tile n0 + 16's (`_p_dot_v`) needs: p and 1 / c (the
+        caller loads tile n0 + 16's V words only then, one tile's V held in registers at a time)."""
+        s0 = _scores(n0, kw0, ks0, kz0, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER)
+        s1 = _scores(n0 + 16, kw1, ks1, kz1, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM,
+                     K_CENTER)
+        c_new = c_v
+        if SCALE_MODE == 3:
+            c_new = gl.maximum(c_v, gl.max(gl.maximum(vs0, vs1), 0))
+        # the max of both tiles (the p `_rescale` returns for it is unused)
+        m_new, _, l_t, z_t, acc = _rescale(gl.maximum(s0, s1), m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, ASYM,
+                                           SKIP_RESCALE)
+        p0 = gl.exp2(s0 - m_new[None, :])
+        p1 = gl.exp2(s1 - m_new[None, :])
+        # one division a step: p s / c as p (s (1 / c)) (to fp16 next: the extra rounding is below its ulp)
+        c_inv = 1.0 / c_new
+        l_t += p0 + p1
+        z_t, acc = _p_dot_v(p0, vw0, vs0, vz0, c_new, c_inv, z_t, acc, KIND, SCALE_MODE, ASYM, VASM, CENTER, True)
+        return m_new, l_t, z_t, acc, c_new, p1, c_inv
 
     @gluon.jit
     def _decode_kernel_gluon(
@@ -348,7 +390,7 @@ if gluon is not None:
         NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
         KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, SPLIT: gl.constexpr,
         SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
-        OFF32: gl.constexpr = False,
+        OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False,
     ):
         """K, V: the pages as int32 words, strides in words."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
@@ -419,27 +461,56 @@ if gluon is not None:
                     kz_ring = gl.allocate_shared_memory(KZ.dtype.element_ty, [STAGES, 16], RING_META)
                     vz_ring = gl.allocate_shared_memory(VZ.dtype.element_ty, [STAGES, 16], RING_META)
                 metas = (KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh)
-            for i in gl.static_range(STAGES - 1):
+            # PAIRS: two tiles a step (`_attend_pair`), the ring STAGES - 2 tiles ahead
+            for i in gl.static_range(STAGES - 1 - PAIRS):
                 _copy_tile(start + 16 * i, _page(bt_row, start + 16 * i, end, BLOCK_SIZE, OFF32), K, V, k_ring,
                            v_ring, i, kvh, stride_cb, stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
-            ahead = start + 16 * (STAGES - 1)
+            ahead = start + 16 * (STAGES - 1 - PAIRS)
             page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
             stage = 0
-            for n0 in range(start, end, 16):
-                # tile n0 has landed (for every lane: the barrier), and the stage written next
-                # (read by the previous step) is free
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()
-                _copy_tile(ahead, page, K, V, k_ring, v_ring, (stage + STAGES - 1) % STAGES, kvh, stride_cb,
-                           stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
-                ahead += 16
-                page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)  # after its last use: no register move
-                kw = k_ring.index(stage).load(KL)
-                vw = v_ring.index(stage).load(VL)
-                ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM)
-                stage = (stage + 1) % STAGES
-                state = _attend(n0, kw, vw, ks, vs, kz, vz, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
-                                CENTER, K_CENTER, SKIP_RESCALE)
+            if PAIRS:
+                page1 = _page(bt_row, ahead + 16, end, BLOCK_SIZE, OFF32)
+                for n0 in range(start, end, 32):
+                    # tiles n0 and n0 + 16 have landed, and the stages written next are free
+                    async_copy.wait_group(STAGES - 4)
+                    gl.thread_barrier()
+                    _copy_tile(ahead, page, K, V, k_ring, v_ring, (stage + STAGES - 2) % STAGES, kvh, stride_cb,
+                               stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
+                    _copy_tile(ahead + 16, page1, K, V, k_ring, v_ring, (stage + STAGES - 1) % STAGES, kvh,
+                               stride_cb, stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
+                    ahead += 32
+                    page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
+                    page1 = _page(bt_row, ahead + 16, end, BLOCK_SIZE, OFF32)
+                    stage1 = (stage + 1) % STAGES
+                    kw0 = k_ring.index(stage).load(KL)
+                    vw0 = v_ring.index(stage).load(VL)
+                    ks0, vs0, kz0, vz0 = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM)
+                    kw1 = k_ring.index(stage1).load(KL)
+                    ks1, vs1, kz1, vz1 = _ring_metas(n0 + 16, end, metas, stage1, ts, SCALE_MODE, ASYM)
+                    m_i, l_t, z_t, acc, c_v, p1, c_inv = _attend_pair(
+                        n0, kw0, vw0, ks0, vs0, kz0, vz0, kw1, ks1, vs1, kz1, *state, *consts, KIND, SCALE_MODE, ASYM, ASM,
+                        VASM, CENTER, K_CENTER, SKIP_RESCALE)
+                    vw1 = v_ring.index(stage1).load(VL)
+                    z_t, acc = _p_dot_v(p1, vw1, vs1, vz1, c_v, c_inv, z_t, acc, KIND, SCALE_MODE, ASYM, VASM, CENTER,
+                                        True)
+                    state = (m_i, l_t, z_t, acc, c_v)
+                    stage = (stage + 2) % STAGES
+            else:
+                for n0 in range(start, end, 16):
+                    # tile n0 has landed (for every lane: the barrier), and the stage written next
+                    # (read by the previous step) is free
+                    async_copy.wait_group(STAGES - 2)
+                    gl.thread_barrier()
+                    _copy_tile(ahead, page, K, V, k_ring, v_ring, (stage + STAGES - 1) % STAGES, kvh, stride_cb,
+                               stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
+                    ahead += 16
+                    page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)  # after its last use: no register move
+                    kw = k_ring.index(stage).load(KL)
+                    vw = v_ring.index(stage).load(VL)
+                    ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM)
+                    stage = (stage + 1) % STAGES
+                    state = _attend(n0, kw, vw, ks, vs, kz, vz, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
+                                    CENTER, K_CENTER, SKIP_RESCALE)
             async_copy.wait_group(0)
         else:
             # the next tile's words load while this one computes
@@ -476,11 +547,12 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
            qk_scale: float, out: torch.Tensor, plan: tuple, scale_args: tuple, meta_strides: tuple[int, int],
-           maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False):
+           maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False, pairs: bool = False):
     """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
     plan: `split_k.split_plan`'s (tokens per split, splits, partial buffers) for tiles of TILE tokens. skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
     stages: int4 tiles through a shared-memory ring of this many stages (0: registers;
-    `tuning.gluon_stages_for`). offsets32: int32 page offsets (`tuning.gluon_offsets32`)."""
+    `tuning.gluon_stages_for`). offsets32: int32 page offsets (`tuning.gluon_offsets32`). pairs: the ring's
+    tiles two a step (stages >= 4; `tuning.gluon_pairs_for`)."""
     from .split_k import merge_splits
 
     batch, num_heads, _ = q.shape
@@ -496,7 +568,7 @@ def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor,
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
         SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **widening(kf), SPLIT=split,
         SKIP_RESCALE=skip_rescale, STAGES=stages,
-        OFF32=offsets32,
+        OFF32=offsets32, PAIRS=pairs,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split:

@@ -94,6 +94,17 @@ def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None
 
 
 GLUON_STAGES = 2
+GLUON_PAIR_STAGES = 4  # a ring with tiles two a step: two stages read while two fill
+
+
+def gluon_pairs_for(kf: KernelFormat) -> bool:
+    """Whether the int4 ring takes its tiles two a step (`decode_gluon._attend_pair`: one softmax max, rescale
+    test, V scale bound and division per 32 tokens): the per-token formats, whose bookkeeping per tile is
+    largest (16 x 32768: 0.1476 ms against 0.1570, asym 0.1570 against 0.1645; twelfth session). Per-head
+    int4 ran 2% slower with it (0.1405 against 0.1377 ms)."""
+    return kf.kind == KIND_INT4 and kf.scale_mode == SCALE_TOKEN
+
+
 # Among split counts > 1 the Gluon kernel takes the fewest within 5% of the best by the wave model: at
 # 16 x 32768, 16 splits (2048 programs) beat 15 by 2-3% for int4 and ~1% for the 8-bit formats. Splitting
 # at all must win 10% (the split rule's default): 14 splits instead of 1 for int8 per-token at 183 x 8448
@@ -113,20 +124,31 @@ def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
 
 def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms: int, maxnreg: int | None = None,
                stages: int | None = None, num_splits: int | None = None,
-               resident_per_sm: int | None = None) -> tuple[int | None, int, int]:
-    """The Gluon kernel's (register cap, split count, ring stages); arguments not None are kept. int4 is
-    planned for the ring first (its register cap sets the programs per SM the split rule counts on), and
-    for the registers where the ring's splits would be too short for it."""
-    def plan(ring: bool) -> tuple[int | None, int, int]:
+               resident_per_sm: int | None = None, pairs: bool | None = None) -> tuple[int | None, int, int, bool]:
+    """The Gluon kernel's (register cap, split count, ring stages, tiles two a step); arguments not None are
+    kept. int4 is planned for the ring first (its register cap sets the programs per SM the split rule
+    counts on), and for the registers where the ring's splits would be too short for it. pairs: the ring's
+    tiles two a step (`gluon_pairs_for`), with splits of whole tile pairs and >= GLUON_PAIR_STAGES stages."""
+    def plan(ring: bool) -> tuple[int | None, int, int, bool]:
+        two = ring and (gluon_pairs_for(kf) if pairs is None else bool(pairs))
+        tile = decode_gluon.TILE * (2 if two else 1)
         cap, resident = gluon_registers(kf, maxnreg, ring)
         splits = num_splits
         if splits is None:
-            splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, sms, resident_per_sm or resident,
+            splits = choose_num_splits(batch, kv_heads, max_tokens, tile, sms, resident_per_sm or resident,
                                        decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
                                        refine_tolerance=GLUON_SPLIT_TOLERANCE)
-        if stages is not None:
-            return cap, splits, stages
-        return cap, splits, gluon_stages_for(kf, split_tokens(max_tokens, splits, decode_gluon.TILE)) if ring else 0
+        if stages is None:
+            ring_stages = gluon_stages_for(kf, split_tokens(max_tokens, splits, tile)) if ring else 0
+            ring_stages = max(ring_stages, GLUON_PAIR_STAGES) if two and ring_stages else ring_stages
+        else:
+            ring_stages = stages
+        if two and ring_stages < GLUON_PAIR_STAGES:
+            if ring_stages and pairs:
+                raise ValueError(f"gluon_pairs needs a ring of >= {GLUON_PAIR_STAGES} stages, got {ring_stages}: "
+                                 f"pass gluon_stages={GLUON_PAIR_STAGES} or gluon_pairs=False")
+            two = False
+        return cap, splits, ring_stages, two
 
     if kf.kind == KIND_INT4 and stages != 0:
         ring_plan = plan(True)
@@ -153,9 +175,9 @@ def gluon_registers(kf: KernelFormat, maxnreg: int | None = None, ring: bool = F
     """The Gluon kernel's (register cap, programs per SM). 128 registers hold 16 one-warp programs per SM
     (so does the int4 ring's 106: at 96, 20 per SM ran no faster; KERNEL_NOTES.md, tenth session); the
     per-token int8 and asymmetric int4 kernels would spill at 128 and run faster uncapped (140-168
-    registers, 12 per SM) -- except asymmetric int4 through the ring (`ring`): 118 registers at a cap of 128
-    (124 uncapped), 16 per SM: 0.165 ms against 0.167 uncapped at 16 x 32768. maxnreg: an explicit cap
-    instead (0: none)."""
+    registers, 12 per SM) -- except asymmetric int4 through the ring (`ring`): 125 registers at a cap of 128
+    with tiles two a step (118 one a step), 16 per SM: one a step ran 0.165 ms against 0.167 uncapped at
+    16 x 32768. maxnreg: an explicit cap instead (0: none)."""
     if maxnreg is None:  # symmetric int4 per-token fits 120: 0.170 vs 0.191 ms uncapped
         if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT or (ring and kf.asym):
             maxnreg = 128
