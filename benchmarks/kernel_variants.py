@@ -255,6 +255,8 @@ def main() -> None:
 # "lN": int4 rows over N lanes (write_kv's int4_lanes: the clamp before the division, word stores;
 # other formats ignore it, so there it times the default again); "lNp": and int4_packed (bf16x2 row
 # min / max and symmetric clamp; per-token fp16-scale formats with bf16 input, else the same as "lN");
+# "rN": int8 per-token formats (fp16 scales, bf16 input) with rows over N lanes as "lNp" does for int4,
+# stored as bytes (0: the tile); others ignore it.
 # "-tXwY": with X tokens x Y warps per program (lanes x tokens = 32 x warps gives each thread one
 # row's 128 / N values, no idle lanes)
 WRITE_VARIANTS = {"default": {}, "tile": dict(int4_lanes=0, int4_packed=False),
@@ -274,7 +276,10 @@ WRITE_VARIANTS = {"default": {}, "tile": dict(int4_lanes=0, int4_packed=False),
                   "l2p-t32w2": dict(int4_lanes=2, int4_packed=True, block_t=32, num_warps=2),
                   "l4p-t32w4": dict(int4_lanes=4, int4_packed=True, block_t=32, num_warps=4),
                   "l4p-t8w1": dict(int4_lanes=4, int4_packed=True, block_t=8, num_warps=1),
-                  "l8p-t16w4": dict(int4_lanes=8, int4_packed=True, block_t=16, num_warps=4)}
+                  "l8p-t16w4": dict(int4_lanes=8, int4_packed=True, block_t=16, num_warps=4),
+                  "r0": dict(int8_rows=0), "r2": dict(int8_rows=2), "r4": dict(int8_rows=4),
+                  "r8": dict(int8_rows=8), "r4-t32w4": dict(int8_rows=4, block_t=32, num_warps=4),
+                  "r2-t32w2": dict(int8_rows=2, block_t=32, num_warps=2)}
 
 
 def write_variants(args) -> None:

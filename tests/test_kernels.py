@@ -280,14 +280,18 @@ def test_write_kv_int4_lanes_exact_at_rounding_ties(fmt, lanes):
     _check_write_at_ties(fmt, 8, 64, [5 * 2.0 ** 70, 7 * 2.0 ** -6], int4_lanes=lanes)
 
 
-@pytest.mark.skipif(not CUDA, reason="bf16x2 inline PTX (int4_packed) compiles for the GPU only")
+PACKED_ROW_FORMATS = [(f, i) for f, i in zip(FORMATS, FMT_IDS)
+                      if f.dtype in ("int4", "int8") and f.dynamic and f.scale_dtype == "float16"]
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16x2 inline PTX (int4_packed, int8_rows) compiles for the GPU only")
 @pytest.mark.parametrize("lanes", [2, 4, 8])
-@pytest.mark.parametrize("fmt", [f for f in INT4_FORMATS if f.dynamic and f.scale_dtype == "float16"],
-                         ids=[i for f, i in zip(INT4_FORMATS, INT4_IDS) if f.dynamic and f.scale_dtype == "float16"])
-def test_write_kv_int4_packed_bytes_equal_reference(fmt, lanes):
-    """int4_packed (bf16x2 row min / max and symmetric clamp on the loaded words): kv_format's bytes,
-    on random rows with special values (NaN in a token without inf, NaN pairs, inf, huge, zeros)
-    and on rows whose quotients sit on rounding ties; and the same bytes as int4 on the tile path."""
+@pytest.mark.parametrize("fmt", [f for f, _ in PACKED_ROW_FORMATS], ids=[i for _, i in PACKED_ROW_FORMATS])
+def test_write_kv_packed_rows_bytes_equal_reference(fmt, lanes):
+    """int4_packed / int8_rows (rows over `lanes` lanes, bf16x2 row min / max and symmetric clamp on the
+    loaded words; int8 stored as bytes): kv_format's bytes, on random rows with special values (NaN in
+    a token without inf, NaN pairs, inf, huge, zeros) and on rows whose quotients sit on rounding ties;
+    and the same bytes as on the tile path."""
     gen = torch.Generator().manual_seed(9)
     kv_heads, head_dim, bs, nb, tokens = 2, 128, 16, 8, 100
     k, v = _special_values(*_kv(tokens, kv_heads, head_dim, torch.float32, gen))
@@ -298,9 +302,10 @@ def test_write_kv_int4_packed_bytes_equal_reference(fmt, lanes):
     k, v = k.to(torch.bfloat16).to(DEV), v.to(torch.bfloat16).to(DEV)
     slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
     cache = _make_cache(fmt, nb, bs, kv_heads, head_dim)
-    _check_write(cache, fmt, k, v, slots, int4_lanes=lanes, int4_packed=True)
+    rows = dict(int4_lanes=lanes, int4_packed=True) if fmt.dtype == "int4" else dict(int8_rows=lanes)
+    _check_write(cache, fmt, k, v, slots, **rows)
     ref = _make_cache(fmt, nb, bs, kv_heads, head_dim)
-    K.write_kv_launch(ref, k, v, slots, int4_lanes=0, int4_packed=False)
+    K.write_kv_launch(ref, k, v, slots, int4_lanes=0, int4_packed=False, int8_rows=0)
     for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
         if getattr(ref, name) is not None:
             assert torch.equal(_bytes(getattr(cache, name)), _bytes(getattr(ref, name))), name
@@ -323,6 +328,8 @@ def test_write_kv_rejects_bad_input():
         K.write_kv(cache, k, v, torch.arange(3, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match=r"k and v must both be \[tokens, 2, 32\]"):
         K.write_kv(cache, k[:, :1], v[:, :1], torch.arange(3, device=DEV))
+    with pytest.raises(ValueError, match="int8_rows must be 0, 2, 4 or 8"):
+        K.write_kv_launch(cache, k, v, torch.arange(3, device=DEV), int8_rows=3)
 
 
 # ------------------------------------------------------------------ decode

@@ -1,4 +1,4 @@
-"""Exact rounding steps shared by the write kernels (`write_kv.py`, `write_int4_rows.py`): round half to
+"""Exact rounding steps shared by the write kernels (`write_kv.py`, `write_rows.py`): round half to
 even by the 1.5 * 2**23 trick, and rounding fp32 scales up / zero points down to the scale dtype
 (comparing the cast with the fp32 value and stepping one ulp through the bit pattern, which is right
 whichever way the cast itself rounds)."""
@@ -78,7 +78,7 @@ def _reciprocal(s, SCALE_UP: tl.constexpr, SCALE_DOWN: tl.constexpr = False):
     Scaling both sides of a / s by the same power of two is exact, and it keeps the
     fma corrections of `write_kv._quotient` clear of underflow (scales of 1e-38 are legal in fp32).
     SCALE_UP False: the caller knows s >= 2**-64 (fp16 scales are >= 2**-14), k = 1. SCALE_DOWN:
-    scales from 2**64 up are scaled down to below it too (`write_int4_rows._rows_store`'s clamp bound
+    scales from 2**64 up are scaled down to below it too (`write_rows._rows_store`'s clamp bound
     QMAX * s must be finite; scaling a by 2**-64 is inexact only for |a| < 2**-62, whose quotients,
     below 2**-126, round to 0 with or without it)."""
     if SCALE_DOWN:

@@ -28,12 +28,13 @@ uses its correctly rounded reciprocal and two fma corrections (`_quotient`), and
 integers round with one `cvt.rni` whose NaN -> 0 and saturation the integer clamp
 finishes. The interpreter has no fused multiply-add, so it keeps `div_rn`.
 
-int4 takes a layout of its own by default (`write_int4_rows.py`, `_int4_defaults`;
+int4 takes a layout of its own by default (`write_rows.py`, `_int4_defaults`;
 `write_kv_launch(int4_lanes=N)`): whole rows over N lanes, the clamp in front of the division, one
 fma correction where the scale has at most 11 significant bits, word loads and stores, and for
 per-token fp16 scales bf16x2 row reductions (`int4_packed`). Same bytes; on the tile below, int4's
 per-row reductions and scale arithmetic cost more instructions than its few bytes can hide (78% of
-copy bandwidth against 88-96%).
+copy bandwidth against 88-96%). The int8 per-token formats take the same rows from bf16 input with fp16
+scales on the GPU (`int8_rows`, `INT8_ROWS`): 87% -> 94% of copy, asymmetric 80% -> 92%.
 
 Negative slots are skipped (padding tokens), as in vLLM.
 """
@@ -51,13 +52,14 @@ from .formats import (
     FP8_HARDWARE,
     FP8_NONE,
     KIND_INT4,
+    KIND_INT8,
     SCALE_NONE,
     SCALE_TOKEN,
     check_device,
     kernel_format,
     scale_tensors,
 )
-from .write_int4_rows import _rows_load, _rows_store, _rows_store_words, _rows_words
+from .write_rows import _rows_load, _rows_store, _rows_store_words, _rows_words
 
 
 @triton.jit
@@ -262,8 +264,8 @@ def _write_kv_kernel(
         C: tl.constexpr = HEAD_DIM // (8 * LANES)
         kw = _rows_words(K, t, mask_t, head, stride_kt, stride_kh, C, LANES)
         vw = _rows_words(V, t, mask_t, head, stride_vt, stride_vh, C, LANES)
-        _rows_store_words(kw, KC, KS, KZ, mask_t, dst, meta, ASYM, QMAX)
-        _rows_store_words(vw, VC, VS, VZ, mask_t, dst, meta, ASYM, QMAX)
+        _rows_store_words(kw, KC, KS, KZ, mask_t, dst, meta, ASYM, QMAX, KIND)
+        _rows_store_words(vw, VC, VS, VZ, mask_t, dst, meta, ASYM, QMAX, KIND)
     elif LANES:  # int4 with whole rows over LANES lanes (`_rows_load`)
         # both loads before any store (as below)
         C: tl.constexpr = HEAD_DIM // (8 * LANES)
@@ -286,7 +288,7 @@ def _write_kv_kernel(
 def write_kv_launch(
     cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     block_t: int | None = None, num_warps: int | None = None, fast: bool | None = None,
-    int4_lanes: int | None = None, int4_packed: bool | None = None,
+    int4_lanes: int | None = None, int4_packed: bool | None = None, int8_rows: int | None = None,
 ) -> None:
     """Validate, then launch one program per (BLOCK_T tokens, KV head).
 
@@ -297,7 +299,9 @@ def write_kv_launch(
     0, or a head_dim that is not a power of two >= 8 * int4_lanes: the [tokens, head_dim] tile.
     int4_packed: with int4_lanes, fast, bf16 k / v and per-token fp16 scales (else ignored): the row
     min / max and the symmetric clamp on bf16 pairs (`_rows_store_words`; same bytes).
-    Options left at None take the measured best (`_int4_defaults`; the tile path: 2 warps)."""
+    int8_rows: int8 per-token formats with fp16 scales, fast, bf16 k / v (else ignored), 2/4/8: int4_packed's
+    rows over that many lanes, stored as bytes (`_rows_bytes_store`; same bytes); 0: the tile.
+    Options left at None take the measured best (`_int4_defaults`, INT8_ROWS; the tile path: 2 warps)."""
     kf = kernel_format(cache)
     check_device(cache.k, k, v, slot_mapping)
     nb, heads, bs, _ = cache.k.shape
@@ -335,8 +339,13 @@ def write_kv_launch(
         raise ValueError(f"int4_lanes must be 0, 2, 4, 8 or 16, got {int4_lanes}")
     hd = kf.head_dim
     lanes = int4_lanes if kf.kind == KIND_INT4 and hd & (hd - 1) == 0 and hd >= 8 * int4_lanes else 0
-    packed = bool(int4_packed and lanes and fast and k.dtype == torch.bfloat16 and kf.scale_mode == SCALE_TOKEN
-                  and kf.scale_dtype == 0)
+    words_ok = fast and k.dtype == torch.bfloat16 and kf.scale_mode == SCALE_TOKEN and kf.scale_dtype == 0
+    packed = bool(int4_packed and lanes and words_ok)
+    int8_rows = INT8_ROWS if int8_rows is None else int8_rows
+    if int8_rows not in (0, 2, 4, 8):
+        raise ValueError(f"int8_rows must be 0, 2, 4 or 8, got {int8_rows}")
+    if kf.kind == KIND_INT8 and int8_rows and words_ok and hd & (hd - 1) == 0 and hd >= 8 * int8_rows:
+        lanes, packed = int8_rows, True
     if num_warps is None:  # a row per `lanes` threads: 8 lanes x 16 tokens fill 4 warps; fewer tokens, fewer warps
         num_warps = max(1, min(4 if lanes == 8 else 2, lanes * block_t // 32)) if lanes else 2
     grid = (triton.cdiv(num_tokens, block_t), heads)
@@ -352,6 +361,12 @@ def write_kv_launch(
         FULL_D=triton.next_power_of_2(stored) == stored, FAST=fast, LANES=lanes, PACKED=packed,
         num_warps=num_warps,
     )
+
+
+# int8 per-token (fp16 scales, bf16 input, GPU): rows over this many lanes (`write_kv_launch(int8_rows=)`).
+# H200, 16 x 32768 written (`results/write_variants_round16_int8_rows.jsonl`): % of copy, tile / 2 / 4 / 8
+# lanes: symmetric 87 / 56 / 94 / 94, asymmetric 80 / 63 / 92 / 91 (32 tokens x 4 warps at 4 lanes: the same)
+INT8_ROWS = 4
 
 
 def _int4_defaults(kf) -> tuple[int, bool]:

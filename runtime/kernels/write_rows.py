@@ -1,12 +1,13 @@
-"""int4 quantize-on-write with whole rows over a few lanes (`write_kv_launch(int4_lanes=N)`).
+"""Quantize-on-write with whole rows over a few lanes: int4 (`write_kv_launch(int4_lanes=N)`), and int8
+per-token from bf16 rows (`write_kv_launch(int8_rows=N)`, through `_rows_store_words`).
 
 The tile path of `write_kv.py` spreads a [tokens, head_dim] tile over the warps as the compiler
 likes, so every per-token reduction is a chain of shuffles over 4 rows and the per-row scale
 arithmetic repeats per thread. Here a row lives in N lanes (N = 4: 32 values a thread), a row's min
 / max is log2(N) shuffles, and the scale arithmetic runs once per thread. Values are clamped to
 B = qmax * s (rounded) before the division, so every quotient is finite and lands in range; bf16
-rows load as 32-bit words and widen with one shift or mask a value; eight nibbles pack by shifts
-and adds; stores are 32-bit words. The bytes are `kv_format.quantize`'s, as on the tile path
+rows load as 32-bit words and widen with one shift or mask a value; eight nibbles (int4) or four
+bytes (int8) pack by shifts and adds; stores are 32-bit words. The bytes are `kv_format.quantize`'s, as on the tile path
 (`_rows_int` has the rounding argument).
 """
 
@@ -243,6 +244,23 @@ def _rows_store(
 
 
 @triton.jit
+def _rows_bytes_store(ne, no, cache_ptr, dst_base, mask_t):
+    """int8 values [G, BLOCK_T, C, 4] (even and odd columns, signed or unsigned) -> 32-bit words at the
+    row's slot: a thread's 8 columns of one (g, c) are 8 bytes, two words, stored side by side."""
+    GL: tl.constexpr = ne.shape[0]
+    T2: tl.constexpr = ne.shape[1]
+    C: tl.constexpr = ne.shape[2]
+    h = (ne & 0xFF) + ((no & 0xFF) << 8)  # the column pair (2j, 2j + 1), low byte first
+    h0, h1 = tl.split(tl.reshape(h, (GL, T2, C, 2, 2)))  # j = 2i and 2i + 1
+    w = h0 + (h1 << 16)
+    g = (tl.arange(0, GL) ^ 1)[:, None, None, None]
+    c = tl.arange(0, C)[None, None, :, None]
+    i = tl.arange(0, 2)[None, None, None, :]
+    words = (cache_ptr + dst_base).to(tl.pointer_type(tl.int32))
+    tl.store(words[None, :, None, None] + (c * GL + g) * 2 + i, w, mask=mask_t[None, :, None, None])
+
+
+@triton.jit
 def _rows_words(x_ptr, t, mask_t, head, stride_xt, stride_xh, C: tl.constexpr, G: tl.constexpr):
     """`_rows_load`'s bf16 tile as its [G, BLOCK_T, C, 4] words (two bf16 each, even column low)."""
     g = (tl.arange(0, G) ^ 1)[:, None, None, None]
@@ -255,12 +273,14 @@ def _rows_words(x_ptr, t, mask_t, head, stride_xt, stride_xh, C: tl.constexpr, G
 @triton.jit
 def _rows_store_words(
     w, cache_ptr, scale_ptr, zero_ptr, mask_t, dst_base, meta_off, ASYM: tl.constexpr, QMAX: tl.constexpr,
+    KIND: tl.constexpr = 2,
 ):
     """`_rows_store` for bf16 rows, per-token fp16 scales, on the GPU, with bf16x2 instructions on the
     loaded words: the row min / max in-thread (one instruction per two values), and for the
     symmetric format the clamp, done on the bf16 pairs before widening, to [-B, B] with B = QMAX * s
     rounded to bf16 (B / s = QMAX (1 + d), |d| < 2**-8.9, rounds to QMAX, so `_rows_store`'s argument
-    holds with this B; s <= 65504 keeps B finite). The asymmetric clamp stays in fp32 (after a - z)."""
+    holds with this B -- for int8's 127 too, 127 * 2**-8.9 < 1/2 -- and s <= 65504 keeps B finite). The
+    asymmetric clamp stays in fp32 (after a - z). KIND: int4 (2, nibbles) or int8 (1, bytes)."""
     if ASYM:
         lo = _words_reduce(w, False)
         hi = _words_reduce(w, True)
@@ -281,4 +301,7 @@ def _rows_store_words(
         w = _bf16x2_clamp(w, hi_w | -2147450880, hi_w)  # -2147450880 = 0x80008000: the sign bits
         ne = _rows_int(_widen_lo(w), s, y, b, ASYM, True, True, True)
         no = _rows_int(_widen_hi(w), s, y, b, ASYM, True, True, True)
-    _rows_pack_store(ne, no, cache_ptr, dst_base, mask_t, ASYM)
+    if KIND == 2:
+        _rows_pack_store(ne, no, cache_ptr, dst_base, mask_t, ASYM)
+    else:
+        _rows_bytes_store(ne, no, cache_ptr, dst_base, mask_t)
