@@ -19,11 +19,22 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from runtime.kernels import decode_gluon, tuning  # noqa: E402
 from runtime.kernels.formats import FP8_E4M3, KernelFormat  # noqa: E402
 
+
+def kernel_format(kind: int, mode: int, asym: bool) -> KernelFormat:
+    return KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=FP8_E4M3 if kind == 0 else 0, qmax=0.0, qmin=0.0,
+                        scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
+
+
+def long_split_build(kind: int, mode: int, asym: bool) -> tuple[int, int, bool, int, bool]:
+    """The variant with the ring stages and tiles a step `tuning.gluon_plan` takes for long splits (16 x 32768)."""
+    _, _, stages, pairs = tuning.gluon_plan(kernel_format(kind, mode, asym), 16, 8, 32768, 132)
+    return kind, mode, asym, stages, pairs
+
+
 # (storage kind, scale mode, asymmetric, ring stages, tiles two a step): fp8 / int8 / int4 x per-tensor, per-head,
-# per-token (+ asym), as `tuning.gluon_plan` builds them for long splits (int4 per-token: a 4-stage ring, tiles
-# two a step); and int4's register path (short splits)
-GLUON_VARIANTS = [(kind, mode, asym, (4 if mode == 3 else 2) if kind == 2 else 0, kind == 2 and mode == 3)
-                  for kind in (0, 1, 2)
+# per-token (+ asym), as built for long splits (int4: the ring; per-token int4 two tiles a step); and int4's
+# register path (short splits)
+GLUON_VARIANTS = [long_split_build(kind, mode, asym) for kind in (0, 1, 2)
                   for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
 GLUON_VARIANTS += [(2, 2, False, 0, False), (2, 3, False, 0, False), (2, 3, True, 0, False)]
 
@@ -45,8 +56,7 @@ def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool) -> dict:
     scale = "*fp16" if mode == 3 else "*fp32"
     ptrs = {"Q": "*bf16", "K": "*i32", "V": "*i32", "KS": scale, "VS": scale, "KZ": scale, "VZ": scale,
             "BT": "*i32", "SEQ": "*i32", "OUT": "*bf16", "PM": "*fp32", "PL": "*fp32", "PACC": "*fp32"}
-    kf = KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=FP8_E4M3 if kind == 0 else 0, qmax=0.0, qmin=0.0,
-                      scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
+    kf = kernel_format(kind, mode, asym)
     consts = dict(NUM_HEADS=32, BLOCK_SIZE=16, GROUP=4, KIND=kind, SCALE_MODE=mode, ASYM=asym,
                   **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=tuning.skip_rescale_for(kf),
                   STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0), PAIRS=pairs)

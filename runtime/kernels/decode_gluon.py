@@ -16,8 +16,8 @@ over 16-token tiles, with every layout written out:
   (two 16-byte loads each) and bytes [16g, 16g + 16) of V rows 2t, 2t + 1, 2t + 8, 2t + 9.
   q is loaded once in the same head_dim order (`_k_columns`), and the output is written back
   in page order (`_out_rows`). In Gluon these orders are reshapes and permutes of register
-  layouts (`_k_operand`, `_v_operand`): the final conversion to the mma operand layout is
-  checked to move no data (`assert_trivial`).
+  layouts (`gluon_operands.py`: `_k_operand`, `_v_operand`): the final conversion to the mma
+  operand layout is checked to move no data (`assert_trivial`).
 * Pages are loaded as 32-bit words (carried to the next iteration as words: a loop-carried
   byte tensor costs a byte permute per value) and widened to fp16 in PTX. K (`word_asm`): fp8
   by the hardware's paired conversion; int8/int4 by one LOP3 per register pair whose result,
@@ -31,8 +31,9 @@ over 16-token tiles, with every layout written out:
   page and widen to finite values. ptxas copies the loop-carried words into place at the end of
   each step, and that copy waits for the load (Nsight Compute: a third of int4's stall samples on
   one move), so int4 with long splits takes a ring in shared memory instead (`STAGES`,
-  `tuning.gluon_stages_for`): cp.async fills the next stage (words, and per-token scales and zero
-  points) while this one computes, and the page index is loaded one step earlier. Page offsets are int32 where the cache allows
+  `tuning.gluon_stages_for`; the tile I/O is `gluon_tiles.py`): cp.async fills the next stage (words,
+  and per-token scales and zero points) while this one computes, and the page index is loaded one
+  step earlier; the per-token formats take two tiles a step (`_attend_pair`, `PAIRS`). Page offsets are int32 where the cache allows
   (`OFF32`), and a 16-token page needs no slot arithmetic.
 * Online softmax per column (head); the row sums of p accumulate elementwise and are reduced
   once at the end, and where no column's max grew the rescale is skipped
@@ -96,192 +97,8 @@ def widening(kf: KernelFormat) -> dict[str, str]:
 
 
 if gluon is not None:
-    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
-    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
-    # q / out rows [8 heads, 128]: 4 lanes per head, 32 contiguous values each
-    ROWS = gl.constexpr(gl.BlockedLayout([1, 32], [8, 4], [1, 1], [1, 0]))
-    # K words [16 tokens, W]: lane (g, t) holds rows g and g + 8, words [t W/4, (t + 1) W/4)
-    K_W8 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
-    K_W4 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
-    # V words [16 tokens, W]: lane (g, t) holds rows 2t, 2t + 1, 2t + 8, 2t + 9, words [g W/8, (g + 1) W/8)
-    V_W8 = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
-        warp_bases=[], block_bases=[], shape=[16, 32]))
-    V_W4 = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
-        warp_bases=[], block_bases=[], shape=[16, 16]))
-
-    # Shared-memory rings of int4 tiles [stages, 16 tokens, 16 words] (`_copy_tile`). K rows are
-    # plain (a lane reads 4 words of rows g, g + 8: conflict-free). V is read as V_W4 (2 words of
-    # rows 2t, 2t + 1, 2t + 8, 2t + 9): row-major, rows 0, 2, 4, 6 would share banks, so the
-    # offset's bits 3-4 take row bits 1-2 and the word's bit 3 moves up (16-byte chunks stay whole).
-    RING_K = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    RING_V = gl.constexpr(gl.SharedLinearLayout([[0, 1], [0, 2], [0, 4], [2, 0], [4, 0], [0, 8], [1, 0], [8, 0]]))
-    # Per-token scales / zero points of the ring's tiles [stages, 16 tokens], copied 2 a lane (4-8 bytes)
-    RING_META = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    META_COPY = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))
-
-    @gluon.jit
-    def _widen(w, KIND: gl.constexpr, ASM: gl.constexpr):
-        """Words [R, C] -> fp16 values [R, 4C] (8-bit) or [R, 8C] (int4) in storage order.
-
-        `word_asm` returns value i of a word as output i; join puts its second operand on a new
-        last axis, so joining (even, odd) pairs outermost-last rebuilds the storage order."""
-        R: gl.constexpr = w.shape[0]
-        C: gl.constexpr = w.shape[1]
-        if KIND == 2:
-            x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
-                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-            y = gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
-            return gl.reshape(y, [R, 8 * C])
-        else:
-            x0, x1, x2, x3 = gl.inline_asm_elementwise(
-                ASM, "=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 4, is_pure=True, pack=1)
-            return gl.reshape(gl.join(gl.join(x0, x2), gl.join(x1, x3)), [R, 4 * C])
-
-    @gluon.jit
-    def _k_columns(x, KIND: gl.constexpr):
-        """[R, 128] in head_dim order -> [R, 128] in the scores' k order (K's rows and q's alike).
-
-        For K, lane (g, t) holds stored columns [32t, 32t + 32) of rows g and g + 8; the A operand
-        wants k = 16i + 8h + 2t + e there (i < 8; h, e < 2), with (k, k + 1) in one register. e is
-        the column bit `word_asm` pairs in a register (fp8: bit 0, int8: bit 1, int4: bit 2), h the
-        lowest other bit, i the remaining three."""
-        R: gl.constexpr = x.shape[0]
-        y = gl.reshape(x, [R, 4, 2, 2, 2, 2, 2])  # (row, t, d4, d3, d2, d1, d0)
-        if KIND == 0:
-            y = gl.permute(y, (0, 2, 3, 4, 5, 1, 6))
-        elif KIND == 1:
-            y = gl.permute(y, (0, 2, 3, 4, 6, 1, 5))
-        else:
-            y = gl.permute(y, (0, 2, 3, 5, 6, 1, 4))
-        return gl.reshape(y, [R, 128])
-
-    @gluon.jit
-    def _k_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
-        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] (a register rename)."""
-        return gl.convert_layout(_k_columns(_widen(w, KIND, ASM), KIND), A_OP, assert_trivial=True)
-
-    @gluon.jit
-    def _widen_pairs(w, KIND: gl.constexpr, ASM: gl.constexpr):
-        """V words [16, C] -> fp16 values [16, 4C] (8-bit) or [16, 8C] (int4) in storage order, through
-        `pair_asm` on the words of tokens 2i and 2i + 1 (the token-parity axis is in registers)."""
-        C: gl.constexpr = w.shape[1]
-        even, odd = gl.split(gl.permute(gl.reshape(w, [8, 2, C]), (0, 2, 1)))
-        if KIND == 2:
-            x = gl.inline_asm_elementwise(ASM, "=h," * 16 + "r,r", [even, odd], dtype=(gl.float16,) * 16,
-                                          is_pure=True, pack=1)
-            p0, p1, p2, p3, p4, p5, p6, p7 = (gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]),
-                                              gl.join(x[6], x[7]), gl.join(x[8], x[9]), gl.join(x[10], x[11]),
-                                              gl.join(x[12], x[13]), gl.join(x[14], x[15]))
-            y = gl.join(gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7)))
-            y = gl.permute(y, (0, 2, 1, 3, 4, 5))  # (token pair, parity, word, value bits high to low)
-            return gl.reshape(y, [16, 8 * C])
-        else:
-            x = gl.inline_asm_elementwise(ASM, "=h," * 8 + "r,r", [even, odd], dtype=(gl.float16,) * 8,
-                                          is_pure=True, pack=1)
-            p0, p1, p2, p3 = gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]), gl.join(x[6], x[7])
-            y = gl.permute(gl.join(gl.join(p0, p2), gl.join(p1, p3)), (0, 2, 1, 3, 4))
-            return gl.reshape(y, [16, 4 * C])
-
-    @gluon.jit
-    def _v_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
-        """V words [16, W] -> p . V's A operand V^T [128 m, 16 tokens]: lane (g, t) holds stored
-        columns d = 16g + 2j + r (j < 8, r < 2), which the A operand calls m = 16j + 8r + g."""
-        y = gl.permute(_widen_pairs(w, KIND, ASM), (1, 0))
-        y = gl.permute(gl.reshape(y, [8, 8, 2, 16]), (1, 2, 0, 3))
-        return gl.convert_layout(gl.reshape(y, [128, 16]), A_OP, assert_trivial=True)
-
-    @gluon.jit
-    def _out_rows(acc):
-        """o^T [128 m, 8] -> o [8 heads, 128] in head_dim order (d = 16g + 2j + r for m = 16j + 8r + g)."""
-        y = gl.permute(gl.reshape(acc, [8, 2, 8, 8]), (3, 2, 0, 1))
-        return gl.convert_layout(gl.reshape(y, [8, 128]), ROWS)
-
-    @gluon.jit
-    def _tile_words(n0, K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb,
-                    stride_mh, koffs, voffs, tk, tv, ts, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
-                    ASYM: gl.constexpr, KIND: gl.constexpr, OFF32: gl.constexpr):
-        """A tile's K/V words and per-token scales / zero points (scales 0 past `end`)."""
-        page = _page(bt_row, n0, end, BLOCK_SIZE, OFF32)
-        base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
-        if KIND == 0:
-            kw = gl.load(K + base + koffs, mask=((n0 + tk) < end)[:, None], other=0)
-            vw = gl.load(V + base + voffs, mask=((n0 + tv) < end)[:, None], other=0)
-        else:
-            # Every address is inside a page (past `end`, page 0 of the cache), and the values there
-            # widen to finite numbers whose scores are masked and whose p is 0: no load masks.
-            # (A stale fp8 byte can be NaN, and NaN * 0 is NaN.)
-            kw = gl.load(K + base + koffs)
-            vw = gl.load(V + base + voffs)
-        ks = 0.0
-        vs = 0.0
-        kz = 0.0
-        vz = 0.0
-        if SCALE_MODE == 3:
-            meta = page * stride_mb + kvh * stride_mh + slot + ts
-            tmask = (n0 + ts) < end
-            ks = gl.load(KS + meta, mask=tmask, other=0.0).to(gl.float32)
-            vs = gl.load(VS + meta, mask=tmask, other=0.0).to(gl.float32)
-            if ASYM:
-                kz = gl.load(KZ + meta, mask=tmask, other=0.0).to(gl.float32)
-                vz = gl.load(VZ + meta, mask=tmask, other=0.0).to(gl.float32)
-        return kw, vw, ks, vs, kz, vz
-
-    @gluon.jit
-    def _page(bt_row, n0, end, BLOCK_SIZE: gl.constexpr, OFF32: gl.constexpr):
-        """The page of the tile at n0 (page 0 past `end`: a readable address whose scores are masked), as
-        the int type of the kernel's offsets (OFF32: int32, the cache holds < 2^31 words). n0 >= 0:
-        divided unsigned, by a shift (signed division costs four more uniform instructions a tile)."""
-        page = gl.load(bt_row + (n0.to(gl.uint32) // BLOCK_SIZE).to(gl.int32), mask=n0 < end, other=0)
-        return page if OFF32 else page.to(gl.int64)
-
-    @gluon.jit
-    def _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE: gl.constexpr):
-        """The offset (words) of the tile's first row, and that row's slot in its page: 0 for 16-token
-        pages (splits start at multiples of 16)."""
-        if BLOCK_SIZE == 16:  # TILE
-            slot = 0
-        else:
-            slot = (n0.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-        return page * stride_cb + kvh * stride_ch + slot * stride_ct, slot
-
-    @gluon.jit
-    def _copy_tile(n0, page, K, V, k_ring, v_ring, stage, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
-                   BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr):
-        """Start the asynchronous copy of a tile's K and V words (and per-token scales, zero points: `metas`)
-        into ring stage `stage` (one group)."""
-        base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
-        async_copy.async_copy_global_to_shared(k_ring.index(stage), K + base + coffs)
-        async_copy.async_copy_global_to_shared(v_ring.index(stage), V + base + coffs)
-        if SCALE_MODE == 3:
-            KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh = metas
-            # tiles start at multiples of 16 tokens: say so, or cp.async falls back to 2-byte copies it lacks
-            meta = gl.multiple_of(page * stride_mb + kvh * stride_mh + slot, 16) + gl.arange(0, 16, layout=META_COPY)
-            async_copy.async_copy_global_to_shared(ks_ring.index(stage), KS + meta)
-            async_copy.async_copy_global_to_shared(vs_ring.index(stage), VS + meta)
-            if ASYM:
-                async_copy.async_copy_global_to_shared(kz_ring.index(stage), KZ + meta)
-                async_copy.async_copy_global_to_shared(vz_ring.index(stage), VZ + meta)
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _ring_metas(n0, end, metas, stage, ts, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr):
-        """A ring tile's per-token scales and zero points (0 past `end`, as `_tile_words` loads them)."""
-        ks = 0.0
-        vs = 0.0
-        kz = 0.0
-        vz = 0.0
-        if SCALE_MODE == 3:
-            _, _, _, _, ks_ring, vs_ring, kz_ring, vz_ring, _, _ = metas
-            valid = (n0 + ts) < end
-            ks = gl.where(valid, ks_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
-            vs = gl.where(valid, vs_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
-            if ASYM:
-                kz = gl.where(valid, kz_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
-                vz = gl.where(valid, vz_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
-        return ks, vs, kz, vz
+    from .gluon_operands import B_OP, K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _k_columns, _k_operand, _out_rows, _v_operand
+    from .gluon_tiles import RING_K, RING_META, RING_V, _copy_tile, _page, _ring_metas, _tile_words
 
     @gluon.jit
     def _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,

@@ -337,14 +337,15 @@ def write_kv_launch(
     int4_packed = default_packed if int4_packed is None else int4_packed
     if int4_lanes not in (0, 2, 4, 8, 16):
         raise ValueError(f"int4_lanes must be 0, 2, 4, 8 or 16, got {int4_lanes}")
-    hd = kf.head_dim
-    lanes = int4_lanes if kf.kind == KIND_INT4 and hd & (hd - 1) == 0 and hd >= 8 * int4_lanes else 0
+    # rows over N lanes need head_dim a power of two of >= 8 columns a lane
+    rows_fit = lambda n: kf.head_dim & (kf.head_dim - 1) == 0 and kf.head_dim >= 8 * n  # noqa: E731
+    lanes = int4_lanes if kf.kind == KIND_INT4 and rows_fit(int4_lanes) else 0
     words_ok = fast and k.dtype == torch.bfloat16 and kf.scale_mode == SCALE_TOKEN and kf.scale_dtype == 0
     packed = bool(int4_packed and lanes and words_ok)
     int8_rows = INT8_ROWS if int8_rows is None else int8_rows
     if int8_rows not in (0, 2, 4, 8):
         raise ValueError(f"int8_rows must be 0, 2, 4 or 8, got {int8_rows}")
-    if kf.kind == KIND_INT8 and int8_rows and words_ok and hd & (hd - 1) == 0 and hd >= 8 * int8_rows:
+    if kf.kind == KIND_INT8 and int8_rows and words_ok and rows_fit(int8_rows):
         lanes, packed = int8_rows, True
     if num_warps is None:  # a row per `lanes` threads: 8 lanes x 16 tokens fill 4 warps; fewer tokens, fewer warps
         num_warps = max(1, min(4 if lanes == 8 else 2, lanes * block_t // 32)) if lanes else 2

@@ -1,0 +1,111 @@
+"""The Gluon decode kernel's register layouts (`decode_gluon.py`): the mma operands, the K / V words
+as loaded, q / out rows, and the relabellings between them.
+
+A dot product does not care in which order it visits head_dim, so the kernel reads K and V in the
+order that makes each lane's A-operand elements contiguous in the page, and widens the loaded
+32-bit words in place (`widen_ptx`). In Gluon those orders are reshapes and permutes of register
+layouts; the final conversion to the mma operand layout is checked to move no data
+(`assert_trivial`): a wrong permutation fails the build.
+"""
+
+from __future__ import annotations
+
+try:  # Gluon ships with Triton >= 3.5 (decode_gluon.py falls back without it)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+if gluon is not None:
+    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+    # q / out rows [8 heads, 128]: 4 lanes per head, 32 contiguous values each
+    ROWS = gl.constexpr(gl.BlockedLayout([1, 32], [8, 4], [1, 1], [1, 0]))
+    # K words [16 tokens, W]: lane (g, t) holds rows g and g + 8, words [t W/4, (t + 1) W/4)
+    K_W8 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
+    K_W4 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
+    # V words [16 tokens, W]: lane (g, t) holds rows 2t, 2t + 1, 2t + 8, 2t + 9, words [g W/8, (g + 1) W/8)
+    V_W8 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
+        warp_bases=[], block_bases=[], shape=[16, 32]))
+    V_W4 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
+        warp_bases=[], block_bases=[], shape=[16, 16]))
+
+    @gluon.jit
+    def _widen(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """Words [R, C] -> fp16 values [R, 4C] (8-bit) or [R, 8C] (int4) in storage order.
+
+        `word_asm` returns value i of a word as output i; join puts its second operand on a new
+        last axis, so joining (even, odd) pairs outermost-last rebuilds the storage order."""
+        R: gl.constexpr = w.shape[0]
+        C: gl.constexpr = w.shape[1]
+        if KIND == 2:
+            x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+            y = gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
+            return gl.reshape(y, [R, 8 * C])
+        else:
+            x0, x1, x2, x3 = gl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 4, is_pure=True, pack=1)
+            return gl.reshape(gl.join(gl.join(x0, x2), gl.join(x1, x3)), [R, 4 * C])
+
+    @gluon.jit
+    def _k_columns(x, KIND: gl.constexpr):
+        """[R, 128] in head_dim order -> [R, 128] in the scores' k order (K's rows and q's alike).
+
+        For K, lane (g, t) holds stored columns [32t, 32t + 32) of rows g and g + 8; the A operand
+        wants k = 16i + 8h + 2t + e there (i < 8; h, e < 2), with (k, k + 1) in one register. e is
+        the column bit `word_asm` pairs in a register (fp8: bit 0, int8: bit 1, int4: bit 2), h the
+        lowest other bit, i the remaining three."""
+        R: gl.constexpr = x.shape[0]
+        y = gl.reshape(x, [R, 4, 2, 2, 2, 2, 2])  # (row, t, d4, d3, d2, d1, d0)
+        if KIND == 0:
+            y = gl.permute(y, (0, 2, 3, 4, 5, 1, 6))
+        elif KIND == 1:
+            y = gl.permute(y, (0, 2, 3, 4, 6, 1, 5))
+        else:
+            y = gl.permute(y, (0, 2, 3, 5, 6, 1, 4))
+        return gl.reshape(y, [R, 128])
+
+    @gluon.jit
+    def _k_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] (a register rename)."""
+        return gl.convert_layout(_k_columns(_widen(w, KIND, ASM), KIND), A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _widen_pairs(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """V words [16, C] -> fp16 values [16, 4C] (8-bit) or [16, 8C] (int4) in storage order, through
+        `pair_asm` on the words of tokens 2i and 2i + 1 (the token-parity axis is in registers)."""
+        C: gl.constexpr = w.shape[1]
+        even, odd = gl.split(gl.permute(gl.reshape(w, [8, 2, C]), (0, 2, 1)))
+        if KIND == 2:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 16 + "r,r", [even, odd], dtype=(gl.float16,) * 16,
+                                          is_pure=True, pack=1)
+            p0, p1, p2, p3, p4, p5, p6, p7 = (gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]),
+                                              gl.join(x[6], x[7]), gl.join(x[8], x[9]), gl.join(x[10], x[11]),
+                                              gl.join(x[12], x[13]), gl.join(x[14], x[15]))
+            y = gl.join(gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7)))
+            y = gl.permute(y, (0, 2, 1, 3, 4, 5))  # (token pair, parity, word, value bits high to low)
+            return gl.reshape(y, [16, 8 * C])
+        else:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 8 + "r,r", [even, odd], dtype=(gl.float16,) * 8,
+                                          is_pure=True, pack=1)
+            p0, p1, p2, p3 = gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]), gl.join(x[6], x[7])
+            y = gl.permute(gl.join(gl.join(p0, p2), gl.join(p1, p3)), (0, 2, 1, 3, 4))
+            return gl.reshape(y, [16, 4 * C])
+
+    @gluon.jit
+    def _v_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
+        """V words [16, W] -> p . V's A operand V^T [128 m, 16 tokens]: lane (g, t) holds stored
+        columns d = 16g + 2j + r (j < 8, r < 2), which the A operand calls m = 16j + 8r + g."""
+        y = gl.permute(_widen_pairs(w, KIND, ASM), (1, 0))
+        y = gl.permute(gl.reshape(y, [8, 8, 2, 16]), (1, 2, 0, 3))
+        return gl.convert_layout(gl.reshape(y, [128, 16]), A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _out_rows(acc):
+        """o^T [128 m, 8] -> o [8 heads, 128] in head_dim order (d = 16g + 2j + r for m = 16j + 8r + g)."""
+        y = gl.permute(gl.reshape(acc, [8, 2, 8, 8]), (3, 2, 0, 1))
+        return gl.convert_layout(gl.reshape(y, [8, 128]), ROWS)
