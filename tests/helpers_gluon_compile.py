@@ -25,18 +25,22 @@ def kernel_format(kind: int, mode: int, asym: bool) -> KernelFormat:
                         scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
 
 
-def long_split_build(kind: int, mode: int, asym: bool) -> tuple[int, int, bool, int, bool]:
+def long_split_build(kind: int, mode: int, asym: bool, group: int) -> tuple[int, int, bool, int, bool, int]:
     """The variant with the ring stages and tiles a step `tuning.gluon_plan` takes for long splits (16 x 32768)."""
-    _, _, stages, pairs = tuning.gluon_plan(kernel_format(kind, mode, asym), 16, 8, 32768, 132)
-    return kind, mode, asym, stages, pairs
+    _, _, stages, pairs = tuning.gluon_plan(kernel_format(kind, mode, asym), 16, 8, 32768, 132, group=group)
+    return kind, mode, asym, stages, pairs, group
 
 
-# (storage kind, scale mode, asymmetric, ring stages, tiles two a step): fp8 / int8 / int4 x per-tensor, per-head,
-# per-token (+ asym), as built for long splits (int4: the ring; per-token int4 two tiles a step); and int4's
-# register path (short splits)
-GLUON_VARIANTS = [long_split_build(kind, mode, asym) for kind in (0, 1, 2)
-                  for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
-GLUON_VARIANTS += [(2, 2, False, 0, False), (2, 3, False, 0, False), (2, 3, True, 0, False)]
+# (storage kind, scale mode, asymmetric, ring stages, tiles two a step, query heads per KV head): fp8 / int8 / int4 x
+# per-tensor, per-head, per-token (+ asym), as built for long splits (int4: the ring; per-token int4 two tiles a
+# step), and int4's register path (short splits), for GQA groups 4 (Llama-3-8B), 8 (70B) and 1 (multi-head); fp8
+# per-token, whose register cap depends on the group (`tuning.FP8_TOKEN_CAP_GROUPS`), at every group
+FORMATS = [(kind, mode, asym) for kind in (0, 1, 2)
+           for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
+GLUON_VARIANTS = [long_split_build(*fmt, group) for group in (4, 8, 1) for fmt in FORMATS]
+GLUON_VARIANTS += [(2, mode, asym, 0, False, group) for group in (4, 8, 1)
+                   for mode, asym in ((2, False), (3, False), (3, True))]
+GLUON_VARIANTS += [long_split_build(0, 3, False, group) for group in (2, 3, 5, 6, 7)]
 
 
 def loop_local_accesses(sass: str) -> int:
@@ -49,7 +53,7 @@ def loop_local_accesses(sass: str) -> int:
     return sum(1 for a, line in addr if start <= a <= end and re.search(r"\b(LDL|STL)\b", line))
 
 
-def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool) -> dict:
+def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool, group: int) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = decode_gluon._decode_kernel_gluon
@@ -57,7 +61,7 @@ def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool) -> dict:
     ptrs = {"Q": "*bf16", "K": "*i32", "V": "*i32", "KS": scale, "VS": scale, "KZ": scale, "VZ": scale,
             "BT": "*i32", "SEQ": "*i32", "OUT": "*bf16", "PM": "*fp32", "PL": "*fp32", "PACC": "*fp32"}
     kf = kernel_format(kind, mode, asym)
-    consts = dict(NUM_HEADS=32, BLOCK_SIZE=16, GROUP=4, KIND=kind, SCALE_MODE=mode, ASYM=asym,
+    consts = dict(NUM_HEADS=8 * group, BLOCK_SIZE=16, GROUP=group, KIND=kind, SCALE_MODE=mode, ASYM=asym,
                   **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=tuning.skip_rescale_for(kf),
                   STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0), PAIRS=pairs)
     names = fn.arg_names
@@ -65,7 +69,7 @@ def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool) -> dict:
     aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    cap, _ = tuning.gluon_registers(kf, ring=stages > 0)
+    cap, _ = tuning.gluon_registers(kf, ring=stages > 0, group=group)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -605,17 +605,18 @@ def gluon_sm90_builds():
 
 
 @pytest.mark.parametrize("variant", GLUON_VARIANTS,
-                         ids=[f"kind{k}-mode{m}{'-asym' if a else ''}-stages{s}{'-pairs' if p else ''}"
-                              for k, m, a, s, p in GLUON_VARIANTS])
+                         ids=[f"kind{k}-mode{m}{'-asym' if a else ''}-stages{s}{'-pairs' if p else ''}-group{g}"
+                              for k, m, a, s, p, g in GLUON_VARIANTS])
 def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
     """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
     register renames (`assert_trivial` in `_k_operand` / `_v_operand`; a wrong permutation fails the
     build), K and V touch shared memory only in the int4 ring (2 stages, or 4 for per-token tiles two a step,
     of 1 KB of K, 1 KB of V and the tile's per-token scales and zero points), no variant spills inside its tile loop, and with 128 registers the static formats do
-    not spill at all (16 programs per SM is what the split rule assumes)."""
+    not spill at all (16 programs per SM is what the split rule assumes); for GQA groups 1, 4 and 8 (fp8
+    per-token, whose cap depends on the group, for 1-8)."""
     build = gluon_sm90_builds[variant]
     assert "error" not in build, build.get("error")
-    _, mode, asym, stages, _ = variant
+    _, mode, asym, stages, _, _ = variant
     metas = (4 if asym else 2) * 16 * 2 if mode == 3 else 0  # per-token fp16 scales (and zero points) a tile
     assert build["shared"] == stages * (2 * 16 * 64 + metas), "K and V go to registers, int4 tiles through the ring"
     assert build["regs"] <= (build["cap"] or 255)
@@ -691,6 +692,10 @@ def test_gluon_programs_per_sm_follow_the_register_cap():
     assert gluon_registers(_kernel_format(2, 3, asym=True)) == (None, 12)
     assert gluon_registers(_kernel_format(2, 3, asym=True), ring=True) == (128, 16)  # 118 registers built
     assert gluon_registers(_kernel_format(1, 3)) == (None, 12)
+    # fp8 per-token: 128 where it compiles without spills (groups 2-7), else uncapped
+    assert [gluon_registers(_kernel_format(0, 3), group=g) for g in (1, 2, 4, 7, 8)] == [
+        (None, 12), (128, 16), (128, 16), (128, 16), (None, 12)]
+    assert gluon_registers(_kernel_format(0, 3), 128, group=8) == (128, 16)  # an explicit cap is kept
 
 
 def test_gluon_plan_takes_the_ring_only_for_long_splits():

@@ -291,7 +291,7 @@ def decode_attention_launch(
     tuned = tuned_for(kf, batch * kv_heads, max_tokens)
     if (tuned.gluon if gluon is None else gluon) and decode_gluon.supported(kf, q, bs, group):
         cap, num_splits, stages, pairs = gluon_plan(kf, batch, kv_heads, max_tokens, sm_count(q.device), maxnreg,
-                                                    gluon_stages, num_splits, resident_per_sm, gluon_pairs)
+                                                    gluon_stages, num_splits, resident_per_sm, gluon_pairs, group)
         plan = split_plan(out, max_tokens, num_splits, decode_gluon.TILE * (2 if pairs else 1))
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, plan,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,

@@ -124,15 +124,17 @@ def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
 
 def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms: int, maxnreg: int | None = None,
                stages: int | None = None, num_splits: int | None = None,
-               resident_per_sm: int | None = None, pairs: bool | None = None) -> tuple[int | None, int, int, bool]:
+               resident_per_sm: int | None = None, pairs: bool | None = None,
+               group: int = 4) -> tuple[int | None, int, int, bool]:
     """The Gluon kernel's (register cap, split count, ring stages, tiles two a step); arguments not None are
     kept. int4 is planned for the ring first (its register cap sets the programs per SM the split rule
     counts on), and for the registers where the ring's splits would be too short for it. pairs: the ring's
-    tiles two a step (`gluon_pairs_for`), with splits of whole tile pairs and >= GLUON_PAIR_STAGES stages."""
+    tiles two a step (`gluon_pairs_for`), with splits of whole tile pairs and >= GLUON_PAIR_STAGES stages. group:
+    query heads per KV head (the register cap depends on it: `gluon_registers`)."""
     def plan(ring: bool) -> tuple[int | None, int, int, bool]:
         two = ring and (gluon_pairs_for(kf) if pairs is None else bool(pairs))
         tile = decode_gluon.TILE * (2 if two else 1)
-        cap, resident = gluon_registers(kf, maxnreg, ring)
+        cap, resident = gluon_registers(kf, maxnreg, ring, group)
         splits = num_splits
         if splits is None:
             splits = choose_num_splits(batch, kv_heads, max_tokens, tile, sms, resident_per_sm or resident,
@@ -171,15 +173,27 @@ def skip_rescale_for(kf: KernelFormat) -> bool:
     return kf.kind == KIND_INT4 or (kf.kind != KIND_FLOAT and kf.scale_mode == SCALE_TOKEN)
 
 
-def gluon_registers(kf: KernelFormat, maxnreg: int | None = None, ring: bool = False) -> tuple[int | None, int]:
+# fp8 per-token fits 128 registers for GQA groups of 2-7 only: for 1 and 8 ptxas (Triton 3.6) spills 64 bytes in
+# the tile loop (372 loop instructions against 325), and uncapped (167 registers, 12 programs per SM) ran 0.0436
+# ms against 0.0523 at Llama-3-70B TP8 (group 8) 16 x 32768, 0.0359 against 0.0547 at 1 x 131072 (thirteenth
+# session). tests/helpers_gluon_compile.py builds every format at groups 1, 4 and 8 (fp8 per-token at all eight)
+# and fails where a cap spills in the loop.
+FP8_TOKEN_CAP_GROUPS = range(2, 8)
+
+
+def gluon_registers(kf: KernelFormat, maxnreg: int | None = None, ring: bool = False,
+                    group: int = 4) -> tuple[int | None, int]:
     """The Gluon kernel's (register cap, programs per SM). 128 registers hold 16 one-warp programs per SM
     (so does the int4 ring's 106: at 96, 20 per SM ran no faster; KERNEL_NOTES.md, tenth session); the
     per-token int8 and asymmetric int4 kernels would spill at 128 and run faster uncapped (140-168
     registers, 12 per SM) -- except asymmetric int4 through the ring (`ring`): 125 registers at a cap of 128
     with tiles two a step (118 one a step), 16 per SM: one a step ran 0.165 ms against 0.167 uncapped at
-    16 x 32768. maxnreg: an explicit cap instead (0: none)."""
+    16 x 32768 -- and fp8 per-token where it would spill at 128 (`FP8_TOKEN_CAP_GROUPS`; group: query heads per
+    KV head). maxnreg: an explicit cap instead (0: none)."""
     if maxnreg is None:  # symmetric int4 per-token fits 120: 0.170 vs 0.191 ms uncapped
-        if kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT or (ring and kf.asym):
+        if kf.kind == KIND_FLOAT and kf.scale_mode == SCALE_TOKEN and group not in FP8_TOKEN_CAP_GROUPS:
+            maxnreg = 0
+        elif kf.scale_mode != SCALE_TOKEN or kf.kind == KIND_FLOAT or (ring and kf.asym):
             maxnreg = 128
         else:
             maxnreg = 120 if kf.kind == KIND_INT4 and not kf.asym else 0
