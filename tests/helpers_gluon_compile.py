@@ -33,13 +33,15 @@ def long_split_build(kind: int, mode: int, asym: bool, group: int) -> tuple[int,
 
 # (storage kind, scale mode, asymmetric, ring stages, tiles two a step, query heads per KV head): fp8 / int8 / int4 x
 # per-tensor, per-head, per-token (+ asym), as built for long splits (int4: the ring; per-token int4 two tiles a
-# step), and int4's register path (short splits), for GQA groups 4 (Llama-3-8B), 8 (70B) and 1 (multi-head); fp8
+# step), int4's register path (short splits) and per-head int4 two tiles a step, for GQA groups 4 (Llama-3-8B), 8 (70B) and 1 (multi-head); fp8
 # per-token, whose register cap depends on the group (`tuning.FP8_TOKEN_CAP_GROUPS`), at every group
 FORMATS = [(kind, mode, asym) for kind in (0, 1, 2)
            for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
 GLUON_VARIANTS = [long_split_build(*fmt, group) for group in (4, 8, 1) for fmt in FORMATS]
 GLUON_VARIANTS += [(2, mode, asym, 0, False, group) for group in (4, 8, 1)
                    for mode, asym in ((2, False), (3, False), (3, True))]
+# per-head int4 two tiles a step: the ring of splits lengthened to 1024 tokens (`tuning._long_splits`)
+GLUON_VARIANTS += [(2, 2, False, 4, True, group) for group in (4, 8, 1)]
 GLUON_VARIANTS += [long_split_build(0, 3, False, group) for group in (2, 3, 5, 6, 7)]
 
 

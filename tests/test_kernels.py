@@ -700,8 +700,8 @@ def test_gluon_programs_per_sm_follow_the_register_cap():
 
 def test_gluon_plan_takes_the_ring_only_for_long_splits():
     """Splits by the wave rule at 16 programs per SM (132 SMs; splitting at all within 10% of the best,
-    then 5%); int4 takes the ring where they are >= 1024 tokens long, the registers otherwise (and
-    asymmetric per-token int4 the registers' uncapped 12 programs per SM)."""
+    then 5%); int4 takes the ring where they are >= 1024 tokens long, or where splits of 1024 still make 1024
+    programs, the registers otherwise (and asymmetric per-token int4 the registers' uncapped 12 programs per SM)."""
     from runtime.kernels.tuning import gluon_plan
 
     int4 = _kernel_format(2, 2)
@@ -718,8 +718,18 @@ def test_gluon_plan_takes_the_ring_only_for_long_splits():
     assert gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132) == (120, 16, 4, True)
     assert gluon_plan(_kernel_format(2, 3, asym=True), 16, 8, 32768, 132) == (128, 16, 4, True)
     assert gluon_plan(_kernel_format(2, 3, asym=True), 64, 1, 8192, 132) == (None, 23, 0, False)
+    # one sequence of 131072 on 8 KV heads: the wave rule's 244 splits of 544 tokens are too short for the ring,
+    # 128 splits of 1024 make 1024 programs (ONE_WARP_PROGRAMS): the ring with tiles two a step, per-head too;
+    # 4 x 32768 the same (32 pairs x 32 splits); 70B's 16 x 32768 (16 pairs x 32 = 512) keeps the registers
+    for fmt in (int4, _kernel_format(2, 3), _kernel_format(2, 3, asym=True)):
+        assert gluon_plan(fmt, 1, 8, 131072, 132)[1:] == (128, 4, True)
+        assert gluon_plan(fmt, 4, 8, 32768, 132)[1:] == (32, 4, True)
+        assert gluon_plan(fmt, 16, 1, 32768, 132)[2:] == (0, False)
+    assert gluon_plan(int4, 1, 8, 131072, 132, stages=0) == (128, 244, 0, False)  # asked for the registers
+    assert gluon_plan(int4, 1, 8, 131072, 132, num_splits=200) == (128, 200, 0, False)  # splits kept: no ring
     # 8-bit formats never take the ring
     assert gluon_plan(_kernel_format(1, 2), 16, 8, 32768, 132) == (128, 16, 0, False)
+    assert gluon_plan(_kernel_format(1, 2), 1, 8, 131072, 132)[2:] == (0, False)
     # int8 per-token (uncapped, 12 per SM), 1464 pairs in 1584 slots: one split (92% of the slots) is within
     # 10% of the model's best count, so no split (5% alone would take 14: 13 waves of 1/14 each)
     assert gluon_plan(_kernel_format(1, 3), 183, 8, 8448, 132) == (None, 1, 0, False)

@@ -118,8 +118,11 @@ def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
     3 stages 0.155, ninth session; per-token 0.157 against 0.163, asym 0.165 against 0.175 with the scales
     and zero points in the ring, eleventh). Short splits (Llama-3-70B at TP 8: 256 tokens) ran slower
     with it (per-token: 0.040 against 0.034 ms)."""
-    ring = kf.kind == KIND_INT4 and tokens_per_split >= 1024
+    ring = kf.kind == KIND_INT4 and tokens_per_split >= RING_MIN_TOKENS
     return GLUON_STAGES if ring else 0
+
+
+RING_MIN_TOKENS = 1024
 
 
 def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms: int, maxnreg: int | None = None,
@@ -128,14 +131,14 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
                group: int = 4) -> tuple[int | None, int, int, bool]:
     """The Gluon kernel's (register cap, split count, ring stages, tiles two a step); arguments not None are
     kept. int4 is planned for the ring first (its register cap sets the programs per SM the split rule
-    counts on), and for the registers where the ring's splits would be too short for it. pairs: the ring's
+    counts on); where the split rule's splits are too short for the ring, with splits of RING_MIN_TOKENS and tiles
+    two a step if that still makes ONE_WARP_PROGRAMS programs (`_long_splits`), else for the registers. pairs: the ring's
     tiles two a step (`gluon_pairs_for`), with splits of whole tile pairs and >= GLUON_PAIR_STAGES stages. group:
     query heads per KV head (the register cap depends on it: `gluon_registers`)."""
-    def plan(ring: bool) -> tuple[int | None, int, int, bool]:
+    def plan(ring: bool, splits: int | None = num_splits, pairs: bool | None = pairs) -> tuple[int | None, int, int, bool]:
         two = ring and (gluon_pairs_for(kf) if pairs is None else bool(pairs))
         tile = decode_gluon.TILE * (2 if two else 1)
         cap, resident = gluon_registers(kf, maxnreg, ring, group)
-        splits = num_splits
         if splits is None:
             splits = choose_num_splits(batch, kv_heads, max_tokens, tile, sms, resident_per_sm or resident,
                                        decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
@@ -156,7 +159,22 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
         ring_plan = plan(True)
         if ring_plan[2]:
             return ring_plan
+        splits = _long_splits(batch * kv_heads, max_tokens) if num_splits is None else None
+        if splits:
+            return plan(True, splits, True if pairs is None else pairs)
     return plan(False)
+
+
+def _long_splits(pairs: int, max_tokens: int) -> int | None:
+    """Splits of RING_MIN_TOKENS for int4 where the split rule's are too short for the ring, if that leaves >=
+    ONE_WARP_PROGRAMS (sequence, KV head, split) programs: half the H200's slots at 16 a SM, each with two tiles
+    in flight (the 4-stage ring of tiles two a step, per-head int4 too). Llama-3-8B at 1 x 131072 (8 KV heads):
+    128 splits in the ring instead of 244 from registers, int4 0.0447 -> 0.0417 ms, per-token 0.0504 -> 0.0445,
+    asym 0.0522 -> 0.0491; per-head int4 with 128 splits but one tile a step ran 0.0492 (thirteenth session).
+    Llama-3-70B at TP 8 (one KV head: 16 x 32768 would make 512 programs) stays in registers: the ring ran
+    slower there (int4 0.0380 against 0.0312 ms)."""
+    splits = max_tokens // RING_MIN_TOKENS
+    return splits if splits > 1 and pairs * splits >= ONE_WARP_PROGRAMS else None
 
 
 def gluon_offsets32(kf: KernelFormat, cache_words: int) -> bool:
