@@ -94,6 +94,7 @@ def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None
 
 
 GLUON_STAGES = 2
+RING_MIN_TOKENS = 1024  # int4 splits at least this long go through the ring (`gluon_stages_for`)
 GLUON_PAIR_STAGES = 4  # a ring with tiles two a step: two stages read while two fill
 
 
@@ -120,9 +121,6 @@ def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
     with it (per-token: 0.040 against 0.034 ms)."""
     ring = kf.kind == KIND_INT4 and tokens_per_split >= RING_MIN_TOKENS
     return GLUON_STAGES if ring else 0
-
-
-RING_MIN_TOKENS = 1024
 
 
 def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms: int, maxnreg: int | None = None,
