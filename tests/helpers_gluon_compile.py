@@ -20,29 +20,29 @@ from runtime.kernels import decode_gluon, tuning  # noqa: E402
 from runtime.kernels.formats import FP8_E4M3, KernelFormat  # noqa: E402
 
 
-def kernel_format(kind: int, mode: int, asym: bool) -> KernelFormat:
+def kernel_format_of(kind: int, mode: int, asym: bool = False) -> KernelFormat:
     return KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=FP8_E4M3 if kind == 0 else 0, qmax=0.0, qmin=0.0,
                         scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
 
 
-def long_split_build(kind: int, mode: int, asym: bool, group: int) -> tuple[int, int, bool, int, bool, int]:
-    """The variant with the ring stages and tiles a step `tuning.gluon_plan` takes for long splits (16 x 32768)."""
-    _, _, stages, pairs = tuning.gluon_plan(kernel_format(kind, mode, asym), 16, 8, 32768, 132, group=group)
+def planned_build(kind: int, mode: int, asym: bool, group: int, batch: int, kv_heads: int,
+                  ctx: int) -> tuple[int, int, bool, int, bool, int]:
+    """The variant (ring stages, tiles two a step) `tuning.gluon_plan` takes for this format and shape on the H200."""
+    _, _, stages, pairs = tuning.gluon_plan(kernel_format_of(kind, mode, asym), batch, kv_heads, ctx, 132, group=group)
     return kind, mode, asym, stages, pairs, group
 
 
 # (storage kind, scale mode, asymmetric, ring stages, tiles two a step, query heads per KV head): fp8 / int8 / int4 x
-# per-tensor, per-head, per-token (+ asym), as built for long splits (int4: the ring; per-token int4 two tiles a
-# step), int4's register path (short splits) and per-head int4 two tiles a step, for GQA groups 4 (Llama-3-8B), 8 (70B) and 1 (multi-head); fp8
-# per-token, whose register cap depends on the group (`tuning.FP8_TOKEN_CAP_GROUPS`), at every group
+# per-tensor, per-head, per-token (+ asym), as planned for long splits (int4: the ring; per-token int4 two tiles a
+# step), for few long sequences (per-head int4 two tiles a step too: `tuning._long_splits`) and for short splits
+# (int4 from registers), at GQA groups 4 (Llama-3-8B), 8 (70B) and 1 (multi-head); fp8 per-token, whose register
+# cap depends on the group (`tuning.FP8_TOKEN_CAP_GROUPS`), at every group
 FORMATS = [(kind, mode, asym) for kind in (0, 1, 2)
            for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
-GLUON_VARIANTS = [long_split_build(*fmt, group) for group in (4, 8, 1) for fmt in FORMATS]
-GLUON_VARIANTS += [(2, mode, asym, 0, False, group) for group in (4, 8, 1)
-                   for mode, asym in ((2, False), (3, False), (3, True))]
-# per-head int4 two tiles a step: the ring of splits lengthened to 1024 tokens (`tuning._long_splits`)
-GLUON_VARIANTS += [(2, 2, False, 4, True, group) for group in (4, 8, 1)]
-GLUON_VARIANTS += [long_split_build(0, 3, False, group) for group in (2, 3, 5, 6, 7)]
+PLAN_SHAPES = [(16, 8, 32768), (1, 8, 131072), (64, 1, 8192)]  # (batch, KV heads, context)
+GLUON_VARIANTS = list(dict.fromkeys(planned_build(*fmt, group, *shape)
+                                    for group in (4, 8, 1) for shape in PLAN_SHAPES for fmt in FORMATS))
+GLUON_VARIANTS += [planned_build(0, 3, False, group, *PLAN_SHAPES[0]) for group in (2, 3, 5, 6, 7)]
 
 
 def loop_local_accesses(sass: str) -> int:
@@ -62,7 +62,7 @@ def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool, group: int
     scale = "*fp16" if mode == 3 else "*fp32"
     ptrs = {"Q": "*bf16", "K": "*i32", "V": "*i32", "KS": scale, "VS": scale, "KZ": scale, "VZ": scale,
             "BT": "*i32", "SEQ": "*i32", "OUT": "*bf16", "PM": "*fp32", "PL": "*fp32", "PACC": "*fp32"}
-    kf = kernel_format(kind, mode, asym)
+    kf = kernel_format_of(kind, mode, asym)
     consts = dict(NUM_HEADS=8 * group, BLOCK_SIZE=16, GROUP=group, KIND=kind, SCALE_MODE=mode, ASYM=asym,
                   **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=tuning.skip_rescale_for(kf),
                   STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0), PAIRS=pairs)

@@ -54,7 +54,7 @@ def _load_kernels():
 K = _load_kernels()
 from runtime.kernels.decode_attention import decode_attention_launch  # noqa: E402
 from runtime.kernels.split_k import choose_num_splits  # noqa: E402
-from tests.helpers_gluon_compile import GLUON_VARIANTS  # noqa: E402
+from tests.helpers_gluon_compile import GLUON_VARIANTS, kernel_format_of  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 
@@ -667,12 +667,6 @@ def test_split_count_policy():
     assert choose_num_splits(1, 8, 600, 64, 132, 4) == 2
 
 
-def _kernel_format(kind, mode, asym=False):
-    from runtime.kernels.formats import KernelFormat
-
-    return KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=0, qmax=0.0, qmin=0.0, scale_dtype=0, head_dim=128)
-
-
 def test_gluon_programs_per_sm_follow_the_register_cap():
     """The split rule's resident programs for a register cap. A warp's registers come from one of an
     SM's 4 sub-partitions of 16384, 8 per thread at a time (worked by hand: 128 -> 4 x 16384 // 4096
@@ -681,21 +675,21 @@ def test_gluon_programs_per_sm_follow_the_register_cap():
     40 -> 4 x 12 = 48 but an SM runs at most 32); uncapped counts 12 (154-168 registers)."""
     from runtime.kernels.tuning import gluon_registers
 
-    int4 = _kernel_format(2, 2)
+    int4 = kernel_format_of(2, 2)
     assert [gluon_registers(int4, cap)[1] for cap in (128, 120, 112, 104, 96, 89, 80, 64, 40)] == [
         16, 16, 16, 16, 20, 20, 24, 32, 32]
     assert gluon_registers(int4, 0) == (None, 12)
     # defaults: static formats 128; symmetric int4 per-token 120; int8 per-token and int4 asym uncapped
-    assert gluon_registers(_kernel_format(1, 2)) == (128, 16)
+    assert gluon_registers(kernel_format_of(1, 2)) == (128, 16)
     assert gluon_registers(int4) == (128, 16)
-    assert gluon_registers(_kernel_format(2, 3)) == (120, 16)
-    assert gluon_registers(_kernel_format(2, 3, asym=True)) == (None, 12)
-    assert gluon_registers(_kernel_format(2, 3, asym=True), ring=True) == (128, 16)  # 118 registers built
-    assert gluon_registers(_kernel_format(1, 3)) == (None, 12)
+    assert gluon_registers(kernel_format_of(2, 3)) == (120, 16)
+    assert gluon_registers(kernel_format_of(2, 3, asym=True)) == (None, 12)
+    assert gluon_registers(kernel_format_of(2, 3, asym=True), ring=True) == (128, 16)  # 118 registers built
+    assert gluon_registers(kernel_format_of(1, 3)) == (None, 12)
     # fp8 per-token: 128 where it compiles without spills (groups 2-7), else uncapped
-    assert [gluon_registers(_kernel_format(0, 3), group=g) for g in (1, 2, 4, 7, 8)] == [
+    assert [gluon_registers(kernel_format_of(0, 3), group=g) for g in (1, 2, 4, 7, 8)] == [
         (None, 12), (128, 16), (128, 16), (128, 16), (None, 12)]
-    assert gluon_registers(_kernel_format(0, 3), 128, group=8) == (128, 16)  # an explicit cap is kept
+    assert gluon_registers(kernel_format_of(0, 3), 128, group=8) == (128, 16)  # an explicit cap is kept
 
 
 def test_gluon_plan_takes_the_ring_only_for_long_splits():
@@ -704,7 +698,7 @@ def test_gluon_plan_takes_the_ring_only_for_long_splits():
     programs, the registers otherwise (and asymmetric per-token int4 the registers' uncapped 12 programs per SM)."""
     from runtime.kernels.tuning import gluon_plan
 
-    int4 = _kernel_format(2, 2)
+    int4 = kernel_format_of(2, 2)
     # 128 pairs, 2112 slots: 16 splits (2048 programs, 2048 tokens each); 15 would be 10% slower than
     # the best count by the wave model (1920 of 2112), within the old 10% tolerance, not within 5%
     assert gluon_plan(int4, 16, 8, 32768, 132) == (128, 16, 2, False)
@@ -715,33 +709,33 @@ def test_gluon_plan_takes_the_ring_only_for_long_splits():
     # per SM) there, but
     # 70B's 31 splits are too short for it: the register plan, uncapped (12 per SM, 1584 slots for 64
     # pairs: 24 splits fill one wave, 22 is the first within 10%, 23 within 5%)
-    assert gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132) == (120, 16, 4, True)
-    assert gluon_plan(_kernel_format(2, 3, asym=True), 16, 8, 32768, 132) == (128, 16, 4, True)
-    assert gluon_plan(_kernel_format(2, 3, asym=True), 64, 1, 8192, 132) == (None, 23, 0, False)
+    assert gluon_plan(kernel_format_of(2, 3), 16, 8, 32768, 132) == (120, 16, 4, True)
+    assert gluon_plan(kernel_format_of(2, 3, asym=True), 16, 8, 32768, 132) == (128, 16, 4, True)
+    assert gluon_plan(kernel_format_of(2, 3, asym=True), 64, 1, 8192, 132) == (None, 23, 0, False)
     # one sequence of 131072 on 8 KV heads: the wave rule's 244 splits of 544 tokens are too short for the ring,
     # 128 splits of 1024 make 1024 programs (ONE_WARP_PROGRAMS): the ring with tiles two a step, per-head too;
     # 4 x 32768 the same (32 pairs x 32 splits); 70B's 16 x 32768 (16 pairs x 32 = 512) keeps the registers
-    for fmt in (int4, _kernel_format(2, 3), _kernel_format(2, 3, asym=True)):
+    for fmt in (int4, kernel_format_of(2, 3), kernel_format_of(2, 3, asym=True)):
         assert gluon_plan(fmt, 1, 8, 131072, 132)[1:] == (128, 4, True)
         assert gluon_plan(fmt, 4, 8, 32768, 132)[1:] == (32, 4, True)
         assert gluon_plan(fmt, 16, 1, 32768, 132)[2:] == (0, False)
     assert gluon_plan(int4, 1, 8, 131072, 132, stages=0) == (128, 244, 0, False)  # asked for the registers
     assert gluon_plan(int4, 1, 8, 131072, 132, num_splits=200) == (128, 200, 0, False)  # splits kept: no ring
     # 8-bit formats never take the ring
-    assert gluon_plan(_kernel_format(1, 2), 16, 8, 32768, 132) == (128, 16, 0, False)
-    assert gluon_plan(_kernel_format(1, 2), 1, 8, 131072, 132)[2:] == (0, False)
+    assert gluon_plan(kernel_format_of(1, 2), 16, 8, 32768, 132) == (128, 16, 0, False)
+    assert gluon_plan(kernel_format_of(1, 2), 1, 8, 131072, 132)[2:] == (0, False)
     # int8 per-token (uncapped, 12 per SM), 1464 pairs in 1584 slots: one split (92% of the slots) is within
     # 10% of the model's best count, so no split (5% alone would take 14: 13 waves of 1/14 each)
-    assert gluon_plan(_kernel_format(1, 3), 183, 8, 8448, 132) == (None, 1, 0, False)
+    assert gluon_plan(kernel_format_of(1, 3), 183, 8, 8448, 132) == (None, 1, 0, False)
     # ... while 93 sequences (744 pairs) split: 2 is the first count within 10%, then 5% picks 17
-    assert gluon_plan(_kernel_format(1, 3), 93, 8, 8448, 132) == (None, 17, 0, False)
+    assert gluon_plan(kernel_format_of(1, 3), 93, 8, 8448, 132) == (None, 17, 0, False)
     # explicit options are kept
     assert gluon_plan(int4, 16, 8, 32768, 132, stages=0, num_splits=7, maxnreg=96) == (96, 7, 0, False)
     assert gluon_plan(int4, 64, 1, 8192, 132, stages=3) == (128, 31, 3, False)
     # per-token int4 takes its tiles two a step in a 4-stage ring; an explicit smaller ring is refused
-    assert gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132, pairs=False) == (120, 16, 2, False)
+    assert gluon_plan(kernel_format_of(2, 3), 16, 8, 32768, 132, pairs=False) == (120, 16, 2, False)
     with pytest.raises(ValueError, match="gluon_stages=4"):
-        gluon_plan(_kernel_format(2, 3), 16, 8, 32768, 132, stages=3, pairs=True)
+        gluon_plan(kernel_format_of(2, 3), 16, 8, 32768, 132, stages=3, pairs=True)
 
 
 def test_wave_cost_counts_partial_waves_whole():
