@@ -636,6 +636,43 @@ def test_decode_default_launch_matches_forced_split():
     assert _relerr(a.cpu(), b.cpu().double()) < 2e-3
 
 
+@pytest.mark.parametrize("share", [0.0, math.inf], ids=["out-dtype-partials", "fp32-partials"])
+@pytest.mark.parametrize("fmt", [KVFormat("int8", "per_token"), KVFormat("int4", "per_head")], ids=["int8-tok", "int4"])
+def test_split_partials_in_either_dtype(fmt, share, monkeypatch):
+    """Split-K partials stored in q's dtype (bf16 here) and in fp32 (`split_k.partial_dtype`, forced through
+    its threshold) both meet the oracle, with pages out of order and a sequence shorter than a split."""
+    from runtime.kernels import split_k
+
+    monkeypatch.setattr(split_k, "PARTIAL_ROUNDING_SHARE", share)
+    batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES["gqa3-page5"]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"partials{fmt.name}".encode()))
+    cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=3, block_n=16)
+    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, torch.bfloat16)
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf (an empty split's partial must weigh 0)"
+    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+
+
+def test_partial_dtype_policy():
+    """Partials in the output's dtype where fp32 ones would be >= 1/48 of a split's KV bytes (worked by hand)."""
+    from runtime.kernels.split_k import partial_dtype
+
+    def out(heads):
+        return torch.empty(1, heads, 128, dtype=torch.bfloat16)
+
+    # Llama-3-70B TP8 (8 query heads on 1 KV head), int4 per-head: 272-token splits of 128 B a token read
+    # 34816 B; an fp32 partial is 8 x 128 x 4 = 4096 B (11.8%)
+    assert partial_dtype(out(8), 1, 272, 128.0) == torch.bfloat16
+    # fp8 at 528 tokens (70B TP8 32 x 32768): 4096 B against 135168 B (3.0%)
+    assert partial_dtype(out(8), 1, 528, 256.0) == torch.bfloat16
+    # Llama-3-8B (4 query heads a KV head), int4 per-head at 1024 tokens: 2048 B against 131072 B (1.6%)
+    assert partial_dtype(out(32), 8, 1024, 128.0) == torch.float32
+    # the boundary: 2048 B is 1/48 of 98304 B = 768 tokens of 128 B
+    assert partial_dtype(out(32), 8, 768, 128.0) == torch.bfloat16
+    assert partial_dtype(out(32), 8, 769, 128.0) == torch.float32
+
+
 def test_decode_rejects_bad_input():
     cache = _make_cache(KVFormat("int8", "per_token"), 4, 16, 2, 32)
     q = torch.randn(1, 3, 32, dtype=torch.float16, device=DEV)

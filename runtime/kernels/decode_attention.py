@@ -292,7 +292,7 @@ def decode_attention_launch(
     if (tuned.gluon if gluon is None else gluon) and decode_gluon.supported(kf, q, bs, group):
         cap, num_splits, stages, pairs = gluon_plan(kf, batch, kv_heads, max_tokens, sm_count(q.device), maxnreg,
                                                     gluon_stages, num_splits, resident_per_sm, gluon_pairs, group)
-        plan = split_plan(out, max_tokens, num_splits, decode_gluon.TILE * (2 if pairs else 1))
+        plan = split_plan(out, max_tokens, num_splits, decode_gluon.TILE * (2 if pairs else 1), cache)
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, plan,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
                             skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale,
@@ -333,7 +333,7 @@ def decode_attention_launch(
         one_warp = {"max_splits": ONE_WARP_MAX_SPLITS} if warps and num_warps == 1 else {}
         num_splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, sm_count(q.device),
                                        resident_per_sm or tuned.resident_per_sm, **one_warp)
-    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, max_tokens, num_splits, block_n)
+    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, max_tokens, num_splits, block_n, cache)
     split = num_splits > 1
     args = (q, cache.k, cache.v, *scale_tensors(cache, cache.k), block_tables, seq_lens, out, pm, pl, pacc,
             sm_scale * _LOG2E, tokens_per_split, num_splits,

@@ -355,7 +355,9 @@ if gluon is not None:
             # an empty split (past the sequence's end) reports m = -inf: the merge gives it weight 0
             gl.store(PM + prow, gl.where(l_r > 0, m_r, float("-inf")), mask=hmask_r)
             gl.store(PL + prow, l_r, mask=hmask_r)
-            gl.store(PACC + prow[:, None] * 128 + dr[None, :], o, mask=hmask_r[:, None])
+            if PACC.dtype.element_ty != gl.float32:  # the split's own output (0 where empty): `split_k.partial_dtype`
+                o = o * gl.where(l_r > 0, 1.0 / l_r, 0.0)[:, None]
+            gl.store(PACC + prow[:, None] * 128 + dr[None, :], o.to(PACC.dtype.element_ty), mask=hmask_r[:, None])
         else:
             o = o / l_r[:, None]
             gl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + dr[None, :], o.to(OUT.dtype.element_ty),

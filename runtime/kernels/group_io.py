@@ -3,7 +3,7 @@
 A program of `decode_attention._decode_kernel` or `decode_warps._decode_kernel_warps`
 serves the GROUP query heads of one KV head: it loads their q rows, folds the static
 K/V scales into the softmax scale and the output, and writes either the finished output
-or a split-K partial (m, l, unnormalized acc) for `split_k.merge_splits`.
+or a split-K partial (m, l, acc or o / l) for `split_k.merge_splits`.
 """
 
 from __future__ import annotations
@@ -103,8 +103,9 @@ def _static_folds(KS, VS, kvh, qk_scale, q_pre, SCALE_MODE: tl.constexpr):
 def _store_group(OUT, PM, PL, PACC, o_a, o_b, m, l, b, sp, heads, hmask, cols_a, cols_b, dmask,
                  num_splits, stride_ob, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  KIND: tl.constexpr, SPLIT: tl.constexpr):
-    """Unnormalized o [BLOCK_H, BLOCK_D] (both int4 halves), running max m and sum l: with SPLIT the
-    partial for the merge, else o / l in OUT's dtype."""
+    """Unnormalized o [BLOCK_H, BLOCK_D] (both int4 halves), running max m and sum l: with SPLIT the partial
+    for the merge (o as is into fp32 PACC, else o / l, 0 for an empty split: `split_k.partial_dtype`), else
+    o / l in OUT's dtype."""
     if SPLIT:
         prow = (b * NUM_HEADS + heads) * num_splits + sp
         tl.store(PM + prow, m, mask=hmask)
@@ -113,6 +114,10 @@ def _store_group(OUT, PM, PL, PACC, o_a, o_b, m, l, b, sp, heads, hmask, cols_a,
         out_b = PACC + prow[:, None] * HEAD_DIM + cols_b[None, :]
         wa = o_a
         wb = o_b
+        if PACC.dtype.element_ty != tl.float32:
+            inv = tl.where(l > 0, 1.0 / l, 0.0)[:, None]
+            wa = (o_a * inv).to(PACC.dtype.element_ty)
+            wb = (o_b * inv).to(PACC.dtype.element_ty)
     else:
         o_row = b * stride_ob + heads * stride_oh
         out_a = OUT + o_row[:, None] + cols_a[None, :]
