@@ -654,6 +654,32 @@ def test_split_partials_in_either_dtype(fmt, share, monkeypatch):
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-acc", "bf16-normalized"])
+def test_merge_splits_against_fp64(dtype):
+    """`split_k.merge_splits` over head_dim 80 (three 32-wide slices, the last one masked) and 5 splits, one of
+    them empty (m = -inf, l = 0), against the same merge in fp64: fp32 partials hold unnormalized acc, 16-bit
+    ones o = acc / l (`split_k.partial_dtype`)."""
+    from runtime.kernels.split_k import merge_splits
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, splits, dim = 2, 3, 5, 80
+    m = torch.randn(batch, heads, splits, generator=gen, dtype=torch.float64) * 4
+    m[:, :, 3] = float("-inf")
+    lsum = torch.rand(batch, heads, splits, generator=gen, dtype=torch.float64) * 20 + 1
+    lsum[:, :, 3] = 0
+    o = torch.randn(batch, heads, splits, dim, generator=gen, dtype=torch.float64)
+    o[:, :, 3] = 0
+    stored = (o * lsum[..., None]).float() if dtype == torch.float32 else o.to(dtype)
+    w = torch.where(m == float("-inf"), 0.0, torch.exp2(m - m.amax(-1, keepdim=True))) * lsum
+    # each split's output as stored (acc / l for fp32 partials; the empty split's weight is 0)
+    split_out = stored.double() / lsum.clamp(min=1)[..., None] if dtype == torch.float32 else stored.double()
+    want = (w[..., None] * split_out).sum(2) / w.sum(-1)[..., None]
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=DEV)
+    merge_splits(m.float().flatten().to(DEV), lsum.float().flatten().to(DEV), stored.flatten().to(DEV), out, splits)
+    # fp32 arithmetic on the stored partials: a few fp32 roundings of terms of the output's size
+    assert torch.allclose(out.cpu().double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_partial_dtype_policy():
     """Partials in the output's dtype where fp32 ones would be >= 1/48 of a split's KV bytes (worked by hand)."""
     from runtime.kernels.split_k import partial_dtype
