@@ -53,8 +53,8 @@ def _merge_kernel(
 
 
 # partials in the output's dtype where fp32 ones would be at least this share of the KV bytes a split
-# reads: Llama-3-70B TP8 splits are at 2.3-12.5% (1.5-3% faster at 3%, 5-14% at 6-12%), Llama-3-8B's at
-# most 1.6% (there bf16 partials measured 0.2-1% slower, within noise: fp32 keeps the output's precision)
+# reads: Llama-3-70B TP8 splits are at 2.3-12.5% (2.5-4% faster at 2.3-3%, 5-14% at 6-12%), Llama-3-8B's at
+# most 1.6% (there bf16 partials measured 0-1.5% slower: fp32 keeps the output's precision)
 PARTIAL_ROUNDING_SHARE = 1 / 48
 MERGE_BLOCK_D = 32
 MIN_TOKENS_PER_SPLIT = 512  # shorter splits cost more in partial write-backs and merging than they gain
