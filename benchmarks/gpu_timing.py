@@ -106,17 +106,18 @@ def ceilings(flush: str = DEFAULT_FLUSH) -> dict:
     return {"copy_gbps": 2 * n / copy_ms / 1e6, "read_gbps": read_gbps(n, flush)}
 
 
+def sum_gbps(nbytes: int, flush: str = DEFAULT_FLUSH) -> float:
+    """GB/s of a bf16 sum over exactly `nbytes` (even), timed as the kernels are."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    return nbytes / median_ms(partial(x.sum, dtype=torch.float32), flush=flush) / 1e6
+
+
 @functools.cache
 def read_gbps(nbytes: int, flush: str = DEFAULT_FLUSH) -> float:
     """The read-only reduction's GB/s over about `nbytes` (a bf16 sum, timed as the kernels are): the best of
     three sizes within 3% of it, whole MiB, because PyTorch's reduction has size-dependent launch shapes (at
     0.57 GB, 17/16 of a power of two, it read 4% slower than at 0.55 GB). Below ~1 GB a read's fixed
-    costs (launch, ramp-up, the last wave) show: on the H200 ~97% of the 2 GiB figure at 0.54 GB and ~85%
+    costs (launch, ramp-up, the last wave) show: on the H200 ~95% of the 2 GiB figure at 0.54 GB and ~84%
     at 0.13 GB (`results/read_by_size_round18.jsonl`), so a kernel's share of the same-size read says what is
     left to gain in the kernel itself."""
-    best = 0.0
-    for size in {max(1, round(nbytes * f / 2**20)) * 2**20 for f in (31 / 32, 1.0, 33 / 32)}:
-        x = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda").uniform_()
-        best = max(best, size / median_ms(partial(x.sum, dtype=torch.float32), flush=flush) / 1e6)
-        del x
-    return best
+    return max(sum_gbps(max(1, round(nbytes * f / 2**20)) * 2**20, flush) for f in (31 / 32, 1.0, 33 / 32))

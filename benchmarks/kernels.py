@@ -200,8 +200,8 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
         kvb = case.kv_bytes(fmt)
         row = {
             "kind": "decode", "model": case.model, "batch": case.batch, "ctx": case.ctx, "format": name,
-            "fmt": fmt.name, "ms": ms, "kv_bytes": kvb, "gbps": kvb / ms / 1e6,
-            "read_gbps_same_size": read_gbps(kvb, FLUSH), "sdpa_ms": sdpa_ms, "sdpa_backend": backend, "speedup": sdpa_ms / ms, "eager_ms": eager,
+            "fmt": fmt.name, "ms": ms, "kv_bytes": kvb, "gbps": kvb / ms / 1e6, "read_gbps_same_size": read_gbps(kvb, FLUSH),
+            "sdpa_ms": sdpa_ms, "sdpa_backend": backend, "speedup": sdpa_ms / ms, "eager_ms": eager,
             "timing": f"cuda graph, L2 flushed per call ({FLUSH})",
             "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6,
             "block_n": bn, "num_warps": warps, "num_stages": stages, "v_transposed": vt, "relerr_vs_fp32": err,

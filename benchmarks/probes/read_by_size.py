@@ -11,13 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import partial
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_timing import median_ms, read_gbps  # noqa: E402
+from gpu_timing import read_gbps, sum_gbps  # noqa: E402
 
 
 def main() -> None:
@@ -26,10 +23,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for mib in (16, 32, 64, 128, 256, 512, 528, 544, 560, 1024, 1088, 2048, 4096):
-        x = torch.empty(mib << 19, dtype=torch.bfloat16, device="cuda").uniform_()
-        single = (mib << 20) / median_ms(partial(x.sum, dtype=torch.float32)) / 1e6
-        del x
-        rows.append(dict(bytes=mib << 20, gbps=single, best_of_three=read_gbps(mib << 20)))
+        rows.append(dict(bytes=mib << 20, gbps=sum_gbps(mib << 20), best_of_three=read_gbps(mib << 20)))
         print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "read_by_size.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
