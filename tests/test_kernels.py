@@ -654,21 +654,23 @@ def test_split_partials_in_either_dtype(fmt, share, monkeypatch):
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
 
+@pytest.mark.parametrize("splits", [5, 2], ids=["slices-of-32", "whole-rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-acc", "bf16-normalized"])
-def test_merge_splits_against_fp64(dtype):
-    """`split_k.merge_splits` over head_dim 80 (three 32-wide slices, the last one masked) and 5 splits, one of
-    them empty (m = -inf, l = 0), against the same merge in fp64: fp32 partials hold unnormalized acc, 16-bit
-    ones o = acc / l (`split_k.partial_dtype`)."""
+def test_merge_splits_against_fp64(dtype, splits):
+    """`split_k.merge_splits` over head_dim 80 and 5 splits (three 32-wide slices, the last one masked) or 2
+    (one 128-wide program, masked past 80), one split empty (m = -inf, l = 0), against the same merge in fp64:
+    fp32 partials hold unnormalized acc, 16-bit ones o = acc / l (`split_k.partial_dtype`)."""
     from runtime.kernels.split_k import merge_splits
 
     gen = torch.Generator().manual_seed(3)
-    batch, heads, splits, dim = 2, 3, 5, 80
+    batch, heads, dim = 2, 3, 80
+    empty = splits - 2
     m = torch.randn(batch, heads, splits, generator=gen, dtype=torch.float64) * 4
-    m[:, :, 3] = float("-inf")
+    m[:, :, empty] = float("-inf")
     lsum = torch.rand(batch, heads, splits, generator=gen, dtype=torch.float64) * 20 + 1
-    lsum[:, :, 3] = 0
+    lsum[:, :, empty] = 0
     o = torch.randn(batch, heads, splits, dim, generator=gen, dtype=torch.float64)
-    o[:, :, 3] = 0
+    o[:, :, empty] = 0
     stored = (o * lsum[..., None]).float() if dtype == torch.float32 else o.to(dtype)
     w = torch.where(m == float("-inf"), 0.0, torch.exp2(m - m.amax(-1, keepdim=True))) * lsum
     # each split's output as stored (acc / l for fp32 partials; the empty split's weight is 0)

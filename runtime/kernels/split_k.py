@@ -56,7 +56,10 @@ def _merge_kernel(
 # reads: Llama-3-70B TP8 splits are at 2.3-12.5% (2.5-4% faster at 2.3-3%, 5-14% at 6-12%), Llama-3-8B's at
 # most 1.6% (there bf16 partials measured 0-1.5% slower: fp32 keeps the output's precision)
 PARTIAL_ROUNDING_SHARE = 1 / 48
-MERGE_BLOCK_D = 32
+# a merge program's share of the partials: splits x head_dim columns of about this many values (2 for each of its
+# 128 threads), in head_dim slices of 32 to 128 (`merge_splits`)
+MERGE_VALUES = 256
+MERGE_MIN_BLOCK_D = 32
 MIN_TOKENS_PER_SPLIT = 512  # shorter splits cost more in partial write-backs and merging than they gain
 
 
@@ -136,11 +139,13 @@ def split_plan(out: torch.Tensor, max_tokens: int, num_splits: int, tile: int, c
 def merge_splits(pm: torch.Tensor, pl: torch.Tensor, pacc: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     """Combine partials [B*H*S] (m, l) and [B*H*S*D] (acc, or o in a 16-bit dtype) into out [B, H, D]."""
     batch, num_heads, head_dim = out.shape
-    # head_dim in slices of 32: one sequence at Llama-3-70B TP8 has 8 (sequence, head) rows of up to 256
-    # splits, which as 8 programs left the GPU idle
-    block_d = min(MERGE_BLOCK_D, triton.next_power_of_2(head_dim))
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    # head_dim in slices of MERGE_VALUES / block_s columns, 32 to 128: one sequence at Llama-3-70B TP8 has 8
+    # (sequence, head) rows of up to 256 splits, which whole left the GPU idle (0.0344 -> 0.0338 ms in slices
+    # of 32), while 4096 rows of 2 splits (Llama-3-8B, 128 x 4096) in slices of 32 made 16384 programs of 64
+    # values (int4 0.1386 -> 0.1453 ms against whole rows; fifteenth session, KERNEL_NOTES.md)
+    block_d = min(triton.next_power_of_2(head_dim), max(MERGE_MIN_BLOCK_D, MERGE_VALUES // block_s))
     _merge_kernel[(batch, num_heads, triton.cdiv(head_dim, block_d))](
         pm, pl, pacc, out, num_splits, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
     )
