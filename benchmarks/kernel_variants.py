@@ -148,13 +148,15 @@ VARIANTS = {
     "g": dict(gluon=True),
     "t": dict(gluon=False),
 }
-GLUON_KEYS = {"st": "gluon_stages", "r": "maxnreg", "sp": "num_splits", "res": "resident_per_sm", "pr": "gluon_pairs"}
+GLUON_KEYS = {"st": "gluon_stages", "r": "maxnreg", "sp": "num_splits", "res": "resident_per_sm", "pr": "gluon_pairs",
+               "kc": "gluon_k_chains"}
 
 
 def gluon_variant(name: str) -> dict:
     """Launch options of a Gluon variant named g-<key><int>-...: st (ring stages, 0: registers), r (register
     cap, 0: none), sp (splits), res (programs per SM for the split rule), pr (int4 ring tiles two a step: 1, or
-    one: 0); skip / noskip (softmax rescale)."""
+    one: 0), kc (the scores' independent mma chains: 1, 2, 4); skip / noskip (softmax
+    rescale)."""
     opts = dict(gluon=True)
     for part in name.split("-")[1:]:
         if part in ("skip", "noskip"):

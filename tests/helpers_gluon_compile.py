@@ -65,7 +65,7 @@ def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool, group: int
     kf = kernel_format_of(kind, mode, asym)
     consts = dict(NUM_HEADS=8 * group, BLOCK_SIZE=16, GROUP=group, KIND=kind, SCALE_MODE=mode, ASYM=asym,
                   **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=tuning.skip_rescale_for(kf),
-                  STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0), PAIRS=pairs)
+                  STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0), PAIRS=pairs, K_CHAINS=tuning.gluon_k_chains_for(kf))
     names = fn.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if n in ptrs or n.startswith("stride_") or n == "tokens_per_split"]

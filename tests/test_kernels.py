@@ -530,6 +530,26 @@ def test_decode_gluon_ring(fmt, shape, stages, pairs):
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
 
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
+@pytest.mark.parametrize("chains", [1, 2, 4])
+@pytest.mark.parametrize("shape", ["gqa4-page16", "gqa5-page16"])
+@pytest.mark.parametrize("fmt", [KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
+                                 KVFormat("int4", "per_token", symmetric=False)], ids=["fp8", "int8-tok", "int4-tok-asym"])
+def test_decode_gluon_k_chains(fmt, shape, chains):
+    """The scores as 1, 2 or 4 independent chains of mma over blocks of k (`gluon_operands._k_operands`; the default
+    launch takes 2 for int8 per-token) meet the same oracle: a block of K paired with the wrong block of q fails it
+    (bf16 q; fp16 q at group 5)."""
+    batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES[shape]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"chains{shape}{fmt.name}".encode()))
+    cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    qdtype = torch.float16 if shape == "gqa5-page16" else torch.bfloat16
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
+    out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=4, gluon=True, gluon_k_chains=chains)
+    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
+    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+
+
 def _stored_values(words: torch.Tensor, kind: int, fp8_dtype, symmetric: bool) -> torch.Tensor:
     """int32 words [n] -> their values [n, 4 or 8] in storage order, as the Gluon kernel widens them
     (int8 / int4 centred: signed n, unsigned n - 128, nibble - 8)."""
@@ -609,7 +629,7 @@ def gluon_sm90_builds():
                               for k, m, a, s, p, g in GLUON_VARIANTS])
 def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
     """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
-    register renames (`assert_trivial` in `_k_operand` / `_v_operand`; a wrong permutation fails the
+    register renames (`assert_trivial` in `_k_operands` / `_v_operand`; a wrong permutation fails the
     build), K and V touch shared memory only in the int4 ring (2 stages, or 4 for per-token tiles two a step,
     of 1 KB of K, 1 KB of V and the tile's per-token scales and zero points), no variant spills inside its tile loop, and with 128 registers the static formats do
     not spill at all (16 programs per SM is what the split rule assumes); for GQA groups 1, 4 and 8 (fp8

@@ -56,6 +56,7 @@ from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _t
 from .split_k import choose_num_splits, merge_splits, sm_count, split_plan
 from .tuning import (
     ONE_WARP_MAX_SPLITS,
+    gluon_k_chains_for,
     gluon_offsets32,
     gluon_plan,
     skip_rescale_for,
@@ -247,7 +248,7 @@ def decode_attention_launch(
     warps: bool | None = None, heads_n: bool | None = None, int8_asm: bool | None = None,
     pages_ahead: bool | None = None, warp_page: bool | None = None, resident_per_sm: int | None = None,
     gluon: bool | None = None, gluon_skip_rescale: bool | None = None,
-    gluon_stages: int | None = None, gluon_pairs: bool | None = None,
+    gluon_stages: int | None = None, gluon_pairs: bool | None = None, gluon_k_chains: int | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -269,7 +270,8 @@ def decode_attention_launch(
     there, skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
     gluon_stages: there, int4 tiles through a shared-memory ring of this many stages (0: loaded
     into registers; `tuning.gluon_stages_for`). gluon_pairs: there, the ring's tiles two a step (one softmax
-    max, rescale test and V scale bound per 32 tokens; `tuning.gluon_pairs_for`).
+    max, rescale test and V scale bound per 32 tokens; `tuning.gluon_pairs_for`). gluon_k_chains: there, the
+    scores as 1, 2 or 4 independent chains of mma over blocks of k (`tuning.gluon_k_chains_for`).
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -296,7 +298,8 @@ def decode_attention_launch(
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, plan,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
                             skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale,
-                            stages, gluon_offsets32(kf, cache.k.numel() // 4), pairs)
+                            stages, gluon_offsets32(kf, cache.k.numel() // 4), pairs,
+                            gluon_k_chains_for(kf) if gluon_k_chains is None else gluon_k_chains)
         return out
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages

@@ -14,9 +14,9 @@ over 16-token tiles, with every layout written out:
   head_dim, so the kernel picks the order in which each lane's A-operand elements are
   contiguous in the page: lane (g, t) holds bytes [32t, 32t + 32) of K rows g and g + 8
   (two 16-byte loads each) and bytes [16g, 16g + 16) of V rows 2t, 2t + 1, 2t + 8, 2t + 9.
-  q is loaded once in the same head_dim order (`_k_columns`), and the output is written back
+  q is loaded once in the same head_dim order (`_q_operands`), and the output is written back
   in page order (`_out_rows`). In Gluon these orders are reshapes and permutes of register
-  layouts (`gluon_operands.py`: `_k_operand`, `_v_operand`): the final conversion to the mma
+  layouts (`gluon_operands.py`: `_k_operands`, `_v_operand`): the final conversion to the mma
   operand layout is checked to move no data (`assert_trivial`).
 * Pages are loaded as 32-bit words (carried to the next iteration as words: a loop-carried
   byte tensor costs a byte permute per value) and widened to fp16 in PTX. K (`word_asm`): fp8
@@ -35,6 +35,10 @@ over 16-token tiles, with every layout written out:
   and per-token scales and zero points) while this one computes, and the page index is loaded one
   step earlier; the per-token formats take two tiles a step (`_attend_pair`, `PAIRS`). Page offsets are int32 where the cache allows
   (`OFF32`), and a 16-token page needs no slot arithmetic.
+* A tile's scores are one chain of 8 mma (k = 128 in steps of 16), each waiting on the last's
+  accumulator, or (`K_CHAINS`) 2 or 4 independent chains over blocks of k, summed: a shorter
+  dependency chain for the formats with the fewest programs per SM to hide it
+  (`tuning.gluon_k_chains_for`).
 * Online softmax per column (head); the row sums of p accumulate elementwise and are reduced
   once at the end, and where no column's max grew the rescale is skipped
   (`tuning.skip_rescale_for`).
@@ -97,7 +101,7 @@ def widening(kf: KernelFormat) -> dict[str, str]:
 
 
 if gluon is not None:
-    from .gluon_operands import B_OP, K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _k_columns, _k_operand, _out_rows, _v_operand
+    from .gluon_operands import B_OP, K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _k_operands, _out_rows, _q_operands, _v_operand
     from .gluon_tiles import RING_K, RING_META, RING_V, _copy_tile, _page, _ring_metas, _tile_words
 
     @gluon.jit
@@ -125,9 +129,13 @@ if gluon is not None:
 
     @gluon.jit
     def _scores(n0, kw, ks, kz, end, qt, qsum, k_fold, k_off, ts, KIND: gl.constexpr, SCALE_MODE: gl.constexpr,
-                ASYM: gl.constexpr, ASM: gl.constexpr, K_CENTER: gl.constexpr):
+                ASYM: gl.constexpr, ASM: gl.constexpr, K_CENTER: gl.constexpr, K_CHAINS: gl.constexpr = 1):
         """A tile's scores s^T [16 tokens, 8 heads] in log2 units, -inf past `end`."""
-        s = mma_v2(_k_operand(kw, KIND, ASM), qt, gl.zeros([16, 8], gl.float32, layout=MMA))
+        # K_CHAINS independent chains of mma over blocks of k (qt: q's blocks), summed
+        a = _k_operands(kw, KIND, ASM, K_CHAINS)
+        s = mma_v2(a[0], qt[0], gl.zeros([16, 8], gl.float32, layout=MMA))
+        for i in gl.static_range(1, K_CHAINS):
+            s += mma_v2(a[i], qt[i], gl.zeros([16, 8], gl.float32, layout=MMA))
         if SCALE_MODE == 3:  # k = ks (n - K_CENTER) + kz for stored n
             if K_CENTER != 0:
                 s = s - K_CENTER * qsum[None, :]
@@ -161,9 +169,10 @@ if gluon is not None:
     @gluon.jit
     def _attend(n0, kw, vw, ks, vs, kz, vz, m_i, l_t, z_t, acc, c_v, end, qt, qsum, k_fold, k_off, ts,
                 KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr,
-                VASM: gl.constexpr, CENTER: gl.constexpr, K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+                VASM: gl.constexpr, CENTER: gl.constexpr, K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr,
+                K_CHAINS: gl.constexpr = 1):
         """One 16-token tile into the online softmax state (m_i, l_t, z_t, acc, c_v)."""
-        s = _scores(n0, kw, ks, kz, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER)
+        s = _scores(n0, kw, ks, kz, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER, K_CHAINS)
         c_new = c_v
         if SCALE_MODE == 3:
             c_new = gl.maximum(c_v, gl.max(vs, 0))
@@ -176,14 +185,15 @@ if gluon is not None:
     def _attend_pair(n0, kw0, vw0, ks0, vs0, kz0, vz0, kw1, ks1, vs1, kz1, m_i, l_t, z_t, acc, c_v,
                      end, qt, qsum, k_fold, k_off, ts, KIND: gl.constexpr, SCALE_MODE: gl.constexpr,
                      ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, CENTER: gl.constexpr,
-                     K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+                     K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr, K_CHAINS: gl.constexpr = 1):
         """Tiles n0 and n0 + 16 into the state with one max, one rescale test and one V scale bound: the
         softmax bookkeeping (warp reductions, the division by c) is paid once per 32 tokens. Returns the
         state with tile n0's p . V in it, and what tile n0 + 16's (`_p_dot_v`) needs: p and 1 / c (the
         caller loads tile n0 + 16's V words only then, one tile's V held in registers at a time)."""
-        s0 = _scores(n0, kw0, ks0, kz0, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER)
+        s0 = _scores(n0, kw0, ks0, kz0, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER,
+                     K_CHAINS)
         s1 = _scores(n0 + 16, kw1, ks1, kz1, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM,
-                     K_CENTER)
+                     K_CENTER, K_CHAINS)
         c_new = c_v
         if SCALE_MODE == 3:
             c_new = gl.maximum(c_v, gl.max(gl.maximum(vs0, vs1), 0))
@@ -207,7 +217,7 @@ if gluon is not None:
         NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
         KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, SPLIT: gl.constexpr,
         SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
-        OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False,
+        OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False, K_CHAINS: gl.constexpr = 1,
     ):
         """K, V: the pages as int32 words, strides in words."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
@@ -223,7 +233,7 @@ if gluon is not None:
         if KIND == 2:
             nibble = gl.where(dr[None, :] % 2 == 1, 16.0, 1.0)
         q16 = (q.to(gl.float32) * (0.0625 / nibble)).to(gl.float16)
-        qt = gl.convert_layout(gl.permute(_k_columns(q16, KIND), (1, 0)), B_OP)
+        qt = _q_operands(q16, KIND, K_CHAINS)
         # the dots' unit: q / 16, and for int8 / int4 K the subnormal 2^-24 (`word_asm`)
         k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625 if KIND == 0 else 0.0625 / 16777216.0,
                                        SCALE_MODE)
@@ -306,7 +316,7 @@ if gluon is not None:
                     ks1, vs1, kz1, vz1 = _ring_metas(n0 + 16, end, metas, stage1, ts, SCALE_MODE, ASYM)
                     m_i, l_t, z_t, acc, c_v, p1, c_inv = _attend_pair(
                         n0, kw0, vw0, ks0, vs0, kz0, vz0, kw1, ks1, vs1, kz1, *state, *consts, KIND, SCALE_MODE, ASYM, ASM,
-                        VASM, CENTER, K_CENTER, SKIP_RESCALE)
+                        VASM, CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS)
                     vw1 = v_ring.index(stage1).load(VL)
                     z_t, acc = _p_dot_v(p1, vw1, vs1, vz1, c_v, c_inv, z_t, acc, KIND, SCALE_MODE, ASYM, VASM, CENTER,
                                         True)
@@ -327,7 +337,7 @@ if gluon is not None:
                     ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM)
                     stage = (stage + 1) % STAGES
                     state = _attend(n0, kw, vw, ks, vs, kz, vz, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
-                                    CENTER, K_CENTER, SKIP_RESCALE)
+                                    CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS)
             async_copy.wait_group(0)
         else:
             # the next tile's words load while this one computes
@@ -336,7 +346,7 @@ if gluon is not None:
                 cur = nxt
                 nxt = _tile_words(n0 + 16, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND, OFF32)
                 state = _attend(n0, *cur, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM, CENTER, K_CENTER,
-                                SKIP_RESCALE)
+                                SKIP_RESCALE, K_CHAINS)
         m_i, l_t, z_t, acc, c_v = state
 
         l_i = gl.sum(l_t, 0)
@@ -366,12 +376,14 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
            qk_scale: float, out: torch.Tensor, plan: tuple, scale_args: tuple, meta_strides: tuple[int, int],
-           maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False, pairs: bool = False):
+           maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False, pairs: bool = False,
+           k_chains: int = 1):
     """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
     plan: `split_k.split_plan`'s (tokens per split, splits, partial buffers) for tiles of TILE tokens. skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
     stages: int4 tiles through a shared-memory ring of this many stages (0: registers;
     `tuning.gluon_stages_for`). offsets32: int32 page offsets (`tuning.gluon_offsets32`). pairs: the ring's
-    tiles two a step (stages >= 4; `tuning.gluon_pairs_for`)."""
+    tiles two a step (stages >= 4; `tuning.gluon_pairs_for`). k_chains: the scores as this many independent chains
+    of mma over blocks of k (1, 2 or 4; `tuning.gluon_k_chains_for`)."""
     from .split_k import merge_splits
 
     batch, num_heads, _ = q.shape
@@ -387,7 +399,7 @@ def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor,
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
         SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **widening(kf), SPLIT=split,
         SKIP_RESCALE=skip_rescale, STAGES=stages,
-        OFF32=offsets32, PAIRS=pairs,
+        OFF32=offsets32, PAIRS=pairs, K_CHAINS=k_chains,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split:

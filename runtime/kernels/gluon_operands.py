@@ -70,9 +70,45 @@ if gluon is not None:
         return gl.reshape(y, [R, 128])
 
     @gluon.jit
-    def _k_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
-        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] (a register rename)."""
-        return gl.convert_layout(_k_columns(_widen(w, KIND, ASM), KIND), A_OP, assert_trivial=True)
+    def _halves(x):
+        """[R, C] -> its columns [0, C / 2) and [C / 2, C)."""
+        R: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        return gl.split(gl.permute(gl.reshape(x, [R, 2, C // 2]), (0, 2, 1)))
+
+    @gluon.jit
+    def _k_parts(x, PARTS: gl.constexpr):
+        """[R, 128] in the scores' k order -> PARTS (1, 2 or 4) column blocks of 128 / PARTS, as a tuple."""
+        if PARTS == 1:
+            return (x,)
+        elif PARTS == 2:
+            return _halves(x)
+        else:
+            x0, x1 = _halves(x)
+            x00, x01 = _halves(x0)
+            x10, x11 = _halves(x1)
+            return x00, x01, x10, x11
+
+    @gluon.jit
+    def _k_operands(w, KIND: gl.constexpr, ASM: gl.constexpr, PARTS: gl.constexpr):
+        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] as PARTS blocks along k, a tuple of
+        [16, 128 / PARTS] (a register rename: k's bits 5 and 6 are register bits of the A operand). Each block
+        starts its own chain of mma: one chain of 8 m16n8k16 waits on each result in turn."""
+        parts = _k_parts(_k_columns(_widen(w, KIND, ASM), KIND), PARTS)
+        ops = (gl.convert_layout(parts[0], A_OP, assert_trivial=True),)
+        for i in gl.static_range(1, PARTS):
+            ops = ops + (gl.convert_layout(parts[i], A_OP, assert_trivial=True),)
+        return ops
+
+    @gluon.jit
+    def _q_operands(q, KIND: gl.constexpr, PARTS: gl.constexpr):
+        """q rows [8 heads, 128] in head_dim order -> the scores' B operands q^T, in the k order and the PARTS
+        blocks of `_k_operands` (a tuple of [128 / PARTS, 8])."""
+        parts = _k_parts(_k_columns(q, KIND), PARTS)
+        qt = (gl.convert_layout(gl.permute(parts[0], (1, 0)), B_OP),)
+        for i in gl.static_range(1, PARTS):
+            qt = qt + (gl.convert_layout(gl.permute(parts[i], (1, 0)), B_OP),)
+        return qt
 
     @gluon.jit
     def _widen_pairs(w, KIND: gl.constexpr, ASM: gl.constexpr):

@@ -182,6 +182,16 @@ def gluon_offsets32(kf: KernelFormat, cache_words: int) -> bool:
     return cache_words < 2**31 and not (kf.kind == KIND_FLOAT and kf.scale_mode == SCALE_TOKEN)
 
 
+def gluon_k_chains_for(kf: KernelFormat) -> int:
+    """Independent chains of mma the Gluon kernel computes a tile's scores in (`gluon_operands._k_operands`: k in
+    1, 2 or 4 blocks; one chain of 8 m16n8k16 waits on each result in turn). 2 for symmetric int8 per-token, the
+    one-tile-a-step format with the fewest programs per SM (uncapped, 12): 1.0-1.2% faster at every Llama-3-8B
+    shape (16 x 32768 0.2660 -> 0.2630 ms, 128 x 4096 0.2757 -> 0.2728, 1 x 131072 0.0740 -> 0.0731) and
+    Llama-3-70B TP8 (0.0426 -> 0.0421). Elsewhere within +-0.5% (asym int8, fp8 per-token, int4 at 16 per SM) or
+    slower (4 chains; fp8 at Llama-3-70B TP8; fifteenth session, KERNEL_NOTES.md)."""
+    return 2 if kf.kind == KIND_INT8 and kf.scale_mode == SCALE_TOKEN and not kf.asym else 1
+
+
 def skip_rescale_for(kf: KernelFormat) -> bool:
     """Whether the Gluon kernel (decode_gluon.py) skips the softmax rescale of tiles that raise no column's max: int4, and
     the int8 per-token formats (uncapped). fp8 and the 8-bit static formats spill at their
