@@ -14,15 +14,11 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import kernels as kb  # noqa: E402
-from gpu_timing import median_ms  # noqa: E402
+from alternate import time_settings  # noqa: E402
 
 import runtime.kernels.split_k as split_k  # noqa: E402
-from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
 
 # the module (the package exports a function of the same name)
 decode_attention = importlib.import_module("runtime.kernels.decode_attention")
@@ -41,22 +37,9 @@ def main() -> None:
     ap.add_argument("--formats", default="int4,int4-tok,int8,fp8_e4m3")
     args = ap.parse_args()
     real = split_k.merge_splits
-    res = {}
-    for model, batch, ctx in SHAPES:
-        case = kb.Case(model, batch, ctx)
-        for name in args.formats.split(","):
-            cache = case.cache(kb.FORMATS[name])
-            write_kv_launch(cache, case.k, case.v, case.slots)
-            fn = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale)
-            row = {}
-            for mode in ("merge", "no-merge", "merge again", "no-merge again"):
-                set_merge(real if mode.startswith("merge") else lambda *a, **k: None)
-                row[mode] = median_ms(fn)
-            set_merge(real)
-            res[f"{model} {batch}x{ctx} {name}"] = row
-            print(model, f"{batch}x{ctx}", name, {k: round(v, 4) for k, v in row.items()}, flush=True)
-            del cache
-            torch.cuda.empty_cache()
+    settings = {"merge": partial(set_merge, real), "no-merge": partial(set_merge, lambda *a, **k: None)}
+    res = time_settings(SHAPES, args.formats.split(","), settings)
+    set_merge(real)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "merge_cost.json").write_text(json.dumps(res, indent=1))
 

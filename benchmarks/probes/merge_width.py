@@ -15,14 +15,9 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import kernels as kb  # noqa: E402
-from gpu_timing import median_ms  # noqa: E402
-
-from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
+from alternate import time_settings  # noqa: E402
 
 split_k = importlib.import_module("runtime.kernels.split_k")
 SHAPES = [("llama3-8b", 128, 4096), ("llama3-8b", 64, 8192), ("llama3-8b", 16, 32768), ("llama3-8b", 1, 131072),
@@ -37,24 +32,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     shipped = split_k.MERGE_VALUES
-    res = {}
-    for model, batch, ctx in SHAPES:
-        case = kb.Case(model, batch, ctx)
-        for name in args.formats.split(","):
-            cache = case.cache(kb.FORMATS[name])
-            write_kv_launch(cache, case.k, case.v, case.slots)
-            fn = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale)
-            row = {}
-            for r in range(args.rounds):
-                for values in map(int, args.values.split(",")):
-                    split_k.MERGE_VALUES = values
-                    row[f"{values}.{r}"] = median_ms(fn)
-            split_k.MERGE_VALUES = shipped
-            res[f"{model} {batch}x{ctx} {name}"] = row
-            print(model, f"{batch}x{ctx}", name, {k: round(v, 4) for k, v in row.items()}, flush=True)
-            del cache
-            torch.cuda.empty_cache()
-        del case
+    settings = {v: partial(setattr, split_k, "MERGE_VALUES", int(v)) for v in args.values.split(",")}
+    res = time_settings(SHAPES, args.formats.split(","), settings, args.rounds)
+    split_k.MERGE_VALUES = shipped
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "merge_width.json").write_text(json.dumps(res, indent=1))
 
