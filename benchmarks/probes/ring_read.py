@@ -1,7 +1,7 @@
 """What the int4 decode kernel's memory access alone can read (GPU machine): its programs, its cp.async ring and
 its tiles, without the attention.
 
-`_ring_read` is the Gluon decode kernel's int4 ring loop (`gluon_tiles._copy_tile`, `_page`, `_ring_metas`: the same
+`_ring_read` is the Gluon decode kernel's int4 ring loop (`gluon_tiles._allocate_ring`, `_fill_ring`, `_copy_tile`, `_ring_metas`: the same
 one-warp programs over the same splits, pages in random order, K and V words and per-token scales copied STAGES - 1
 tiles ahead) with the attention replaced by an XOR of the words (and a sum of the scales) and, optionally, SPIN
 dependent fmas a tile standing in for the attention's latency. Timed as the benchmarks time the kernels, beside the
@@ -32,7 +32,7 @@ from gpu_timing import median_ms, read_gbps  # noqa: E402
 from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
 from runtime.kernels.formats import kernel_format, meta_strides, scale_tensors  # noqa: E402
 from runtime.kernels.gluon_operands import K_W4, MMA, V_W4  # noqa: E402
-from runtime.kernels.gluon_tiles import RING_K, RING_META, RING_V, _copy_tile, _page, _ring_metas  # noqa: E402
+from runtime.kernels.gluon_tiles import _allocate_ring, _copy_tile, _fill_ring, _page, _ring_metas  # noqa: E402
 from runtime.kernels.group_io import _program_tokens  # noqa: E402
 
 
@@ -45,18 +45,9 @@ def _ring_read(K, V, KS, VS, BT, SEQ, OUT, tokens_per_split, stride_btb, stride_
     koffs = tk[:, None] * stride_ct + gl.arange(0, 16, layout=gl.SliceLayout(0, K_W4))[None, :]
     ts = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     bt_row = BT + b * stride_btb
-    k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_K)
-    v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_V)
-    metas = (KS, VS, KS, VS, k_ring, v_ring, k_ring, v_ring, stride_mb, stride_mh)
-    if SCALE_MODE == 3:
-        ks_ring = gl.allocate_shared_memory(KS.dtype.element_ty, [STAGES, 16], RING_META)
-        vs_ring = gl.allocate_shared_memory(VS.dtype.element_ty, [STAGES, 16], RING_META)
-        metas = (KS, VS, KS, VS, ks_ring, vs_ring, ks_ring, vs_ring, stride_mb, stride_mh)
-    for i in gl.static_range(STAGES - 1):
-        _copy_tile(start + 16 * i, _page(bt_row, start + 16 * i, end, BLOCK_SIZE, True), K, V, k_ring, v_ring, i, kvh,
-                   stride_cb, stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, False)
-    ahead = start + 16 * (STAGES - 1)
-    page = _page(bt_row, ahead, end, BLOCK_SIZE, True)
+    k_ring, v_ring, metas = _allocate_ring(KS, VS, KS, VS, stride_mb, stride_mh, STAGES, SCALE_MODE, False)
+    ahead, page = _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct, koffs, metas,
+                             STAGES - 1, BLOCK_SIZE, SCALE_MODE, False, True)
     stage = 0
     acc_k = gl.zeros([16, 16], gl.int32, layout=K_W4)
     acc_v = gl.zeros([16, 16], gl.int32, layout=V_W4)

@@ -102,7 +102,7 @@ def widening(kf: KernelFormat) -> dict[str, str]:
 
 if gluon is not None:
     from .gluon_operands import B_OP, K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _k_operands, _out_rows, _q_operands, _v_operand
-    from .gluon_tiles import RING_K, RING_META, RING_V, _copy_tile, _page, _ring_metas, _tile_words
+    from .gluon_tiles import _allocate_ring, _copy_tile, _fill_ring, _page, _ring_metas, _tile_words
 
     @gluon.jit
     def _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,
@@ -275,25 +275,10 @@ if gluon is not None:
             # int4: a ring of STAGES tiles in shared memory (words, per-token scales and zero points), filled
             # by cp.async STAGES - 1 tiles ahead (bytes in flight that hold no registers); each tile's page
             # is loaded one step earlier.
-            k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_K)
-            v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_V)
-            # static scales: no scale rings (the word rings hold their places in the tuple, unread)
-            metas = (KS, VS, KZ, VZ, k_ring, v_ring, k_ring, v_ring, stride_mb, stride_mh)
-            if SCALE_MODE == 3:
-                ks_ring = gl.allocate_shared_memory(KS.dtype.element_ty, [STAGES, 16], RING_META)
-                vs_ring = gl.allocate_shared_memory(VS.dtype.element_ty, [STAGES, 16], RING_META)
-                kz_ring = ks_ring
-                vz_ring = vs_ring
-                if ASYM:
-                    kz_ring = gl.allocate_shared_memory(KZ.dtype.element_ty, [STAGES, 16], RING_META)
-                    vz_ring = gl.allocate_shared_memory(VZ.dtype.element_ty, [STAGES, 16], RING_META)
-                metas = (KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh)
+            k_ring, v_ring, metas = _allocate_ring(KS, VS, KZ, VZ, stride_mb, stride_mh, STAGES, SCALE_MODE, ASYM)
             # PAIRS: two tiles a step (`_attend_pair`), the ring STAGES - 2 tiles ahead
-            for i in gl.static_range(STAGES - 1 - PAIRS):
-                _copy_tile(start + 16 * i, _page(bt_row, start + 16 * i, end, BLOCK_SIZE, OFF32), K, V, k_ring,
-                           v_ring, i, kvh, stride_cb, stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
-            ahead = start + 16 * (STAGES - 1 - PAIRS)
-            page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
+            ahead, page = _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct,
+                                     koffs, metas, STAGES - 1 - PAIRS, BLOCK_SIZE, SCALE_MODE, ASYM, OFF32)
             stage = 0
             if PAIRS:
                 page1 = _page(bt_row, ahead + 16, end, BLOCK_SIZE, OFF32)

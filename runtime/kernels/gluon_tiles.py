@@ -93,6 +93,38 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _allocate_ring(KS, VS, KZ, VZ, stride_mb, stride_mh, STAGES: gl.constexpr, SCALE_MODE: gl.constexpr,
+                       ASYM: gl.constexpr):
+        """The ring's shared memory: K and V words [STAGES, 16 tokens, 16 words] and, for per-token formats, the
+        tiles' scales (and zero points) [STAGES, 16]. Returns (k_ring, v_ring, metas), metas as `_copy_tile` and
+        `_ring_metas` take it (static scales: no scale rings, the word rings hold their places, unread)."""
+        k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_K)
+        v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_V)
+        metas = (KS, VS, KZ, VZ, k_ring, v_ring, k_ring, v_ring, stride_mb, stride_mh)
+        if SCALE_MODE == 3:
+            ks_ring = gl.allocate_shared_memory(KS.dtype.element_ty, [STAGES, 16], RING_META)
+            vs_ring = gl.allocate_shared_memory(VS.dtype.element_ty, [STAGES, 16], RING_META)
+            kz_ring = ks_ring
+            vz_ring = vs_ring
+            if ASYM:
+                kz_ring = gl.allocate_shared_memory(KZ.dtype.element_ty, [STAGES, 16], RING_META)
+                vz_ring = gl.allocate_shared_memory(VZ.dtype.element_ty, [STAGES, 16], RING_META)
+            metas = (KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh)
+        return k_ring, v_ring, metas
+
+    @gluon.jit
+    def _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
+                   AHEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,
+                   OFF32: gl.constexpr):
+        """Start the copies of the split's first AHEAD tiles into stages 0 .. AHEAD - 1; returns the next tile's
+        first token and page (loaded a step before its copy)."""
+        for i in gl.static_range(AHEAD):
+            _copy_tile(start + 16 * i, _page(bt_row, start + 16 * i, end, BLOCK_SIZE, OFF32), K, V, k_ring, v_ring, i,
+                       kvh, stride_cb, stride_ch, stride_ct, coffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
+        ahead = start + 16 * AHEAD
+        return ahead, _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
+
+    @gluon.jit
     def _ring_metas(n0, end, metas, stage, ts, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr):
         """A ring tile's per-token scales and zero points (0 past `end`, as `_tile_words` loads them)."""
         ks = 0.0
