@@ -54,8 +54,13 @@ def main() -> None:
     ap.add_argument("--formats", default="int4-tok,int4-tok-asym,int8-tok,int8-tok-asym")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    shipped = decode_attention.meta_strides
+    shipped, check = decode_attention.meta_strides, formats._check_scales
     formats._check_scales = lambda cache, mode: None  # the shipped check wants contiguous scale tensors
+    strides = {
+        "separate": shipped,
+        "interleaved": lambda kf, c: tuple(c.k_scale.stride()[:2]),
+        "shared": lambda kf, c: (0, shipped(kf, c)[1]),
+    }
     res = {}
     for model, batch, ctx in SHAPES:
         case = kb.Case(model, batch, ctx)
@@ -67,11 +72,6 @@ def main() -> None:
                 if layout == "interleaved":
                     interleave(cache)
                 caches[layout] = cache
-            strides = {
-                "separate": shipped,
-                "interleaved": lambda kf, c: tuple(c.k_scale.stride()[:2]),
-                "shared": lambda kf, c: (0, shipped(kf, c)[1]),
-            }
             outs, row = {}, {}
             for r in range(args.rounds):
                 for layout, cache in caches.items():
@@ -87,6 +87,7 @@ def main() -> None:
             del caches, outs
             torch.cuda.empty_cache()
         del case
+    formats._check_scales = check
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scale_layout.json").write_text(json.dumps(res, indent=1))
 
