@@ -531,6 +531,28 @@ def test_decode_gluon_ring(fmt, shape, stages, pairs):
 
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
+@pytest.mark.parametrize("fmt", RING_FORMATS, ids=lambda f: f.name)
+def test_decode_default_launch_of_few_programs_takes_the_pair_ring(fmt):
+    """Few (sequence, KV head) pairs: the default launch plans int4's ring of tiles two a step over short splits
+    (`tuning.gluon_plan`: 6 pairs, splits of 256 tokens) and meets the oracle."""
+    from runtime.kernels.formats import kernel_format
+    from runtime.kernels.split_k import sm_count
+    from runtime.kernels.tuning import gluon_plan
+
+    batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES["gqa8-page32"]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"few{fmt.name}".encode()))
+    cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
+    _, splits, stages, pairs = gluon_plan(kernel_format(cache), batch, kv_heads, bt.shape[1] * bs, sm_count(q.device),
+                                          group=heads // kv_heads)
+    assert (stages, pairs) == (4, True) and splits > 1
+    out = decode_attention_launch(q, cache, bt, lens, 0.25)
+    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, torch.bfloat16)
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
+    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
 @pytest.mark.parametrize("chains", [1, 2, 4])
 @pytest.mark.parametrize("shape", ["gqa4-page16", "gqa5-page16"])
 @pytest.mark.parametrize("fmt", [KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
@@ -674,11 +696,11 @@ def test_split_partials_in_either_dtype(fmt, share, monkeypatch):
     assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
 
 
-@pytest.mark.parametrize("splits", [5, 2], ids=["slices-of-32", "whole-rows"])
+@pytest.mark.parametrize("splits", [5, 2, 512], ids=["slices-of-32", "whole-rows", "512-splits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-acc", "bf16-normalized"])
 def test_merge_splits_against_fp64(dtype, splits):
-    """`split_k.merge_splits` over head_dim 80 and 5 splits (three 32-wide slices, the last one masked) or 2
-    (one 128-wide program, masked past 80), one split empty (m = -inf, l = 0), against the same merge in fp64:
+    """`split_k.merge_splits` over head_dim 80 and 5 splits (three 32-wide slices, the last one masked), 2
+    (one 128-wide program, masked past 80) or 512 (the int4 ring's most, `tuning.RING_MAX_SPLITS`), one split empty (m = -inf, l = 0), against the same merge in fp64:
     fp32 partials hold unnormalized acc, 16-bit ones o = acc / l (`split_k.partial_dtype`)."""
     from runtime.kernels.split_k import merge_splits
 
@@ -777,10 +799,11 @@ def test_gluon_programs_per_sm_follow_the_register_cap():
     assert gluon_registers(kernel_format_of(0, 3), 128, group=8) == (128, 16)  # an explicit cap is kept
 
 
-def test_gluon_plan_takes_the_ring_only_for_long_splits():
+def test_gluon_plan_takes_the_ring_for_long_splits_or_few_programs():
     """Splits by the wave rule at 16 programs per SM (132 SMs; splitting at all within 10% of the best,
-    then 5%); int4 takes the ring where they are >= 1024 tokens long, or where splits of 1024 still make 1024
-    programs, the registers otherwise (and asymmetric per-token int4 the registers' uncapped 12 programs per SM)."""
+    then 5%); int4 takes the ring where they are >= 1024 tokens long (2048 with one KV head), where they make
+    <= 1024 programs (tiles two a step), or where splits of 1024 still make 1024 programs (more than one KV
+    head), the registers otherwise (and asymmetric per-token int4 the registers' uncapped 12 programs per SM)."""
     from runtime.kernels.tuning import gluon_plan
 
     int4 = kernel_format_of(2, 2)
@@ -799,11 +822,24 @@ def test_gluon_plan_takes_the_ring_only_for_long_splits():
     assert gluon_plan(kernel_format_of(2, 3, asym=True), 64, 1, 8192, 132) == (None, 23, 0, False)
     # one sequence of 131072 on 8 KV heads: the wave rule's 244 splits of 544 tokens are too short for the ring,
     # 128 splits of 1024 make 1024 programs (ONE_WARP_PROGRAMS): the ring with tiles two a step, per-head too;
-    # 4 x 32768 the same (32 pairs x 32 splits); 70B's 16 x 32768 (16 pairs x 32 = 512) keeps the registers
+    # 4 x 32768 the same (32 pairs x 32 splits). With one KV head (70B TP8) not: 16 and 32 x 32768 (122 and 63
+    # splits) keep the registers, and so does 64 x 32768, whose 32 splits of 1024 are short of 2048 there.
+    # Few programs take the ring of tiles two a step at the wave rule's count: 8B's 1 x 32768 (8 pairs x 122
+    # splits = 976 programs)
     for fmt in (int4, kernel_format_of(2, 3), kernel_format_of(2, 3, asym=True)):
         assert gluon_plan(fmt, 1, 8, 131072, 132)[1:] == (128, 4, True)
         assert gluon_plan(fmt, 4, 8, 32768, 132)[1:] == (32, 4, True)
         assert gluon_plan(fmt, 16, 1, 32768, 132)[2:] == (0, False)
+        assert gluon_plan(fmt, 32, 1, 32768, 132)[2:] == (0, False)
+        assert gluon_plan(fmt, 64, 1, 32768, 132)[2:] == (0, False)
+        assert gluon_plan(fmt, 128, 1, 32768, 132)[1:] == (16, 2 if fmt is int4 else 4, fmt is not int4)
+        assert gluon_plan(fmt, 1, 8, 32768, 132)[1:] == (122, 4, True)
+        # ... and at least RING_FEW_PROGRAMS where splits of 256 tokens allow: 70B's 1 x 131072 512 (not 244),
+        # 2 x 131072 256 a sequence (512 programs, not 488); 1 x 65536 is held to 256 by its length
+        assert gluon_plan(fmt, 1, 1, 131072, 132)[1:] == (512, 4, True)
+        assert gluon_plan(fmt, 2, 1, 131072, 132)[1:] == (256, 4, True)
+        assert gluon_plan(fmt, 1, 1, 65536, 132)[1:] == (256, 4, True)
+    assert gluon_plan(int4, 1, 1, 131072, 132, pairs=False) == (128, 512, 2, False)  # asked for one tile a step
     assert gluon_plan(int4, 1, 8, 131072, 132, stages=0) == (128, 244, 0, False)  # asked for the registers
     assert gluon_plan(int4, 1, 8, 131072, 132, num_splits=200) == (128, 200, 0, False)  # splits kept: no ring
     # 8-bit formats never take the ring

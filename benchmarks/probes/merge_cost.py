@@ -35,10 +35,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--formats", default="int4,int4-tok,int8,fp8_e4m3")
+    ap.add_argument("--shapes", default=",".join(f"{m}:{b}x{c}" for m, b, c in SHAPES), help="MODEL:BATCHxCONTEXT,...")
     args = ap.parse_args()
     real = split_k.merge_splits
     settings = {"merge": partial(set_merge, real), "no-merge": partial(set_merge, lambda *a, **k: None)}
-    res = time_settings(SHAPES, args.formats.split(","), settings)
+    shapes = [(m, *map(int, bc.split("x"))) for m, bc in (s.split(":") for s in args.shapes.split(","))]
+    res = time_settings(shapes, args.formats.split(","), settings)
     set_merge(real)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "merge_cost.json").write_text(json.dumps(res, indent=1))

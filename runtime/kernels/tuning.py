@@ -83,10 +83,10 @@ def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None
     if pairs is not None and (one_warp or tuned.gluon):
         splits = min(ONE_WARP_MAX_SPLITS, -(-max_tokens // MIN_TOKENS_PER_SPLIT))
         if pairs * splits < ONE_WARP_PROGRAMS:
-            # 70B TP8, one sequence: the static formats' Triton 4-warp tile beats Gluon (fp8 0.036 vs
-            # 0.045 ms, int4 0.033 vs 0.036); per-token ones stay on Gluon (int8 0.047 vs 0.070,
-            # int4 asym 0.037 vs 0.079)
-            if kf.scale_mode != SCALE_TOKEN:
+            # 70B TP8, one sequence: the static 8-bit formats' Triton 4-warp tile beats Gluon (fp8 0.036 vs
+            # 0.045 ms); per-token ones stay on Gluon (int8 0.047 vs 0.070), and so does int4, whose ring of
+            # tiles two a step serves few programs (`gluon_plan`: 0.0196 against the Triton tile's 0.0316 ms)
+            if kf.scale_mode != SCALE_TOKEN and kf.kind != KIND_INT4:
                 tuned = tuned._replace(gluon=False)
             if one_warp:
                 tuned = tuned._replace(block_n=64, resident_per_sm=3)
@@ -95,6 +95,9 @@ def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None
 
 GLUON_STAGES = 2
 RING_MIN_TOKENS = 1024  # int4 splits at least this long go through the ring (`gluon_stages_for`)
+RING_MIN_TOKENS_ONE_HEAD = 2048  # ... where a page holds one KV head
+RING_FEW_PROGRAMS = 512  # the ring for few programs makes at least this many (`_few_splits`) ...
+RING_MAX_SPLITS = 512  # ... with at most this many splits (the split rule's own limit is decode_gluon.MAX_SPLITS)
 GLUON_PAIR_STAGES = 4  # a ring with tiles two a step: two stages read while two fill
 
 
@@ -113,13 +116,17 @@ def gluon_pairs_for(kf: KernelFormat) -> bool:
 GLUON_SPLIT_TOLERANCE = 0.05
 
 
-def gluon_stages_for(kf: KernelFormat, tokens_per_split: int) -> int:
+def gluon_stages_for(kf: KernelFormat, tokens_per_split: int, kv_heads: int) -> int:
     """Stages of the Gluon kernel's shared-memory ring (0: tiles loaded into registers a step ahead).
-    int4 with splits of >= 1024 tokens: 2 (16 x 32768: per-head 0.149 ms against 0.156 from registers,
+    int4 with splits of >= RING_MIN_TOKENS: 2 (16 x 32768: per-head 0.149 ms against 0.156 from registers,
     3 stages 0.155, ninth session; per-token 0.157 against 0.163, asym 0.165 against 0.175 with the scales
     and zero points in the ring, eleventh). Short splits (Llama-3-70B at TP 8: 256 tokens) ran slower
-    with it (per-token: 0.040 against 0.034 ms)."""
-    ring = kf.kind == KIND_INT4 and tokens_per_split >= RING_MIN_TOKENS
+    with it (per-token: 0.040 against 0.034 ms). With one KV head (70B TP8) splits of 1024 tokens did too
+    (64 x 32768: int4 0.0853 against 0.0805, per-token 0.0971 against 0.0911); splits of 2048 ran within 1.5% for
+    int4 and faster for the per-token formats (128 x 32768: int4 0.1535 against 0.1512, per-token 0.1676 against
+    0.1718, asym 0.1789 against 0.1879; sixteenth session): RING_MIN_TOKENS_ONE_HEAD."""
+    least = RING_MIN_TOKENS_ONE_HEAD if kv_heads == 1 else RING_MIN_TOKENS
+    ring = kf.kind == KIND_INT4 and tokens_per_split >= least
     return GLUON_STAGES if ring else 0
 
 
@@ -129,11 +136,15 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
                group: int = 4) -> tuple[int | None, int, int, bool]:
     """The Gluon kernel's (register cap, split count, ring stages, tiles two a step); arguments not None are
     kept. int4 is planned for the ring first (its register cap sets the programs per SM the split rule
-    counts on); where the split rule's splits are too short for the ring, with splits of RING_MIN_TOKENS and tiles
-    two a step if that still makes ONE_WARP_PROGRAMS programs (`_long_splits`), else for the registers. pairs: the ring's
+    counts on); where the split rule's splits are too short for the ring: the ring with tiles two a step all the same
+    if they make <= ONE_WARP_PROGRAMS programs (at least RING_FEW_PROGRAMS: `_few_splits`; Llama-3-70B TP8 1 x
+    131072: int4 0.0196 ms at the rule's 244 splits against 0.0301 from registers and 0.0316 on the Triton tile; 8B
+    1 x 32768 0.0171 against 0.0205 and 0.0265; sixteenth session), else with splits of RING_MIN_TOKENS if those
+    still make ONE_WARP_PROGRAMS programs (`_long_splits`), else the registers. pairs: the ring's
     tiles two a step (`gluon_pairs_for`), with splits of whole tile pairs and >= GLUON_PAIR_STAGES stages. group:
     query heads per KV head (the register cap depends on it: `gluon_registers`)."""
-    def plan(ring: bool, splits: int | None = num_splits, pairs: bool | None = pairs) -> tuple[int | None, int, int, bool]:
+    def plan(ring: bool, splits: int | None = num_splits, pairs: bool | None = pairs,
+             short: bool = False) -> tuple[int | None, int, int, bool]:  # short: the ring for splits of any length
         two = ring and (gluon_pairs_for(kf) if pairs is None else bool(pairs))
         tile = decode_gluon.TILE * (2 if two else 1)
         cap, resident = gluon_registers(kf, maxnreg, ring, group)
@@ -142,7 +153,8 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
                                        decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
                                        refine_tolerance=GLUON_SPLIT_TOLERANCE)
         if stages is None:
-            ring_stages = gluon_stages_for(kf, split_tokens(max_tokens, splits, tile)) if ring else 0
+            long = short or gluon_stages_for(kf, split_tokens(max_tokens, splits, tile), kv_heads)
+            ring_stages = GLUON_STAGES if ring and long else 0
             ring_stages = max(ring_stages, GLUON_PAIR_STAGES) if two and ring_stages else ring_stages
         else:
             ring_stages = stages
@@ -157,22 +169,40 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
         ring_plan = plan(True)
         if ring_plan[2]:
             return ring_plan
-        splits = _long_splits(batch * kv_heads, max_tokens) if num_splits is None else None
-        if splits:
-            return plan(True, splits, True if pairs is None else pairs)
+        if num_splits is None:
+            # few programs: the ring of tiles two a step at the split rule's count, where registers hold one tile
+            # in flight a program; else, with more than one KV head, splits of RING_MIN_TOKENS
+            few = batch * kv_heads * ring_plan[1] <= ONE_WARP_PROGRAMS
+            splits = _few_splits(batch * kv_heads, max_tokens, ring_plan[1]) if few else _long_splits(
+                batch, kv_heads, max_tokens)
+            if few or splits:
+                return plan(True, splits, True if pairs is None else pairs, short=few)
     return plan(False)
 
 
-def _long_splits(pairs: int, max_tokens: int) -> int | None:
+def _few_splits(pairs: int, max_tokens: int, splits: int) -> int:
+    """The split rule's count for the ring of few programs, raised to make RING_FEW_PROGRAMS programs where splits
+    of MIN_TOKENS_PER_SPLIT allow, up to RING_MAX_SPLITS. Llama-3-70B TP8 1 x 131072: 512 splits of 256 tokens
+    ran 0.0176 ms against 0.0193 for the rule's 244 (per-token 0.0184 against 0.0220, asym 0.0187 against
+    0.0229), while 2 x 131072 ran 0.0236 with 2 x 244 programs against 0.0259 with 2 x 512 (sixteenth session)."""
+    want = -(-RING_FEW_PROGRAMS // pairs)
+    return max(splits, min(want, max_tokens // decode_gluon.MIN_TOKENS_PER_SPLIT, RING_MAX_SPLITS))
+
+
+def _long_splits(batch: int, kv_heads: int, max_tokens: int) -> int | None:
     """Splits of RING_MIN_TOKENS for int4 where the split rule's are too short for the ring, if that leaves >=
     ONE_WARP_PROGRAMS (sequence, KV head, split) programs: half the H200's slots at 16 a SM, each with two tiles
     in flight (the 4-stage ring of tiles two a step, per-head int4 too). Llama-3-8B at 1 x 131072 (8 KV heads):
     128 splits in the ring instead of 244 from registers, int4 0.0447 -> 0.0417 ms, per-token 0.0504 -> 0.0445,
     asym 0.0522 -> 0.0491; per-head int4 with 128 splits but one tile a step ran 0.0492 (thirteenth session).
-    Llama-3-70B at TP 8 (one KV head: 16 x 32768 would make 512 programs) stays in registers: the ring ran
-    slower there (int4 0.0380 against 0.0312 ms)."""
+    Not with one KV head (Llama-3-70B at TP 8), where the registers at the split rule's count ran faster at
+    32 x 32768 (int4 0.0454 against 0.0506 ms, per-token 0.0512 against 0.0533; 64 x 32768: 0.0805 against
+    0.0851, 0.0911 against 0.0972; sixteenth session). The probe `probes/ring_read.py` reads those lone 1 KB
+    pages through the ring's 1024-token splits at 81% (32 x 32768) and 92% (64 x 32768) of a same-size read,
+    Llama-3-8B's at 16 x 32768 (8 KV heads, 4096-token splits) at 100%. Measured at
+    1 and 8 KV heads only."""
     splits = max_tokens // RING_MIN_TOKENS
-    return splits if splits > 1 and pairs * splits >= ONE_WARP_PROGRAMS else None
+    return splits if kv_heads > 1 and splits > 1 and batch * kv_heads * splits >= ONE_WARP_PROGRAMS else None
 
 
 def gluon_offsets32(kf: KernelFormat, cache_words: int) -> bool:
