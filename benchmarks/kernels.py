@@ -63,6 +63,8 @@ FORMATS = {
 }
 # (query heads, KV heads, head_dim): Llama-3-8B, and Llama-3-70B with TP=8 (one KV head per GPU)
 MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
+# ... and, outside the grid, for side-by-side runs: the llama70b recipes' TP 2 (4 KV heads a GPU)
+GEOMETRIES = {**MODELS, "llama3-70b-tp2": (32, 4, 128)}
 # 32 x 32768: int4 reads as many bytes as 8-bit at 16 x 32768; 64 x 32768: int4 reads the read ceiling's own 2 GiB
 GRID = [(1, 131072), (16, 32768), (32, 32768), (64, 32768), (64, 8192), (128, 4096)]
 BLOCK_SIZE = 16
@@ -79,7 +81,7 @@ class Case:
 
     def __init__(self, model: str, batch: int, ctx: int, seed: int = 0):
         self.model, self.batch, self.ctx = model, batch, ctx
-        self.heads, self.kv_heads, self.head_dim = MODELS[model]
+        self.heads, self.kv_heads, self.head_dim = GEOMETRIES[model]
         g = torch.Generator(device=DEVICE).manual_seed(seed)
         tokens = batch * ctx
         self.k = torch.randn(tokens, self.kv_heads, self.head_dim, device=DEVICE, generator=g, dtype=torch.bfloat16)

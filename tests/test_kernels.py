@@ -857,6 +857,9 @@ def test_gluon_plan_takes_the_ring_for_long_splits_or_few_programs():
     assert gluon_plan(kernel_format_of(2, 3), 16, 8, 32768, 132, pairs=False) == (120, 16, 2, False)
     with pytest.raises(ValueError, match="gluon_stages=4"):
         gluon_plan(kernel_format_of(2, 3), 16, 8, 32768, 132, stages=3, pairs=True)
+    # the ring is int4's only: an 8-bit format asked for one gets an error that says so, not a compile failure
+    with pytest.raises(ValueError, match="int4 formats only"):
+        gluon_plan(kernel_format_of(0, 1), 16, 8, 32768, 132, stages=2)
 
 
 def test_wave_cost_counts_partial_waves_whole():

@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3,4,6")
     ap.add_argument("--spins", default="0,64,128")
     ap.add_argument("--splits", type=int, default=16)
-    ap.add_argument("--model", default="llama3-8b", choices=list(kb.MODELS))
+    ap.add_argument("--model", default="llama3-8b", choices=list(kb.GEOMETRIES))
     args = ap.parse_args()
     res = []
     for shape in args.shapes.split(","):

@@ -69,14 +69,16 @@ TUNED = {
 # against 0.090 for 4-warp programs at 64 splits. Where the batch's (sequence, KV head) pairs
 # cannot reach ONE_WARP_PROGRAMS with ONE_WARP_MAX_SPLITS splits of >= MIN_TOKENS_PER_SPLIT
 # tokens (Llama-3-70B at TP 8 has one KV head: 0.096 vs 0.036 ms for a single sequence), the
-# format's 4-warp tile runs instead: 4 x 16 tokens, 3 programs per SM (round 9).
+# format's 4-warp tile runs instead: 4 x 16 tokens, 3 programs per SM (round 9) -- on the GPU for the static
+# 8-bit formats only: int4 takes the Gluon kernel's ring, two tiles a step, per-token formats Gluon's registers.
 ONE_WARP_PROGRAMS = 1024
 ONE_WARP_MAX_SPLITS = 128
 
 
 def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None = None) -> Tuned:
     """The format's launch options; with the batch's (sequence, KV head) pairs and its longest
-    context, the Triton 4-warp tile where one-warp programs (Gluon's or Triton's) would be too few."""
+    context, the Triton 4-warp tile where one-warp programs would be too few (the Triton kernels' options;
+    on the GPU only the static 8-bit formats leave the Gluon kernel for it)."""
     kind = "int4" if kf.kind == KIND_INT4 else "int8" if kf.kind == KIND_INT8 else "fp8" if kf.fp8 else "float"
     tuned = TUNED[(kind, kf.scale_mode == SCALE_TOKEN, bool(kf.asym))]
     one_warp = tuned.warps and tuned.block_n == 16
@@ -85,7 +87,7 @@ def tuned_for(kf: KernelFormat, pairs: int | None = None, max_tokens: int | None
         if pairs * splits < ONE_WARP_PROGRAMS:
             # 70B TP8, one sequence: the static 8-bit formats' Triton 4-warp tile beats Gluon (fp8 0.036 vs
             # 0.045 ms); per-token ones stay on Gluon (int8 0.047 vs 0.070), and so does int4, whose ring of
-            # tiles two a step serves few programs (`gluon_plan`: 0.0196 against the Triton tile's 0.0316 ms)
+            # tiles two a step serves few programs (`gluon_plan`: 0.0179 against the Triton tile's 0.0321 ms)
             if kf.scale_mode != SCALE_TOKEN and kf.kind != KIND_INT4:
                 tuned = tuned._replace(gluon=False)
             if one_warp:
@@ -143,6 +145,10 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
     still make ONE_WARP_PROGRAMS programs (`_long_splits`), else the registers. pairs: the ring's
     tiles two a step (`gluon_pairs_for`), with splits of whole tile pairs and >= GLUON_PAIR_STAGES stages. group:
     query heads per KV head (the register cap depends on it: `gluon_registers`)."""
+    if stages and kf.kind != KIND_INT4:
+        raise ValueError(f"gluon_stages={stages}: the shared-memory ring serves int4 formats only; "
+                         f"pass gluon_stages=0 or None for this format")
+
     def plan(ring: bool, splits: int | None = num_splits, pairs: bool | None = pairs,
              short: bool = False) -> tuple[int | None, int, int, bool]:  # short: the ring for splits of any length
         two = ring and (gluon_pairs_for(kf) if pairs is None else bool(pairs))
@@ -196,8 +202,8 @@ def _long_splits(batch: int, kv_heads: int, max_tokens: int) -> int | None:
     128 splits in the ring instead of 244 from registers, int4 0.0447 -> 0.0417 ms, per-token 0.0504 -> 0.0445,
     asym 0.0522 -> 0.0491; per-head int4 with 128 splits but one tile a step ran 0.0492 (thirteenth session).
     Not with one KV head (Llama-3-70B at TP 8), where the registers at the split rule's count ran faster at
-    32 x 32768 (int4 0.0454 against 0.0506 ms, per-token 0.0512 against 0.0533; 64 x 32768: 0.0805 against
-    0.0851, 0.0911 against 0.0972; sixteenth session). The probe `probes/ring_read.py` reads those lone 1 KB
+    32 x 32768 (int4 0.0454 against 0.0506 ms, per-token 0.0512 against 0.0533, asym 0.0540 against 0.0568;
+    sixteenth session). The probe `probes/ring_read.py` reads those lone 1 KB
     pages through the ring's 1024-token splits at 81% (32 x 32768) and 92% (64 x 32768) of a same-size read,
     Llama-3-8B's at 16 x 32768 (8 KV heads, 4096-token splits) at 100%. Measured at
     1 and 8 KV heads only."""
