@@ -377,6 +377,14 @@ def _relerr(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
+def _assert_meets_oracle(out, q, cache, block_tables, seq_lens, dtype, nan_msg="kernel output has NaN/Inf"):
+    """The relative oracle: finite, and within twice PyTorch's own error in `dtype` of the fp64 attention (sm_scale
+    0.25, as every caller launches)."""
+    truth, torch_err = _oracle(q, cache, block_tables, seq_lens, 0.25, dtype)
+    assert torch.isfinite(out).all(), nan_msg
+    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+
+
 def _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen):
     blocks_per_seq = [math.ceil(n / bs) for n in seq_lens]
     max_blocks = max(blocks_per_seq)
@@ -469,9 +477,7 @@ def test_decode_per_warp_kernel(fmt, shape, split, heads_n):
         tiles = dict(num_warps=2, block_n=32)
     out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=split, warps=True, heads_n=heads_n,
                                   gluon=False, **tiles)
-    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
-    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
-    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+    _assert_meets_oracle(out, q, cache, bt, lens, qdtype)
 
 
 # Shapes for the Gluon kernel (head_dim 128, pages of 16k tokens): GQA groups 1, 4, 5 and 8, page
@@ -501,9 +507,7 @@ def test_decode_gluon_kernel(fmt, shape, split):
     q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
     assert decode_gluon.supported(kernel_format(cache), q, bs, heads // kv_heads)
     out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=split, gluon=True)
-    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
-    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
-    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+    _assert_meets_oracle(out, q, cache, bt, lens, qdtype)
 
 
 RING_FORMATS = [f for f in QUANTIZED if f.dtype == "int4"]
@@ -525,9 +529,7 @@ def test_decode_gluon_ring(fmt, shape, stages, pairs):
     q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
     out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=4, gluon=True, gluon_stages=stages,
                                   gluon_pairs=pairs)
-    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, torch.bfloat16)
-    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
-    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+    _assert_meets_oracle(out, q, cache, bt, lens, torch.bfloat16)
 
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
@@ -547,9 +549,7 @@ def test_decode_default_launch_of_few_programs_takes_the_pair_ring(fmt):
                                           group=heads // kv_heads)
     assert (stages, pairs) == (4, True) and splits > 1
     out = decode_attention_launch(q, cache, bt, lens, 0.25)
-    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, torch.bfloat16)
-    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
-    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+    _assert_meets_oracle(out, q, cache, bt, lens, torch.bfloat16)
 
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
@@ -567,9 +567,7 @@ def test_decode_gluon_k_chains(fmt, shape, chains):
     qdtype = torch.float16 if shape == "gqa5-page16" else torch.bfloat16
     q = torch.randn(batch, heads, head_dim, generator=gen).to(qdtype).to(DEV)
     out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=4, gluon=True, gluon_k_chains=chains)
-    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, qdtype)
-    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
-    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+    _assert_meets_oracle(out, q, cache, bt, lens, qdtype)
 
 
 def _stored_values(words: torch.Tensor, kind: int, fp8_dtype, symmetric: bool) -> torch.Tensor:
@@ -691,9 +689,8 @@ def test_split_partials_in_either_dtype(fmt, share, monkeypatch):
     cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
     out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=3, block_n=16)
-    truth, torch_err = _oracle(q, cache, bt, lens, 0.25, torch.bfloat16)
-    assert torch.isfinite(out).all(), "kernel output has NaN/Inf (an empty split's partial must weigh 0)"
-    assert _relerr(out.cpu(), truth) <= 2 * torch_err + 1e-5
+    _assert_meets_oracle(out, q, cache, bt, lens, torch.bfloat16,
+                         "kernel output has NaN/Inf (an empty split's partial must weigh 0)")
 
 
 @pytest.mark.parametrize("splits", [5, 2, 512], ids=["slices-of-32", "whole-rows", "512-splits"])

@@ -159,8 +159,8 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
                                        decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
                                        refine_tolerance=GLUON_SPLIT_TOLERANCE)
         if stages is None:
-            long = short or gluon_stages_for(kf, split_tokens(max_tokens, splits, tile), kv_heads)
-            ring_stages = GLUON_STAGES if ring and long else 0
+            ring_stages = 0 if not ring else GLUON_STAGES if short else gluon_stages_for(
+                kf, split_tokens(max_tokens, splits, tile), kv_heads)
             ring_stages = max(ring_stages, GLUON_PAIR_STAGES) if two and ring_stages else ring_stages
         else:
             ring_stages = stages
@@ -203,10 +203,9 @@ def _long_splits(batch: int, kv_heads: int, max_tokens: int) -> int | None:
     asym 0.0522 -> 0.0491; per-head int4 with 128 splits but one tile a step ran 0.0492 (thirteenth session).
     Not with one KV head (Llama-3-70B at TP 8), where the registers at the split rule's count ran faster at
     32 x 32768 (int4 0.0454 against 0.0506 ms, per-token 0.0512 against 0.0533, asym 0.0540 against 0.0568;
-    sixteenth session). The probe `probes/ring_read.py` reads those lone 1 KB
-    pages through the ring's 1024-token splits at 81% (32 x 32768) and 92% (64 x 32768) of a same-size read,
-    Llama-3-8B's at 16 x 32768 (8 KV heads, 4096-token splits) at 100%. Measured at
-    1 and 8 KV heads only."""
+    sixteenth session). The probe `probes/ring_read.py` reads those lone 1 KB pages through the ring's 1024-token
+    splits at 81% (32 x 32768) and 92% (64 x 32768) of a same-size read, Llama-3-8B's at 16 x 32768 (8 KV heads,
+    4096-token splits) at 100%. Measured at 1, 4 and 8 KV heads."""
     splits = max_tokens // RING_MIN_TOKENS
     return splits if kv_heads > 1 and splits > 1 and batch * kv_heads * splits >= ONE_WARP_PROGRAMS else None
 
