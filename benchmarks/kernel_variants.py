@@ -149,13 +149,14 @@ VARIANTS = {
     "t": dict(gluon=False),
 }
 GLUON_KEYS = {"st": "gluon_stages", "r": "maxnreg", "sp": "num_splits", "res": "resident_per_sm", "pr": "gluon_pairs",
-               "kc": "gluon_k_chains"}
+               "kc": "gluon_k_chains", "tma": "gluon_tma"}
 
 
 def gluon_variant(name: str) -> dict:
     """Launch options of a Gluon variant named g-<key><int>-...: st (ring stages, 0: registers), r (register
     cap, 0: none), sp (splits), res (programs per SM for the split rule), pr (int4 ring tiles two a step: 1, or
-    one: 0), kc (the scores' independent mma chains: 1, 2, 4); skip / noskip (softmax
+    one: 0), kc (the scores' independent mma chains: 1, 2, 4), tma (the ring's words by TMA: 1, and scales: 2, cp.async: 0);
+    skip / noskip (softmax
     rescale)."""
     opts = dict(gluon=True)
     for part in name.split("-")[1:]:
@@ -279,9 +280,9 @@ WRITE_VARIANTS = {"default": {}, "tile": dict(int4_lanes=0, int4_packed=False),
                   "l4p-t32w4": dict(int4_lanes=4, int4_packed=True, block_t=32, num_warps=4),
                   "l4p-t8w1": dict(int4_lanes=4, int4_packed=True, block_t=8, num_warps=1),
                   "l8p-t16w4": dict(int4_lanes=8, int4_packed=True, block_t=16, num_warps=4),
-                  "r0": dict(int8_rows=0), "r2": dict(int8_rows=2), "r4": dict(int8_rows=4),
-                  "r8": dict(int8_rows=8), "r4-t32w4": dict(int8_rows=4, block_t=32, num_warps=4),
-                  "r2-t32w2": dict(int8_rows=2, block_t=32, num_warps=2)}
+                  "r0": dict(byte_rows=0), "r2": dict(byte_rows=2), "r4": dict(byte_rows=4),
+                  "r8": dict(byte_rows=8), "r4-t32w4": dict(byte_rows=4, block_t=32, num_warps=4),
+                  "r2-t32w2": dict(byte_rows=2, block_t=32, num_warps=2)}
 
 
 def write_variants(args) -> None:

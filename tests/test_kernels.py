@@ -52,6 +52,7 @@ def _load_kernels():
 
 
 K = _load_kernels()
+from runtime.kernels import decode_gluon  # noqa: E402
 from runtime.kernels.decode_attention import decode_attention_launch  # noqa: E402
 from runtime.kernels.split_k import choose_num_splits  # noqa: E402
 from tests.helpers_gluon_compile import GLUON_VARIANTS, kernel_format_of  # noqa: E402
@@ -130,6 +131,7 @@ def test_write_kv_bytes_equal_reference(fmt):
     k, v = _kv(tokens, kv_heads, head_dim, torch.bfloat16, gen)
     k[3] = 0.0  # an all-zero token: the scale floor (tiny) must match too
     k[5, 1, 2] = 3.0e7  # a token beyond the fp16 scale range: the scale saturates at its max
+    k[4, 0, :2] = -0.0  # fp8 stores -0 as 0x80 (the GPU's fma-corrected quotient once gave +0)
     # static scales from half the amax, so the write path must clamp out-of-range values
     cache = _make_cache(fmt, nb, bs, kv_heads, head_dim,
                         k.float().abs().amax((0, 2)).cpu() / 2, v.float().abs().amax((0, 2)).cpu() / 2)
@@ -233,10 +235,10 @@ def _check_write_at_ties(fmt, seed, head_dim, v_scales, **launch):
 
 def _special_values(k, v):
     """k, v with an all-zero token, a token past the fp16 scale range, inf / -inf / NaN / subnormal /
-    huge values in one token and -inf in another."""
+    huge / -0 values in one token and -inf in another."""
     k[3] = 0.0
     k[5, 1, 2] = 3.0e7
-    k[6, 0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, 3e38])
+    k[6, 0, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, 3e38, -0.0])
     v[7, 1, 3] = float("-inf")
     return k, v
 
@@ -281,15 +283,15 @@ def test_write_kv_int4_lanes_exact_at_rounding_ties(fmt, lanes):
 
 
 PACKED_ROW_FORMATS = [(f, i) for f, i in zip(FORMATS, FMT_IDS)
-                      if f.dtype in ("int4", "int8") and f.dynamic and f.scale_dtype == "float16"]
+                      if f.dtype in ("int4", "int8", "fp8_e4m3") and f.dynamic and f.scale_dtype == "float16"]
 
 
-@pytest.mark.skipif(not CUDA, reason="bf16x2 inline PTX (int4_packed, int8_rows) compiles for the GPU only")
+@pytest.mark.skipif(not CUDA, reason="bf16x2 inline PTX (int4_packed, byte_rows) compiles for the GPU only")
 @pytest.mark.parametrize("lanes", [2, 4, 8])
 @pytest.mark.parametrize("fmt", [f for f, _ in PACKED_ROW_FORMATS], ids=[i for _, i in PACKED_ROW_FORMATS])
 def test_write_kv_packed_rows_bytes_equal_reference(fmt, lanes):
-    """int4_packed / int8_rows (rows over `lanes` lanes, bf16x2 row min / max and symmetric clamp on the
-    loaded words; int8 stored as bytes): kv_format's bytes, on random rows with special values (NaN in
+    """int4_packed / byte_rows (rows over `lanes` lanes, bf16x2 row min / max and symmetric clamp on the
+    loaded words; int8 and fp8 stored as bytes): kv_format's bytes, on random rows with special values (NaN in
     a token without inf, NaN pairs, inf, huge, zeros) and on rows whose quotients sit on rounding ties;
     and the same bytes as on the tile path."""
     gen = torch.Generator().manual_seed(9)
@@ -302,10 +304,10 @@ def test_write_kv_packed_rows_bytes_equal_reference(fmt, lanes):
     k, v = k.to(torch.bfloat16).to(DEV), v.to(torch.bfloat16).to(DEV)
     slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
     cache = _make_cache(fmt, nb, bs, kv_heads, head_dim)
-    rows = dict(int4_lanes=lanes, int4_packed=True) if fmt.dtype == "int4" else dict(int8_rows=lanes)
+    rows = dict(int4_lanes=lanes, int4_packed=True) if fmt.dtype == "int4" else dict(byte_rows=lanes)
     _check_write(cache, fmt, k, v, slots, **rows)
     ref = _make_cache(fmt, nb, bs, kv_heads, head_dim)
-    K.write_kv_launch(ref, k, v, slots, int4_lanes=0, int4_packed=False, int8_rows=0)
+    K.write_kv_launch(ref, k, v, slots, int4_lanes=0, int4_packed=False, byte_rows=0)
     for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
         if getattr(ref, name) is not None:
             assert torch.equal(_bytes(getattr(cache, name)), _bytes(getattr(ref, name))), name
@@ -328,8 +330,8 @@ def test_write_kv_rejects_bad_input():
         K.write_kv(cache, k, v, torch.arange(3, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match=r"k and v must both be \[tokens, 2, 32\]"):
         K.write_kv(cache, k[:, :1], v[:, :1], torch.arange(3, device=DEV))
-    with pytest.raises(ValueError, match="int8_rows must be 0, 2, 4 or 8"):
-        K.write_kv_launch(cache, k, v, torch.arange(3, device=DEV), int8_rows=3)
+    with pytest.raises(ValueError, match="byte_rows must be 0, 2, 4 or 8"):
+        K.write_kv_launch(cache, k, v, torch.arange(3, device=DEV), byte_rows=3)
 
 
 # ------------------------------------------------------------------ decode
@@ -518,9 +520,9 @@ RING_FORMATS = [f for f in QUANTIZED if f.dtype == "int4"]
 @pytest.mark.parametrize("shape", list(GLUON_SHAPES))
 @pytest.mark.parametrize("fmt", RING_FORMATS, ids=lambda f: f.name)
 def test_decode_gluon_ring(fmt, shape, stages, pairs):
-    """The int4 shared-memory ring (cp.async a stage ahead, per-token scales and zero points with the words;
-    `tuning.gluon_stages_for`), a tile or two tiles a step (`decode_gluon._attend_pair`), meets the same
-    oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
+    """The int4 shared-memory ring (filled a stage ahead, per-token scales and zero points with the words, by the
+    TMA unit on sm_90, by cp.async before; `tuning.gluon_stages_for`), a tile or two tiles a step
+    (`decode_gluon._attend_pair`), meets the same oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
     with split-K (tiles past a split's end, an odd number of tiles in a split, pages out of order, lengths
     not a multiple of 16)."""
     batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES[shape]
@@ -530,6 +532,25 @@ def test_decode_gluon_ring(fmt, shape, stages, pairs):
     out = decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=4, gluon=True, gluon_stages=stages,
                                   gluon_pairs=pairs)
     _assert_meets_oracle(out, q, cache, bt, lens, torch.bfloat16)
+
+
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="the TMA unit is sm_90's (Gluon kernels run on the GPU only)")
+@pytest.mark.parametrize("stages,pairs", [(2, False), (4, True), (5, True)])
+@pytest.mark.parametrize("shape", ["gqa4-page16", "gqa8-page32", "mha-page64"])
+@pytest.mark.parametrize("fmt", RING_FORMATS, ids=lambda f: f.name)
+def test_decode_gluon_ring_filled_by_tma_matches_cp_async(fmt, shape, stages, pairs):
+    """The ring filled by the TMA unit (`gluon_tma` 1: K and V words; 2: and the per-token scales and zero points,
+    the sm_90 default) holds the same bytes as cp.async's: outputs equal bit for bit, with split-K, pages out of
+    order, lengths not a multiple of 16 and odd stage counts (a stage's mbarrier phase is its tile index //
+    STAGES)."""
+    batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES[shape]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"tma{shape}{fmt.name}".encode()))
+    cache, bt, lens = _fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
+    outs = [decode_attention_launch(q, cache, bt, lens, 0.25, num_splits=4, gluon=True, gluon_stages=stages,
+                                    gluon_pairs=pairs, gluon_tma=tma) for tma in (0, 1, 2)]
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
 
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (the interpreter cannot run them)")
@@ -646,19 +667,23 @@ def gluon_sm90_builds():
 
 @pytest.mark.parametrize("variant", GLUON_VARIANTS,
                          ids=[f"kind{k}-mode{m}{'-asym' if a else ''}-stages{s}{'-pairs' if p else ''}-group{g}"
-                              for k, m, a, s, p, g in GLUON_VARIANTS])
+                              f"{f'-tma{t}' if t else ''}" for k, m, a, s, p, g, t in GLUON_VARIANTS])
 def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
     """Cross-compiled for sm_90 (no GPU needed): every format's layout relabelling compiles to
     register renames (`assert_trivial` in `_k_operands` / `_v_operand`; a wrong permutation fails the
-    build), K and V touch shared memory only in the int4 ring (2 stages, or 4 for per-token tiles two a step,
-    of 1 KB of K, 1 KB of V and the tile's per-token scales and zero points), no variant spills inside its tile loop, and with 128 registers the static formats do
-    not spill at all (16 programs per SM is what the split rule assumes); for GQA groups 1, 4 and 8 (fp8
-    per-token, whose cap depends on the group, for 1-8)."""
+    build), K and V touch shared memory only in the int4 ring (4 stages of tiles two a step, or 2 of one, of 1 KB of
+    K, 1 KB of V and the tile's per-token scales and zero points, and where the TMA unit fills it an 8-byte mbarrier a
+    stage and its scales on 128-byte boundaries), no variant spills inside its tile loop, and with 128 registers the
+    static formats do not spill at all (16 programs per SM is what the split rule assumes); for GQA groups 1, 4 and 8
+    (fp8 per-token, whose cap depends on the group, for 1-8)."""
     build = gluon_sm90_builds[variant]
     assert "error" not in build, build.get("error")
-    _, mode, asym, stages, _, _ = variant
-    metas = (4 if asym else 2) * 16 * 2 if mode == 3 else 0  # per-token fp16 scales (and zero points) a tile
-    assert build["shared"] == stages * (2 * 16 * 64 + metas), "K and V go to registers, int4 tiles through the ring"
+    _, mode, asym, stages, _, _, tma = variant
+    # per-token fp16 scales (and zero points) a tile: 16 of them, or a 128-byte row where TMA copies them
+    metas = (4 if asym else 2) * (128 if tma == 2 else 16 * 2) if mode == 3 else 0
+    barrier = 8 if tma else 0
+    assert build["shared"] == stages * (2 * 16 * 64 + metas + barrier), \
+        "K and V go to registers, int4 tiles through the ring"
     assert build["regs"] <= (build["cap"] or 255)
     assert build["loop_local"] == 0, f"spills in the tile loop: {build}"
     if mode != 3:
@@ -857,6 +882,42 @@ def test_gluon_plan_takes_the_ring_for_long_splits_or_few_programs():
     # the ring is int4's only: an 8-bit format asked for one gets an error that says so, not a compile failure
     with pytest.raises(ValueError, match="int4 formats only"):
         gluon_plan(kernel_format_of(0, 1), 16, 8, 32768, 132, stages=2)
+    # where the TMA unit fills the ring (sm_90), per-head int4 takes its tiles two a step as well, in 4 stages, at the
+    # same split counts; the per-token plans and the registers' are unchanged
+    assert gluon_plan(int4, 16, 8, 32768, 132, tma=2) == (128, 16, 4, True)
+    assert gluon_plan(int4, 128, 8, 4096, 132, tma=2) == (128, 2, 4, True)
+    assert gluon_plan(int4, 128, 1, 32768, 132, tma=2)[1:] == (16, 4, True)
+    assert gluon_plan(int4, 64, 1, 8192, 132, tma=2) == (128, 31, 0, False)
+    assert gluon_plan(kernel_format_of(2, 3, asym=True), 16, 8, 32768, 132, tma=2) == (128, 16, 4, True)
+
+
+def test_tma_for_int4_on_hopper_only():
+    """The TMA unit fills int4's ring from sm_90 on (`tuning.gluon_tma_for`: words and scales); Ampere's cp.async
+    ring stays for sm_8x, and the 8-bit formats have no ring to fill."""
+    from runtime.kernels.tuning import gluon_tma_for
+
+    for mode, asym in ((1, False), (2, False), (3, False), (3, True)):
+        assert gluon_tma_for(kernel_format_of(2, mode, asym), 9) == 2
+        assert gluon_tma_for(kernel_format_of(2, mode, asym), 8) == 0
+        assert gluon_tma_for(kernel_format_of(1, mode, asym), 9) == 0
+
+
+@pytest.mark.skipif(decode_gluon.gluon is None, reason="this Triton has no Gluon (TMA descriptors are Gluon's)")
+def test_ring_descriptors_describe_a_tile_a_copy():
+    """`decode_gluon.ring_descriptors`: K / V pages as rows of 16 words, a 16-token tile a box, V 64-byte swizzled;
+    per-token scales as rows of 16, a tile's 16 a box; a cache whose rows are not whole and in order gets an error
+    that says what to pass instead of a wrong copy."""
+    from runtime.kernels.decode_gluon import TMA_SWIZZLE_V, ring_descriptors
+
+    pages = torch.zeros(6, 2, 16, 16, dtype=torch.int32)
+    scales = torch.zeros(6, 2, 16, dtype=torch.float16)
+    k, v, ks = ring_descriptors(pages, pages.clone(), (scales,))
+    assert (k.shape, k.block_shape, v.block_shape, ks.shape, ks.block_shape) == \
+        (torch.Size([192, 16]), [16, 16], [16, 16], torch.Size([12, 16]), [1, 16])
+    assert (k.layout.swizzle_byte_width, v.layout.swizzle_byte_width) == (0, TMA_SWIZZLE_V)
+    assert (ks.layout.element_bitwidth, k.layout.element_bitwidth) == (16, 32)
+    with pytest.raises(ValueError, match="gluon_tma=0"):
+        ring_descriptors(pages.transpose(1, 2), pages)
 
 
 def test_wave_cost_counts_partial_waves_whole():

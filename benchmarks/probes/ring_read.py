@@ -45,7 +45,7 @@ def _ring_read(K, V, KS, VS, BT, SEQ, OUT, tokens_per_split, stride_btb, stride_
     koffs = tk[:, None] * stride_ct + gl.arange(0, 16, layout=gl.SliceLayout(0, K_W4))[None, :]
     ts = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     bt_row = BT + b * stride_btb
-    k_ring, v_ring, metas = _allocate_ring(KS, VS, KS, VS, stride_mb, stride_mh, STAGES, SCALE_MODE, False)
+    k_ring, v_ring, metas = _allocate_ring(K, V, KS, VS, KS, VS, stride_mb, stride_mh, STAGES, SCALE_MODE, False)
     ahead, page = _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct, koffs, metas,
                              STAGES - 1, BLOCK_SIZE, SCALE_MODE, False, True)
     stage = 0

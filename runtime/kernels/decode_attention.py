@@ -59,6 +59,7 @@ from .tuning import (
     gluon_k_chains_for,
     gluon_offsets32,
     gluon_plan,
+    gluon_tma_for,
     skip_rescale_for,
     tuned_for,
 )
@@ -249,6 +250,7 @@ def decode_attention_launch(
     pages_ahead: bool | None = None, warp_page: bool | None = None, resident_per_sm: int | None = None,
     gluon: bool | None = None, gluon_skip_rescale: bool | None = None,
     gluon_stages: int | None = None, gluon_pairs: bool | None = None, gluon_k_chains: int | None = None,
+    gluon_tma: int | None = None,
 ) -> torch.Tensor:
     """Validate shapes, pick the split count, launch the attention (and merge) kernels.
 
@@ -271,7 +273,9 @@ def decode_attention_launch(
     gluon_stages: there, int4 tiles through a shared-memory ring of this many stages (0: loaded
     into registers; `tuning.gluon_stages_for`). gluon_pairs: there, the ring's tiles two a step (one softmax
     max, rescale test and V scale bound per 32 tokens; `tuning.gluon_pairs_for`). gluon_k_chains: there, the
-    scores as 1, 2 or 4 independent chains of mma over blocks of k (`tuning.gluon_k_chains_for`).
+    scores as 1, 2 or 4 independent chains of mma over blocks of k (`tuning.gluon_k_chains_for`). gluon_tma:
+    there, the ring's K and V words (1), and per-token scales (2), copied by the TMA unit instead of cp.async (0;
+    `tuning.gluon_tma_for`; ignored without a ring).
     """
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
@@ -292,14 +296,17 @@ def decode_attention_launch(
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     tuned = tuned_for(kf, batch * kv_heads, max_tokens)
     if (tuned.gluon if gluon is None else gluon) and decode_gluon.supported(kf, q, bs, group):
+        tma = gluon_tma_for(kf, torch.cuda.get_device_capability(q.device)[0]) if gluon_tma is None else gluon_tma
         cap, num_splits, stages, pairs = gluon_plan(kf, batch, kv_heads, max_tokens, sm_count(q.device), maxnreg,
-                                                    gluon_stages, num_splits, resident_per_sm, gluon_pairs, group)
+                                                    gluon_stages, num_splits, resident_per_sm, gluon_pairs, group,
+                                                    tma)
         plan = split_plan(out, max_tokens, num_splits, decode_gluon.TILE * (2 if pairs else 1), cache)
         decode_gluon.launch(q, cache, kf, block_tables, seq_lens, sm_scale * _LOG2E, out, plan,
                             scale_tensors(cache, cache.k), meta_strides(kf, cache), cap,
                             skip_rescale_for(kf) if gluon_skip_rescale is None else gluon_skip_rescale,
                             stages, gluon_offsets32(kf, cache.k.numel() // 4), pairs,
-                            gluon_k_chains_for(kf) if gluon_k_chains is None else gluon_k_chains)
+                            gluon_k_chains_for(kf) if gluon_k_chains is None else gluon_k_chains,
+                            tma if stages else 0)
         return out
     block_n = tuned.block_n if block_n is None else block_n
     num_stages = tuned.num_stages if num_stages is None else num_stages

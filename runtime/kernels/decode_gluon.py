@@ -31,9 +31,11 @@ over 16-token tiles, with every layout written out:
   page and widen to finite values. ptxas copies the loop-carried words into place at the end of
   each step, and that copy waits for the load (Nsight Compute: a third of int4's stall samples on
   one move), so int4 with long splits takes a ring in shared memory instead (`STAGES`,
-  `tuning.gluon_stages_for`; the tile I/O is `gluon_tiles.py`): cp.async fills the next stage (words,
-  and per-token scales and zero points) while this one computes, and the page index is loaded one
-  step earlier; the per-token formats take two tiles a step (`_attend_pair`, `PAIRS`). Page offsets are int32 where the cache allows
+  `tuning.gluon_stages_for`; the tile I/O is `gluon_tiles.py`): the next stages fill (words, and
+  per-token scales and zero points) while this one computes, and the page index is loaded one
+  step earlier; tiles go two a step (`_attend_pair`, `PAIRS`). On sm_90 the TMA unit fills the ring
+  (`TMA`, `ring_descriptors`: one copy a tensor and tile, completion on a stage's mbarrier), which
+  takes the copies' address arithmetic and LSU traffic off the warp; before, cp.async from every lane. Page offsets are int32 where the cache allows
   (`OFF32`), and a 16-token page needs no slot arithmetic.
 * A tile's scores are one chain of 8 mma (k = 128 in steps of 16), each waiting on the last's
   accumulator, or (`K_CHAINS`) 2 or 4 independent chains over blocks of k, summed: a shorter
@@ -58,14 +60,14 @@ from __future__ import annotations
 
 import torch
 
-from .formats import SCALE_NONE, KernelFormat
+from .formats import SCALE_NONE, SCALE_TOKEN, KernelFormat
 from .group_io import _program_tokens, _static_folds
 from .widen_ptx import pair_asm, word_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -102,7 +104,16 @@ def widening(kf: KernelFormat) -> dict[str, str]:
 
 if gluon is not None:
     from .gluon_operands import B_OP, K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _k_operands, _out_rows, _q_operands, _v_operand
-    from .gluon_tiles import _allocate_ring, _copy_tile, _fill_ring, _page, _ring_metas, _tile_words
+    from .gluon_tiles import (
+        _allocate_ring,
+        _await_ring,
+        _copy_tile,
+        _drain_ring,
+        _fill_ring,
+        _page,
+        _ring_metas,
+        _tile_words,
+    )
 
     @gluon.jit
     def _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,
@@ -218,8 +229,10 @@ if gluon is not None:
         KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, SPLIT: gl.constexpr,
         SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
         OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False, K_CHAINS: gl.constexpr = 1,
+        TMA: gl.constexpr = 0,
     ):
-        """K, V: the pages as int32 words, strides in words."""
+        """K, V: the pages as int32 words, strides in words (TMA: tensor descriptors of their 16-word rows; TMA 2:
+        KS, VS, KZ, VZ too, of the per-token scales' rows of 16)."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
 
         # q rows of the group, / 16 (exact) so fp16 holds q up to 16 x 65504; int4's odd columns
@@ -275,30 +288,30 @@ if gluon is not None:
             # int4: a ring of STAGES tiles in shared memory (words, per-token scales and zero points), filled
             # by cp.async STAGES - 1 tiles ahead (bytes in flight that hold no registers); each tile's page
             # is loaded one step earlier.
-            k_ring, v_ring, metas = _allocate_ring(KS, VS, KZ, VZ, stride_mb, stride_mh, STAGES, SCALE_MODE, ASYM)
+            k_ring, v_ring, metas = _allocate_ring(K, V, KS, VS, KZ, VZ, stride_mb, stride_mh, STAGES, SCALE_MODE,
+                                                   ASYM, TMA)
             # PAIRS: two tiles a step (`_attend_pair`), the ring STAGES - 2 tiles ahead
             ahead, page = _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct,
-                                     koffs, metas, STAGES - 1 - PAIRS, BLOCK_SIZE, SCALE_MODE, ASYM, OFF32)
+                                     koffs, metas, STAGES - 1 - PAIRS, BLOCK_SIZE, SCALE_MODE, ASYM, OFF32, TMA)
             stage = 0
             if PAIRS:
                 page1 = _page(bt_row, ahead + 16, end, BLOCK_SIZE, OFF32)
                 for n0 in range(start, end, 32):
                     # tiles n0 and n0 + 16 have landed, and the stages written next are free
-                    async_copy.wait_group(STAGES - 4)
-                    gl.thread_barrier()
+                    _await_ring(metas, n0, start, STAGES - 4, STAGES, True, TMA)
                     _copy_tile(ahead, page, K, V, k_ring, v_ring, (stage + STAGES - 2) % STAGES, kvh, stride_cb,
-                               stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
+                               stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA)
                     _copy_tile(ahead + 16, page1, K, V, k_ring, v_ring, (stage + STAGES - 1) % STAGES, kvh,
-                               stride_cb, stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
+                               stride_cb, stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA)
                     ahead += 32
                     page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
                     page1 = _page(bt_row, ahead + 16, end, BLOCK_SIZE, OFF32)
                     stage1 = (stage + 1) % STAGES
                     kw0 = k_ring.index(stage).load(KL)
                     vw0 = v_ring.index(stage).load(VL)
-                    ks0, vs0, kz0, vz0 = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM)
+                    ks0, vs0, kz0, vz0 = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM, TMA)
                     kw1 = k_ring.index(stage1).load(KL)
-                    ks1, vs1, kz1, vz1 = _ring_metas(n0 + 16, end, metas, stage1, ts, SCALE_MODE, ASYM)
+                    ks1, vs1, kz1, vz1 = _ring_metas(n0 + 16, end, metas, stage1, ts, SCALE_MODE, ASYM, TMA)
                     m_i, l_t, z_t, acc, c_v, p1, c_inv = _attend_pair(
                         n0, kw0, vw0, ks0, vs0, kz0, vz0, kw1, ks1, vs1, kz1, *state, *consts, KIND, SCALE_MODE, ASYM, ASM,
                         VASM, CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS)
@@ -309,21 +322,20 @@ if gluon is not None:
                     stage = (stage + 2) % STAGES
             else:
                 for n0 in range(start, end, 16):
-                    # tile n0 has landed (for every lane: the barrier), and the stage written next
-                    # (read by the previous step) is free
-                    async_copy.wait_group(STAGES - 2)
-                    gl.thread_barrier()
+                    # tile n0 has landed (for every lane), and the stage written next (read by the previous step)
+                    # is free
+                    _await_ring(metas, n0, start, STAGES - 2, STAGES, False, TMA)
                     _copy_tile(ahead, page, K, V, k_ring, v_ring, (stage + STAGES - 1) % STAGES, kvh, stride_cb,
-                               stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
+                               stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA)
                     ahead += 16
                     page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)  # after its last use: no register move
                     kw = k_ring.index(stage).load(KL)
                     vw = v_ring.index(stage).load(VL)
-                    ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM)
+                    ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM, TMA)
                     stage = (stage + 1) % STAGES
                     state = _attend(n0, kw, vw, ks, vs, kz, vz, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
                                     CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS)
-            async_copy.wait_group(0)
+            _drain_ring(metas, start, end, STAGES - 1 - PAIRS, STAGES, PAIRS, TMA)
         else:
             # the next tile's words load while this one computes
             nxt = _tile_words(start, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND, OFF32)
@@ -359,16 +371,45 @@ if gluon is not None:
                      mask=hmask_r[:, None])
 
 
+# The TMA ring's shared layouts: K unswizzled (a lane reads 16 bytes of rows g and g + 8: conflict-free);
+# V 64-byte swizzled (its reads of rows 2t, 2t + 1 would fall 4 to a bank unswizzled, 2 with it: TMA's
+# swizzles move 16-byte chunks by row bits 1-2, where `gluon_tiles.RING_V` moves them by bits 1-2 onto bits 5-6).
+TMA_SWIZZLE_K = 0
+TMA_SWIZZLE_V = 64
+
+
+def ring_descriptors(kw: torch.Tensor, vw: torch.Tensor, scales: tuple = ()) -> tuple:
+    """TMA descriptors of the int4 pages' rows (16 words: a token's 128 values of one KV head), a 16-token tile a
+    copy, and of `scales` (per-token scales / zero points [blocks, kv_heads, block_size]) in rows of 16, a tile's
+    16 a copy. Needs rows stored whole and in order (a cache made by `runtime`, int4, head_dim 128)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tensors = (kw, vw, *scales)
+    if kw.shape[-1] != 16 or not all(t.is_contiguous() and t.numel() % 16 == 0 for t in tensors) \
+            or kw.numel() // 16 >= 2**31:
+        raise ValueError(f"the TMA ring needs contiguous int4 pages of 16-word rows (< 2^31 of them) and contiguous "
+                         f"per-token scales; got pages {tuple(kw.shape)}: pass gluon_tma=0")
+
+    def rows(t: torch.Tensor, box: list[int], swizzle: int):
+        bits = t.element_size() * 8
+        return TensorDescriptor.from_tensor(t.view(-1, 16), box, gl.NVMMASharedLayout(
+            swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2))
+
+    return (rows(kw, [16, 16], TMA_SWIZZLE_K), rows(vw, [16, 16], TMA_SWIZZLE_V),
+            *(rows(t, [1, 16], 0) for t in scales))
+
+
 def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
            qk_scale: float, out: torch.Tensor, plan: tuple, scale_args: tuple, meta_strides: tuple[int, int],
            maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False, pairs: bool = False,
-           k_chains: int = 1):
+           k_chains: int = 1, tma: int = 0):
     """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
     plan: `split_k.split_plan`'s (tokens per split, splits, partial buffers) for tiles of TILE tokens. skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
     stages: int4 tiles through a shared-memory ring of this many stages (0: registers;
     `tuning.gluon_stages_for`). offsets32: int32 page offsets (`tuning.gluon_offsets32`). pairs: the ring's
     tiles two a step (stages >= 4; `tuning.gluon_pairs_for`). k_chains: the scores as this many independent chains
-    of mma over blocks of k (1, 2 or 4; `tuning.gluon_k_chains_for`)."""
+    of mma over blocks of k (1, 2 or 4; `tuning.gluon_k_chains_for`). tma: the ring's K and V words (1), and
+    the per-token scales and zero points (2), copied by the TMA unit (`ring_descriptors`) instead of cp.async."""
     from .split_k import merge_splits
 
     batch, num_heads, _ = q.shape
@@ -376,15 +417,22 @@ def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor,
     tokens_per_split, num_splits, (pm, pl, pacc) = plan
     split = num_splits > 1
     kw, vw = cache.k.view(torch.int32), cache.v.view(torch.int32)
+    pages = (kw, vw, *scale_args)
+    if tma:
+        metas = scale_args if tma == 2 and kf.scale_mode == SCALE_TOKEN else ()
+        # formats without zero points pass the scales' descriptors in their places (never read)
+        metas = metas[:2] * 2 if metas and not kf.asym else metas
+        described = ring_descriptors(kw, vw, metas)
+        pages = described + pages[len(described):]
     _decode_kernel_gluon[(batch, kv_heads, num_splits)](
-        q, kw, vw, *scale_args, block_tables, seq_lens, out, pm, pl, pacc,
+        q, *pages, block_tables, seq_lens, out, pm, pl, pacc,
         qk_scale, tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kw.stride(0), kw.stride(1), kw.stride(2), *meta_strides,
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
         SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **widening(kf), SPLIT=split,
         SKIP_RESCALE=skip_rescale, STAGES=stages,
-        OFF32=offsets32, PAIRS=pairs, K_CHAINS=k_chains,
+        OFF32=offsets32, PAIRS=pairs, K_CHAINS=k_chains, TMA=tma,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split:

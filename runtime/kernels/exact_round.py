@@ -1,7 +1,8 @@
 """Exact rounding steps shared by the write kernels (`write_kv.py`, `write_rows.py`): round half to
-even by the 1.5 * 2**23 trick, and rounding fp32 scales up / zero points down to the scale dtype
+even by the 1.5 * 2**23 trick, rounding fp32 scales up / zero points down to the scale dtype
 (comparing the cast with the fp32 value and stepping one ulp through the bit pattern, which is right
-whichever way the cast itself rounds)."""
+whichever way the cast itself rounds), the correctly rounded quotient through a reciprocal, and fp8
+encoding (the hardware's, or the interpreter's in integers)."""
 
 from __future__ import annotations
 
@@ -109,4 +110,71 @@ def _clamp_round(x, SCALE_DT: tl.constexpr, UP: tl.constexpr):
         out = _round_up(tl.minimum(tl.maximum(x, TINY), BIG), SCALE_DT)
     else:
         out = _round_down(tl.minimum(tl.maximum(x, -BIG), BIG), SCALE_DT)
+    return out
+
+
+@triton.jit
+def _quotient(a, s, y, k, FAST: tl.constexpr, ONE_FMA: tl.constexpr = False):
+    """a / s rounded to nearest even, as IEEE division (s > 0; s, y, k from `_reciprocal`), -0 / s = -0 included.
+
+    FAST: q = a * y is within 2 ulp of a / s; one fma correction brings it within
+    1 ulp, and by Markstein's theorem (y the rounded reciprocal, no underflow) the
+    second returns the correctly rounded quotient. ONE_FMA: the first already does, for scales of
+    <= 11 significant bits (fp16 / bf16 per-token scales; `write_rows._rows_int` has the argument; its
+    residual is exact while ulp(s) ulp(q0) / 2 >= 2**-149, i.e. for |a/s| >= 2**-100, and smaller
+    quotients round to zero in every format). A quotient past 2**64 is kept as a * y: it saturates in every
+    format, and its correction would be inf - inf. Each correction is q + (s q - a) (-y): for a = -0 that keeps
+    q = -0 (fp8 stores -0 as a byte of its own), where q + (a - s q) y gives -0 + +0 = +0."""
+    if FAST:
+        a = a * k
+        q0 = a * y
+        # true negations (Triton's -x is 0 - x, which is +0 at x = -0 and costs an add): operand modifiers
+        na = a * -1.0
+        ny = y * -1.0
+        q = tl.fma(tl.fma(s, q0, na), ny, q0)
+        if not ONE_FMA:
+            q = tl.fma(tl.fma(s, q, na), ny, q)
+        q = tl.where(tl.abs(q0) < _HUGE, q, q0)
+    else:
+        q = tl.math.div_rn(a * k, s)
+    return q
+
+
+@triton.jit
+def _encode_fp8(y, FP8: tl.constexpr):
+    """fp32 (finite, already clamped to +-max) -> fp8 byte, round to nearest even."""
+    if FP8 == 2:  # e5m2
+        MB: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        MIN_NORMAL: tl.constexpr = 6.103515625e-05  # 2**-14
+        SUB_Q: tl.constexpr = 65536.0  # 1 / 2**-16, the subnormal step
+    else:  # e4m3fn
+        MB: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        MIN_NORMAL: tl.constexpr = 0.015625  # 2**-6
+        SUB_Q: tl.constexpr = 512.0  # 1 / 2**-9
+    SHIFT: tl.constexpr = 23 - MB
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(y)
+    abits = a.to(tl.int32, bitcast=True)
+    # normal numbers: round the fp32 mantissa to MB bits (carry may bump the exponent), rebias
+    r = (abits + ((1 << (SHIFT - 1)) - 1) + ((abits >> SHIFT) & 1)) >> SHIFT
+    code_n = r - ((127 - BIAS) << MB)
+    # subnormals (and the step up to the smallest normal): multiples of the subnormal step
+    code_s = _rne(tl.minimum(a, MIN_NORMAL) * SUB_Q).to(tl.int32)
+    code = tl.where(a < MIN_NORMAL, code_s, code_n)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_byte(q, FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """A quotient (`_quotient`) -> its fp8 byte: NaN -> 0, clamped to [QMIN, QMAX], rounded to nearest even."""
+    q = tl.minimum(tl.maximum(tl.where(q != q, 0.0, q), QMIN), QMAX)
+    if FP8 == 3:  # FP8_HARDWARE e4m3: cvt.rn.satfinite, the same RNE on the already clamped value
+        out = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    elif FP8 == 4:  # FP8_HARDWARE e5m2
+        out = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        out = _encode_fp8(q, FP8)
     return out

@@ -1,6 +1,7 @@
 """Tile I/O of the Gluon decode kernel (`decode_gluon.py`): a 16-token tile's page, its K / V words and
-per-token scales / zero points, loaded into registers a step ahead or copied by cp.async into a
-shared-memory ring (int4), in the register layouts of `gluon_operands`.
+per-token scales / zero points, loaded into registers a step ahead or copied into a shared-memory ring
+(int4) by the TMA unit (sm_90: `TMA`, a stage's mbarrier) or cp.async, in the register layouts of
+`gluon_operands`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ try:  # Gluon ships with Triton >= 3.5 (decode_gluon.py falls back without it)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -75,14 +77,32 @@ if gluon is not None:
 
     @gluon.jit
     def _copy_tile(n0, page, K, V, k_ring, v_ring, stage, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
-                   BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr):
+                   BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, TMA: gl.constexpr = 0):
         """Start the asynchronous copy of a tile's K and V words (and per-token scales, zero points: `metas`)
-        into ring stage `stage` (one group)."""
+        into ring stage `stage` (one cp.async group). TMA: K and V are tensor descriptors of the pages' 16-word
+        rows, copied by the TMA unit (one instruction a tensor) onto the stage's mbarrier (`metas[-1]`)."""
         base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
-        async_copy.async_copy_global_to_shared(k_ring.index(stage), K + base + coffs)
-        async_copy.async_copy_global_to_shared(v_ring.index(stage), V + base + coffs)
-        if SCALE_MODE == 3:
-            KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh = metas
+        KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh, bars = metas
+        if TMA:
+            bar = bars.index(stage)
+            row = (base // 16).to(gl.int32)  # rows of 16 words (`decode_gluon.ring_descriptors` checks the stride)
+            if SCALE_MODE == 3 and TMA == 2:
+                nbytes: gl.constexpr = KS.dtype.primitive_bitwidth // 8 * 16 * (4 if ASYM else 2)
+                mbarrier.expect(bar, 2 * 16 * 64 + nbytes)
+                mrow = ((page * stride_mb + kvh * stride_mh + slot) // 16).to(gl.int32)  # rows of 16 scales
+                tma.async_copy_global_to_shared(KS, [mrow, 0], bar, _meta_dest(ks_ring, stage))
+                tma.async_copy_global_to_shared(VS, [mrow, 0], bar, _meta_dest(vs_ring, stage))
+                if ASYM:
+                    tma.async_copy_global_to_shared(KZ, [mrow, 0], bar, _meta_dest(kz_ring, stage))
+                    tma.async_copy_global_to_shared(VZ, [mrow, 0], bar, _meta_dest(vz_ring, stage))
+            else:
+                mbarrier.expect(bar, 2 * 16 * 64)
+            tma.async_copy_global_to_shared(K, [row, 0], bar, k_ring.index(stage))
+            tma.async_copy_global_to_shared(V, [row, 0], bar, v_ring.index(stage))
+        else:
+            async_copy.async_copy_global_to_shared(k_ring.index(stage), K + base + coffs)
+            async_copy.async_copy_global_to_shared(v_ring.index(stage), V + base + coffs)
+        if SCALE_MODE == 3 and TMA != 2:
             # tiles start at multiples of 16 tokens: say so, or cp.async falls back to 2-byte copies it lacks
             meta = gl.multiple_of(page * stride_mb + kvh * stride_mh + slot, 16) + gl.arange(0, 16, layout=META_COPY)
             async_copy.async_copy_global_to_shared(ks_ring.index(stage), KS + meta)
@@ -90,53 +110,122 @@ if gluon is not None:
             if ASYM:
                 async_copy.async_copy_global_to_shared(kz_ring.index(stage), KZ + meta)
                 async_copy.async_copy_global_to_shared(vz_ring.index(stage), VZ + meta)
-        async_copy.commit_group()
+        if TMA != 2:
+            async_copy.commit_group()
 
     @gluon.jit
-    def _allocate_ring(KS, VS, KZ, VZ, stride_mb, stride_mh, STAGES: gl.constexpr, SCALE_MODE: gl.constexpr,
-                       ASYM: gl.constexpr):
+    def _meta_dest(ring, stage):
+        """Stage `stage` of a TMA scale ring ([STAGES, 1, 64]: 128-byte aligned stages) as the copy's [1, 16] box."""
+        return ring.index(stage).slice(0, 16, dim=1)
+
+    @gluon.jit
+    def _meta_row(ring, stage, TMA: gl.constexpr):
+        """A tile's 16 per-token scales (or zero points) in ring stage `stage`."""
+        if TMA == 2:
+            return ring._reinterpret(ring.dtype, [ring.shape[0], 64], RING_META).index(stage).slice(0, 16)
+        else:
+            return ring.index(stage)
+
+    @gluon.jit
+    def _allocate_ring(K, V, KS, VS, KZ, VZ, stride_mb, stride_mh, STAGES: gl.constexpr, SCALE_MODE: gl.constexpr,
+                       ASYM: gl.constexpr, TMA: gl.constexpr = 0):
         """The ring's shared memory: K and V words [STAGES, 16 tokens, 16 words] and, for per-token formats, the
-        tiles' scales (and zero points) [STAGES, 16]. Returns (k_ring, v_ring, metas), metas as `_copy_tile` and
-        `_ring_metas` take it (static scales: no scale rings, the word rings hold their places, unread)."""
-        k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_K)
-        v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_V)
-        metas = (KS, VS, KZ, VZ, k_ring, v_ring, k_ring, v_ring, stride_mb, stride_mh)
+        tiles' scales (and zero points) [STAGES, 16]; TMA: in the descriptors' layouts, with an mbarrier a stage.
+        Returns (k_ring, v_ring, metas), metas as `_copy_tile` and `_ring_metas` take it (static scales: no scale
+        rings, the word rings hold their places, unread; its last entry the mbarriers, or k_ring)."""
+        if TMA:
+            k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], K.layout)
+            v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], V.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(bars.index(i), count=1)
+            fence_async_shared()
+        else:
+            k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_K)
+            v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_V)
+            bars = k_ring
+        metas = (KS, VS, KZ, VZ, k_ring, v_ring, k_ring, v_ring, stride_mb, stride_mh, bars)
         if SCALE_MODE == 3:
-            ks_ring = gl.allocate_shared_memory(KS.dtype.element_ty, [STAGES, 16], RING_META)
-            vs_ring = gl.allocate_shared_memory(VS.dtype.element_ty, [STAGES, 16], RING_META)
+            if TMA == 2:  # TMA boxes land on 128-byte boundaries: a stage per 64 scales, 16 used
+                ks_ring = gl.allocate_shared_memory(KS.dtype, [STAGES, 1, 64], KS.layout)
+                vs_ring = gl.allocate_shared_memory(VS.dtype, [STAGES, 1, 64], VS.layout)
+            else:
+                ks_ring = gl.allocate_shared_memory(KS.dtype.element_ty, [STAGES, 16], RING_META)
+                vs_ring = gl.allocate_shared_memory(VS.dtype.element_ty, [STAGES, 16], RING_META)
             kz_ring = ks_ring
             vz_ring = vs_ring
             if ASYM:
-                kz_ring = gl.allocate_shared_memory(KZ.dtype.element_ty, [STAGES, 16], RING_META)
-                vz_ring = gl.allocate_shared_memory(VZ.dtype.element_ty, [STAGES, 16], RING_META)
-            metas = (KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh)
+                if TMA == 2:
+                    kz_ring = gl.allocate_shared_memory(KZ.dtype, [STAGES, 1, 64], KZ.layout)
+                    vz_ring = gl.allocate_shared_memory(VZ.dtype, [STAGES, 1, 64], VZ.layout)
+                else:
+                    kz_ring = gl.allocate_shared_memory(KZ.dtype.element_ty, [STAGES, 16], RING_META)
+                    vz_ring = gl.allocate_shared_memory(VZ.dtype.element_ty, [STAGES, 16], RING_META)
+            metas = (KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh, bars)
         return k_ring, v_ring, metas
 
     @gluon.jit
     def _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
                    AHEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,
-                   OFF32: gl.constexpr):
+                   OFF32: gl.constexpr, TMA: gl.constexpr = 0):
         """Start the copies of the split's first AHEAD tiles into stages 0 .. AHEAD - 1; returns the next tile's
         first token and page (loaded a step before its copy)."""
         for i in gl.static_range(AHEAD):
             _copy_tile(start + 16 * i, _page(bt_row, start + 16 * i, end, BLOCK_SIZE, OFF32), K, V, k_ring, v_ring, i,
-                       kvh, stride_cb, stride_ch, stride_ct, coffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM)
+                       kvh, stride_cb, stride_ch, stride_ct, coffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA)
         ahead = start + 16 * AHEAD
         return ahead, _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
 
     @gluon.jit
-    def _ring_metas(n0, end, metas, stage, ts, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr):
+    def _ring_metas(n0, end, metas, stage, ts, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, TMA: gl.constexpr = 0):
         """A ring tile's per-token scales and zero points (0 past `end`, as `_tile_words` loads them)."""
         ks = 0.0
         vs = 0.0
         kz = 0.0
         vz = 0.0
         if SCALE_MODE == 3:
-            _, _, _, _, ks_ring, vs_ring, kz_ring, vz_ring, _, _ = metas
+            _, _, _, _, ks_ring, vs_ring, kz_ring, vz_ring, _, _, _ = metas
             valid = (n0 + ts) < end
-            ks = gl.where(valid, ks_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
-            vs = gl.where(valid, vs_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
+            ks = gl.where(valid, _meta_row(ks_ring, stage, TMA).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
+            vs = gl.where(valid, _meta_row(vs_ring, stage, TMA).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
             if ASYM:
-                kz = gl.where(valid, kz_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
-                vz = gl.where(valid, vz_ring.index(stage).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
+                kz = gl.where(valid, _meta_row(kz_ring, stage, TMA).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
+                vz = gl.where(valid, _meta_row(vz_ring, stage, TMA).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
         return ks, vs, kz, vz
+
+    @gluon.jit
+    def _await_tile(bars, i, STAGES: gl.constexpr):
+        """Wait for the TMA copies of the split's tile i (unsigned): its stage's mbarrier completes a phase per use,
+        tile i being that stage's (i // STAGES)-th."""
+        mbarrier.wait(bars.index((i % STAGES).to(gl.int32)), ((i // STAGES) & 1).to(gl.int32))
+
+    @gluon.jit
+    def _drain_ring(metas, start, end, AHEAD: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr,
+                    TMA: gl.constexpr):
+        """Wait for the copies still in flight after the split's last step (the AHEAD tiles past it): a program
+        must not exit while a copy can still write its shared memory."""
+        if TMA != 2:
+            async_copy.wait_group(0)
+        if TMA:
+            step: gl.constexpr = 32 if PAIRS else 16
+            done = ((gl.maximum(end - start, 0) + step - 1) // step * (step // 16)).to(gl.uint32)  # tiles consumed
+            for j in gl.static_range(AHEAD):
+                _await_tile(metas[10], done + j, STAGES)
+
+    @gluon.jit
+    def _await_ring(metas, n0, start, waiting: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr,
+                    TMA: gl.constexpr):
+        """Wait until the tile at n0 (and, with PAIRS, n0 + 16) has landed, for every lane, and the stage(s)
+        written next (read by the previous step) are free: the cp.async groups down to `waiting` outstanding
+        (scales, zero points; and K / V words without TMA), and with TMA the tiles' mbarrier phases; then a
+        barrier. (The freed stages' reads have returned, their values used a step ago, so the TMA's writes need
+        no proxy fence of ours, as CUTLASS's TMA pipelines release stages without one; Gluon's barrier analysis
+        puts a bar.sync and a fence around each copy all the same.)"""
+        if TMA != 2:
+            async_copy.wait_group(waiting)
+        if TMA:
+            i = (n0 - start).to(gl.uint32) // 16  # the tile's index in the split: unsigned, shifts
+            _await_tile(metas[10], i, STAGES)
+            if PAIRS:
+                _await_tile(metas[10], i + 1, STAGES)
+        gl.thread_barrier()

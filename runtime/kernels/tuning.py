@@ -103,12 +103,23 @@ RING_MAX_SPLITS = 512  # ... with at most this many splits (the split rule's own
 GLUON_PAIR_STAGES = 4  # a ring with tiles two a step: two stages read while two fill
 
 
-def gluon_pairs_for(kf: KernelFormat) -> bool:
+def gluon_pairs_for(kf: KernelFormat, tma: int = 0) -> bool:
     """Whether the int4 ring takes its tiles two a step (`decode_gluon._attend_pair`: one softmax max, rescale
     test, V scale bound and division per 32 tokens): the per-token formats, whose bookkeeping per tile is
-    largest (16 x 32768: 0.1476 ms against 0.1570, asym 0.1570 against 0.1645; twelfth session). Per-head
-    int4 ran 2% slower with it (0.1405 against 0.1377 ms)."""
-    return kf.kind == KIND_INT4 and kf.scale_mode == SCALE_TOKEN
+    largest (16 x 32768: 0.1476 ms against 0.1570, asym 0.1570 against 0.1645; twelfth session); per-head int4
+    where the TMA unit fills the ring (`gluon_tma_for`: 0.1363 against 0.1378 one a step, 64 x 32768 0.5131
+    against 0.5219; seventeenth session), not through cp.async (0.1405 against 0.1377 ms, twelfth)."""
+    return kf.kind == KIND_INT4 and (kf.scale_mode == SCALE_TOKEN or tma > 0)
+
+
+def gluon_tma_for(kf: KernelFormat, capability: int) -> int:
+    """What of the int4 ring the TMA unit copies (`decode_gluon.ring_descriptors`) instead of cp.async from every
+    lane, on a GPU of this major compute capability: 0 nothing, 1 the K and V words, 2 those and the per-token
+    scales and zero points. 2 on sm_90+ (H200, same run, against cp.async: Llama-3-8B 16 x 32768 int4 0.1378 ms
+    against 0.1403, per-token 0.1430 against 0.1498, asym 0.1545 against 0.1584; 64 x 32768 1.4 / 3.7 / 3.2%;
+    Llama-3-70B TP8 1 x 131072 int4 0.0154 against 0.0179, per-token 0.0163 against 0.0185; 8B 1 x 32768
+    per-token 2% slower; seventeenth session); Ampere has no TMA."""
+    return 2 if kf.kind == KIND_INT4 and capability >= 9 else 0
 
 
 # Among split counts > 1 the Gluon kernel takes the fewest within 5% of the best by the wave model: at
@@ -135,7 +146,7 @@ def gluon_stages_for(kf: KernelFormat, tokens_per_split: int, kv_heads: int) -> 
 def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms: int, maxnreg: int | None = None,
                stages: int | None = None, num_splits: int | None = None,
                resident_per_sm: int | None = None, pairs: bool | None = None,
-               group: int = 4) -> tuple[int | None, int, int, bool]:
+               group: int = 4, tma: int = 0) -> tuple[int | None, int, int, bool]:
     """The Gluon kernel's (register cap, split count, ring stages, tiles two a step); arguments not None are
     kept. int4 is planned for the ring first (its register cap sets the programs per SM the split rule
     counts on); where the split rule's splits are too short for the ring: the ring with tiles two a step all the same
@@ -144,14 +155,15 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
     1 x 32768 0.0171 against 0.0205 and 0.0265; sixteenth session), else with splits of RING_MIN_TOKENS if those
     still make ONE_WARP_PROGRAMS programs (`_long_splits`), else the registers. pairs: the ring's
     tiles two a step (`gluon_pairs_for`), with splits of whole tile pairs and >= GLUON_PAIR_STAGES stages. group:
-    query heads per KV head (the register cap depends on it: `gluon_registers`)."""
+    query heads per KV head (the register cap depends on it: `gluon_registers`). tma: what of the ring the TMA
+    unit copies (`gluon_tma_for`; per-head int4 takes pairs with it)."""
     if stages and kf.kind != KIND_INT4:
         raise ValueError(f"gluon_stages={stages}: the shared-memory ring serves int4 formats only; "
                          f"pass gluon_stages=0 or None for this format")
 
     def plan(ring: bool, splits: int | None = num_splits, pairs: bool | None = pairs,
              short: bool = False) -> tuple[int | None, int, int, bool]:  # short: the ring for splits of any length
-        two = ring and (gluon_pairs_for(kf) if pairs is None else bool(pairs))
+        two = ring and (gluon_pairs_for(kf, tma) if pairs is None else bool(pairs))
         tile = decode_gluon.TILE * (2 if two else 1)
         cap, resident = gluon_registers(kf, maxnreg, ring, group)
         if splits is None:

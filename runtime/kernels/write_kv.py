@@ -33,8 +33,9 @@ int4 takes a layout of its own by default (`write_rows.py`, `_int4_defaults`;
 fma correction where the scale has at most 11 significant bits, word loads and stores, and for
 per-token fp16 scales bf16x2 row reductions (`int4_packed`). Same bytes; on the tile below, int4's
 per-row reductions and scale arithmetic cost more instructions than its few bytes can hide (78% of
-copy bandwidth against 88-96%). The int8 per-token formats take the same rows from bf16 input with fp16
-scales on the GPU (`int8_rows`, `INT8_ROWS`): 87% -> 94% of copy, asymmetric 80% -> 92%.
+copy bandwidth against 88-96%). The int8 and fp8 per-token formats take the same rows from bf16 input with
+fp16 scales on the GPU (`byte_rows`, `BYTE_ROWS`): int8 87% -> 94% of copy, asymmetric 80% -> 92%; fp8
+(the tile's own quotient and conversion a value, in the rows' layout) from the tile's 78-83%.
 
 Negative slots are skipped (padding tokens), as in vLLM.
 """
@@ -47,7 +48,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..kv_cache import LayerCache
-from .exact_round import _HUGE, _clamp_round, _reciprocal, _rne
+from .exact_round import _clamp_round, _fp8_byte, _quotient, _reciprocal, _rne
 from .formats import (
     FP8_HARDWARE,
     FP8_NONE,
@@ -59,26 +60,7 @@ from .formats import (
     kernel_format,
     scale_tensors,
 )
-from .write_rows import _rows_load, _rows_store, _rows_store_words, _rows_words
-
-
-@triton.jit
-def _quotient(a, s, y, k, FAST: tl.constexpr):
-    """a / s rounded to nearest even, as IEEE division (s > 0; s, y, k from `_reciprocal`).
-
-    FAST: q = a * y is within 2 ulp of a / s; one fma correction brings it within
-    1 ulp, and by Markstein's theorem (y the rounded reciprocal, no underflow) the
-    second returns the correctly rounded quotient. A quotient past 2**64 is kept
-    as a * y: it saturates in every format, and its correction would be inf - inf."""
-    if FAST:
-        a = a * k
-        q0 = a * y
-        q1 = tl.fma(tl.fma(-s, q0, a), y, q0)
-        q2 = tl.fma(tl.fma(-s, q1, a), y, q1)
-        q = tl.where(tl.abs(q0) < _HUGE, q2, q0)
-    else:
-        q = tl.math.div_rn(a * k, s)
-    return q
+from .write_rows import _rows_load, _rows_store, _rows_store_fp8_words, _rows_store_words, _rows_words
 
 
 @triton.jit
@@ -91,33 +73,6 @@ def _to_int(y, QMIN: tl.constexpr, QMAX: tl.constexpr, FAST: tl.constexpr):
     else:
         n = _rne(tl.minimum(tl.maximum(tl.where(y != y, 0.0, y), QMIN), QMAX)).to(tl.int32)
     return n
-
-
-@triton.jit
-def _encode_fp8(y, FP8: tl.constexpr):
-    """fp32 (finite, already clamped to +-max) -> fp8 byte, round to nearest even."""
-    if FP8 == 2:  # e5m2
-        MB: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
-        MIN_NORMAL: tl.constexpr = 6.103515625e-05  # 2**-14
-        SUB_Q: tl.constexpr = 65536.0  # 1 / 2**-16, the subnormal step
-    else:  # e4m3fn
-        MB: tl.constexpr = 3
-        BIAS: tl.constexpr = 7
-        MIN_NORMAL: tl.constexpr = 0.015625  # 2**-6
-        SUB_Q: tl.constexpr = 512.0  # 1 / 2**-9
-    SHIFT: tl.constexpr = 23 - MB
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = tl.abs(y)
-    abits = a.to(tl.int32, bitcast=True)
-    # normal numbers: round the fp32 mantissa to MB bits (carry may bump the exponent), rebias
-    r = (abits + ((1 << (SHIFT - 1)) - 1) + ((abits >> SHIFT) & 1)) >> SHIFT
-    code_n = r - ((127 - BIAS) << MB)
-    # subnormals (and the step up to the smallest normal): multiples of the subnormal step
-    code_s = _rne(tl.minimum(a, MIN_NORMAL) * SUB_Q).to(tl.int32)
-    code = tl.where(a < MIN_NORMAL, code_s, code_n)
-    return (code | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -216,13 +171,7 @@ def _encode(xa, xb, s, y, k, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.con
     """Values (zero point already subtracted) / s -> the stored bytes (int4: xa low nibble, xb high)."""
     ya = _quotient(xa, s, y, k, FAST)
     if KIND == 0:
-        ya = tl.minimum(tl.maximum(tl.where(ya != ya, 0.0, ya), QMIN), QMAX)
-        if FP8 == 3:  # FP8_HARDWARE e4m3: cvt.rn.satfinite, the same RNE on the already clamped value
-            out = ya.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        elif FP8 == 4:  # FP8_HARDWARE e5m2
-            out = ya.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        else:
-            out = _encode_fp8(ya, FP8)
+        out = _fp8_byte(ya, FP8, QMIN, QMAX)
     elif KIND == 1:
         if ASYM:
             out = _to_int(ya, QMIN, QMAX, FAST).to(tl.uint8)
@@ -264,8 +213,12 @@ def _write_kv_kernel(
         C: tl.constexpr = HEAD_DIM // (8 * LANES)
         kw = _rows_words(K, t, mask_t, head, stride_kt, stride_kh, C, LANES)
         vw = _rows_words(V, t, mask_t, head, stride_vt, stride_vh, C, LANES)
-        _rows_store_words(kw, KC, KS, KZ, mask_t, dst, meta, ASYM, QMAX, KIND)
-        _rows_store_words(vw, VC, VS, VZ, mask_t, dst, meta, ASYM, QMAX, KIND)
+        if KIND == 0:
+            _rows_store_fp8_words(kw, KC, KS, mask_t, dst, meta, FP8, QMIN, QMAX)
+            _rows_store_fp8_words(vw, VC, VS, mask_t, dst, meta, FP8, QMIN, QMAX)
+        else:
+            _rows_store_words(kw, KC, KS, KZ, mask_t, dst, meta, ASYM, QMAX, KIND)
+            _rows_store_words(vw, VC, VS, VZ, mask_t, dst, meta, ASYM, QMAX, KIND)
     elif LANES:  # int4 with whole rows over LANES lanes (`_rows_load`)
         # both loads before any store (as below)
         C: tl.constexpr = HEAD_DIM // (8 * LANES)
@@ -288,7 +241,7 @@ def _write_kv_kernel(
 def write_kv_launch(
     cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     block_t: int | None = None, num_warps: int | None = None, fast: bool | None = None,
-    int4_lanes: int | None = None, int4_packed: bool | None = None, int8_rows: int | None = None,
+    int4_lanes: int | None = None, int4_packed: bool | None = None, byte_rows: int | None = None,
 ) -> None:
     """Validate, then launch one program per (BLOCK_T tokens, KV head).
 
@@ -299,9 +252,10 @@ def write_kv_launch(
     0, or a head_dim that is not a power of two >= 8 * int4_lanes: the [tokens, head_dim] tile.
     int4_packed: with int4_lanes, fast, bf16 k / v and per-token fp16 scales (else ignored): the row
     min / max and the symmetric clamp on bf16 pairs (`_rows_store_words`; same bytes).
-    int8_rows: int8 per-token formats with fp16 scales, fast, bf16 k / v (else ignored), 2/4/8: int4_packed's
-    rows over that many lanes, stored as bytes (`_rows_bytes_store`; same bytes); 0: the tile.
-    Options left at None take the measured best (`_int4_defaults`, INT8_ROWS; the tile path: 2 warps)."""
+    byte_rows: int8 and fp8 per-token formats with fp16 scales, fast, bf16 k / v (else ignored), 2/4/8:
+    int4_packed's rows over that many lanes, stored as bytes (`_rows_bytes_store`, `_rows_store_fp8_words`;
+    same bytes); 0: the tile.
+    Options left at None take the measured best (`_int4_defaults`, BYTE_ROWS; the tile path: 2 warps)."""
     kf = kernel_format(cache)
     check_device(cache.k, k, v, slot_mapping)
     nb, heads, bs, _ = cache.k.shape
@@ -342,11 +296,11 @@ def write_kv_launch(
     lanes = int4_lanes if kf.kind == KIND_INT4 and rows_fit(int4_lanes) else 0
     words_ok = fast and k.dtype == torch.bfloat16 and kf.scale_mode == SCALE_TOKEN and kf.scale_dtype == 0
     packed = bool(int4_packed and lanes and words_ok)
-    int8_rows = INT8_ROWS if int8_rows is None else int8_rows
-    if int8_rows not in (0, 2, 4, 8):
-        raise ValueError(f"int8_rows must be 0, 2, 4 or 8, got {int8_rows}")
-    if kf.kind == KIND_INT8 and int8_rows and words_ok and rows_fit(int8_rows):
-        lanes, packed = int8_rows, True
+    byte_rows = BYTE_ROWS if byte_rows is None else byte_rows
+    if byte_rows not in (0, 2, 4, 8):
+        raise ValueError(f"byte_rows must be 0, 2, 4 or 8, got {byte_rows}")
+    if (kf.kind == KIND_INT8 or kf.fp8 != FP8_NONE) and byte_rows and words_ok and rows_fit(byte_rows):
+        lanes, packed = byte_rows, True
     if num_warps is None:  # a row per `lanes` threads: 8 lanes x 16 tokens fill 4 warps; fewer tokens, fewer warps
         num_warps = max(1, min(4 if lanes == 8 else 2, lanes * block_t // 32)) if lanes else 2
     grid = (triton.cdiv(num_tokens, block_t), heads)
@@ -364,10 +318,10 @@ def write_kv_launch(
     )
 
 
-# int8 per-token (fp16 scales, bf16 input, GPU): rows over this many lanes (`write_kv_launch(int8_rows=)`).
+# int8 and fp8 per-token (fp16 scales, bf16 input, GPU): rows over this many lanes (`write_kv_launch(byte_rows=)`).
 # H200, 16 x 32768 written (`results/write_variants_round16_int8_rows.jsonl`): % of copy, tile / 2 / 4 / 8
-# lanes: symmetric 87 / 56 / 94 / 94, asymmetric 80 / 63 / 92 / 91 (32 tokens x 4 warps at 4 lanes: the same)
-INT8_ROWS = 4
+# lanes: int8 symmetric 87 / 56 / 94 / 94, asymmetric 80 / 63 / 92 / 91 (32 tokens x 4 warps at 4 lanes: the same)
+BYTE_ROWS = 4
 
 
 def _int4_defaults(kf) -> tuple[int, bool]:

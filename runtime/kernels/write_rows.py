@@ -1,5 +1,5 @@
-"""Quantize-on-write with whole rows over a few lanes: int4 (`write_kv_launch(int4_lanes=N)`), and int8
-per-token from bf16 rows (`write_kv_launch(int8_rows=N)`, through `_rows_store_words`).
+"""Quantize-on-write with whole rows over a few lanes: int4 (`write_kv_launch(int4_lanes=N)`), and int8 and
+fp8 per-token from bf16 rows (`write_kv_launch(byte_rows=N)`, through `_rows_store_words`).
 
 The tile path of `write_kv.py` spreads a [tokens, head_dim] tile over the warps as the compiler
 likes, so every per-token reduction is a chain of shuffles over 4 rows and the per-row scale
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .exact_round import _clamp_round, _reciprocal, _rne
+from .exact_round import _clamp_round, _fp8_byte, _quotient, _reciprocal, _rne
 
 
 @triton.jit
@@ -305,3 +305,18 @@ def _rows_store_words(
         _rows_pack_store(ne, no, cache_ptr, dst_base, mask_t, ASYM)
     else:
         _rows_bytes_store(ne, no, cache_ptr, dst_base, mask_t)
+
+
+@triton.jit
+def _rows_store_fp8_words(w, cache_ptr, scale_ptr, mask_t, dst_base, meta_off, FP8: tl.constexpr,
+                          QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """`_rows_store_words` for fp8 per-token (fp16 scales, bf16 rows, the GPU's conversion): the row's amax on
+    the bf16 pairs, then each value through the tile path's quotient and encoding (`_quotient`, `_fp8_byte`),
+    with one fma correction (an fp16 scale has 11 significant bits: `_rows_int`'s argument) where the tile
+    takes two: the correctly rounded fp32 quotient either way, so the tile's bytes."""
+    hi = _words_reduce(w & 0x7FFF7FFF, True)
+    s, _ = _row_scale_store(hi, hi, scale_ptr, scale_ptr, meta_off, mask_t, w.shape[0], False, QMAX, 0)
+    y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # `_reciprocal` of an fp16 scale (>= 2**-14): k = 1
+    ne = _fp8_byte(_quotient(_widen_lo(w), s, y, 1.0, True, True), FP8, QMIN, QMAX).to(tl.int32)
+    no = _fp8_byte(_quotient(_widen_hi(w), s, y, 1.0, True, True), FP8, QMIN, QMAX).to(tl.int32)
+    _rows_bytes_store(ne, no, cache_ptr, dst_base, mask_t)
