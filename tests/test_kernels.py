@@ -522,7 +522,7 @@ RING_FORMATS = [f for f in QUANTIZED if f.dtype == "int4"]
 def test_decode_gluon_ring(fmt, shape, stages, pairs):
     """The int4 shared-memory ring (filled a stage ahead, per-token scales and zero points with the words, by the
     TMA unit on sm_90, by cp.async before; `tuning.gluon_stages_for`), a tile or two tiles a step
-    (`decode_gluon._attend_pair`), meets the same oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
+    (`gluon_attend._attend_pair`), meets the same oracle. The default launch takes it only for splits of >= 1024 tokens, so the shapes here force it,
     with split-K (tiles past a split's end, an odd number of tiles in a split, pages out of order, lengths
     not a multiple of 16)."""
     batch, heads, kv_heads, head_dim, bs, seq_lens = GLUON_SHAPES[shape]

@@ -114,6 +114,20 @@ def _clamp_round(x, SCALE_DT: tl.constexpr, UP: tl.constexpr):
 
 
 @triton.jit
+def _corrected(a, s, y, ONE_FMA: tl.constexpr):
+    """`_quotient`'s FAST steps: q0 = a * y and one or two fma corrections q + (s q - a) (-y), for a whose
+    quotient stays finite (callers that cannot promise it select a * y past 2**64)."""
+    q0 = a * y
+    # true negations (Triton's -x is 0 - x, which is +0 at x = -0 and costs an add): operand modifiers
+    na = a * -1.0
+    ny = y * -1.0
+    q = tl.fma(tl.fma(s, q0, na), ny, q0)
+    if not ONE_FMA:
+        q = tl.fma(tl.fma(s, q, na), ny, q)
+    return q
+
+
+@triton.jit
 def _quotient(a, s, y, k, FAST: tl.constexpr, ONE_FMA: tl.constexpr = False):
     """a / s rounded to nearest even, as IEEE division (s > 0; s, y, k from `_reciprocal`), -0 / s = -0 included.
 
@@ -127,14 +141,8 @@ def _quotient(a, s, y, k, FAST: tl.constexpr, ONE_FMA: tl.constexpr = False):
     q = -0 (fp8 stores -0 as a byte of its own), where q + (a - s q) y gives -0 + +0 = +0."""
     if FAST:
         a = a * k
-        q0 = a * y
-        # true negations (Triton's -x is 0 - x, which is +0 at x = -0 and costs an add): operand modifiers
-        na = a * -1.0
-        ny = y * -1.0
-        q = tl.fma(tl.fma(s, q0, na), ny, q0)
-        if not ONE_FMA:
-            q = tl.fma(tl.fma(s, q, na), ny, q)
-        q = tl.where(tl.abs(q0) < _HUGE, q, q0)
+        q = _corrected(a, s, y, ONE_FMA)
+        q = tl.where(tl.abs(a * y) < _HUGE, q, a * y)
     else:
         q = tl.math.div_rn(a * k, s)
     return q

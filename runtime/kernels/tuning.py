@@ -104,7 +104,7 @@ GLUON_PAIR_STAGES = 4  # a ring with tiles two a step: two stages read while two
 
 
 def gluon_pairs_for(kf: KernelFormat, tma: int = 0) -> bool:
-    """Whether the int4 ring takes its tiles two a step (`decode_gluon._attend_pair`: one softmax max, rescale
+    """Whether the int4 ring takes its tiles two a step (`gluon_attend._attend_pair`: one softmax max, rescale
     test, V scale bound and division per 32 tokens): the per-token formats, whose bookkeeping per tile is
     largest (16 x 32768: 0.1476 ms against 0.1570, asym 0.1570 against 0.1645; twelfth session); per-head int4
     where the TMA unit fills the ring (`gluon_tma_for`: 0.1363 against 0.1378 one a step, 64 x 32768 0.5131

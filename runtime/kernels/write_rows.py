@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .exact_round import _clamp_round, _fp8_byte, _quotient, _reciprocal, _rne
+from .exact_round import _clamp_round, _corrected, _fp8_byte, _quotient, _reciprocal, _rne
 
 
 @triton.jit
@@ -155,11 +155,7 @@ def _rows_int(x, s, y, b, ASYM: tl.constexpr, FAST: tl.constexpr, ONE_FMA: tl.co
     else:
         x = tl.minimum(tl.maximum(x, -b, propagate_nan=tl.PropagateNan.ALL), b, propagate_nan=tl.PropagateNan.ALL)
     if FAST:
-        # `_quotient` without its select: |x| <= b keeps every step finite
-        q0 = x * y
-        q = tl.fma(tl.fma(-s, q0, x), y, q0)
-        if not ONE_FMA:
-            q = tl.fma(tl.fma(-s, q, x), y, q)
+        q = _corrected(x, s, y, ONE_FMA)  # `_quotient` without its select: |x| <= b keeps every step finite
         if ASYM:
             n = libdevice.float2uint_rn(q).to(tl.int32, bitcast=True)  # NaN -> 0, < 0 -> 0
         else:
