@@ -1,6 +1,6 @@
 """End to end on the real SmolLM2: greedy output with the Triton kernels vs the reference path.
 
-Issue 7's acceptance check. benchmarks/kernels.py's end_to_end() does the same
+The kernels' end-to-end check. benchmarks/kernels.py's end_to_end() does the same
 with synthetic weights; this script loads the real SmolLM2-135M-Instruct GGUF.
 Run from the repository root on the GPU machine (needs torch, triton,
 transformers, safetensors and the `gguf` wheel):

@@ -17,7 +17,7 @@ What it measures, per KV format, with kvq's engine and fused Triton kernels:
     batch of max-concurrency requests (prefill each, then decode OUTPUT tokens);
   * all of it --rounds times (formats in turn each round): medians, and ratios to
     BF16 taken within a round, with their range over rounds.
-Prefilling hundreds of 8k requests for real would take minutes of device time per
+Prefilling hundreds of 8k requests for real would take minutes of GPU time per
 format; the decode phase is where KV capacity and KV bytes decide throughput.
 """
 

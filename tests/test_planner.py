@@ -1,4 +1,4 @@
-"""Memory planner: the seed's Llama-70B figures, from first principles."""
+"""Memory planner: Llama-70B's figures (320 KiB of FP16 KV a token, 2.5 GiB an 8k request), from first principles."""
 
 from __future__ import annotations
 
