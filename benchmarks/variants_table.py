@@ -1,6 +1,6 @@
 """Render benchmarks/results/kernel_variants.jsonl (the side-by-side timings behind each plan rule) as Markdown.
 
-    python benchmarks/variants_table.py [--jsonl PATH] [--out PATH]
+    PYTHONPATH=. python3 benchmarks/variants_table.py [--jsonl PATH] [--out PATH]
 
 One table per rule: each line is one group of launches timed side by side in one run (same model, shape and
 format), the alternatives in the order measured, the one the rule picks in bold.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from calibration.files import write_text_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -71,20 +71,13 @@ def render(env: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jsonl", type=Path, default=RESULTS / "kernel_variants.jsonl")
     ap.add_argument("--out", type=Path, default=None, help="default: the JSONL's path with .md")
     args = ap.parse_args()
     env, rows = load(args.jsonl)
-    write_atomic(args.out or args.jsonl.with_suffix(".md"), render(env, rows))
+    write_text_atomic(args.out or args.jsonl.with_suffix(".md"), render(env, rows))
 
 
 if __name__ == "__main__":
