@@ -116,31 +116,42 @@ IMPLEMENTATIONS: dict[str, Callable[..., tuple[Call, str]]] = {
 LABELS = {"kvq": "kvq", "flashinfer": "FlashInfer", "xqa": "TensorRT-LLM XQA", "cudnn": "cuDNN BF16"}
 
 
-def compile_peers(impls: list[str], q_dtype: torch.dtype, kv_dtypes: list[torch.dtype], page: int,
-                  dims_and_groups: list[tuple[int, int]]) -> dict[str, str]:
-    """JIT-build every FlashInfer/XQA module the run needs at once, in threads (each build is an nvcc
-    job of its own; one after another they take minutes). Returns {impl: error} for builds that failed."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    jobs: dict[str, list[Callable[[], object]]] = {}
-    if "xqa" in impls:
+def _module_builds(impl: str, q_dtype: torch.dtype, kv_dtypes: list[torch.dtype], page: int,
+                   dims_and_groups: list[tuple[int, int]]) -> list[Callable[[], object]]:
+    """The JIT builds `impl` needs for these formats, head dims and GQA groups, as calls that build and load."""
+    if impl == "xqa":
         from flashinfer.xqa import get_xqa_module
 
-        jobs["xqa"] = [partial(get_xqa_module, q_dtype, kv, page, d, g, False, q_dtype, 1)
-                       for kv in kv_dtypes for d, g in dims_and_groups]
-    if "flashinfer" in impls:
+        return [partial(get_xqa_module, q_dtype, kv, page, d, g, False, q_dtype, 1)
+                for kv in kv_dtypes for d, g in dims_and_groups]
+    if impl == "flashinfer":
         from flashinfer.prefill import get_batch_prefill_module
 
         # the arguments BatchDecodeWithPagedKVCacheWrapper.plan passes with tensor cores and a bf16 query
         # (FlashInfer's FA3 path needs an FP8 query for FP8 KV, so both formats take FA2)
-        jobs["flashinfer"] = [partial(get_batch_prefill_module, "fa2", q_dtype, kv, q_dtype, torch.int32, d, d,
-                                      0, False, False, False) for kv in kv_dtypes for d in {d for d, _ in dims_and_groups}]
+        return [partial(get_batch_prefill_module, "fa2", q_dtype, kv, q_dtype, torch.int32, d, d, 0, False, False,
+                        False) for kv in kv_dtypes for d in sorted({d for d, _ in dims_and_groups})]
+    return []
+
+
+def compile_peers(impls: list[str], q_dtype: torch.dtype, kv_dtypes: list[torch.dtype], page: int,
+                  dims_and_groups: list[tuple[int, int]]) -> dict[str, str]:
+    """JIT-build every FlashInfer/XQA module the run needs at once, in threads (each build is an nvcc
+    job of its own; one after another they take minutes). Returns {impl: error} for what failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     failed: dict[str, str] = {}
+    jobs: list[tuple[str, Callable[[], object]]] = []
+    for impl in impls:
+        try:
+            jobs += [(impl, job) for job in _module_builds(impl, q_dtype, kv_dtypes, page, dims_and_groups)]
+        except ImportError as e:  # flashinfer not installed: that implementation's rows say so
+            failed[impl] = f"ImportError: {e}"
     with ThreadPoolExecutor(max_workers=8) as pool:
-        futures = [(name, pool.submit(job)) for name, js in jobs.items() for job in js]
-        for name, fut in futures:
+        futures = [(impl, pool.submit(job)) for impl, job in jobs]
+        for impl, fut in futures:
             try:
                 fut.result()
             except Exception as e:  # the impl's rows record it; the others still run
-                failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                failed[impl] = f"{type(e).__name__}: {str(e)[:300]}"
     return failed

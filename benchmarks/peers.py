@@ -34,6 +34,7 @@ from runtime.config import preset
 from runtime.kv_format import KVFormat
 
 from . import peer_kernels
+from .gpu_timing import env_line
 from .peer_kernels import IMPLEMENTATIONS, LABELS
 
 FORMATS = {"bf16": KVFormat("bf16"), "fp8_e4m3": KVFormat("fp8_e4m3", "per_tensor")}
@@ -266,14 +267,13 @@ def markdown(rows: list[dict]) -> str:
     env, data = rows[0], [r for r in rows if r["kind"] == "decode"]
     impls = env["impls"]
     peers = [i for i in impls if i != "kvq" and "kvq" in impls]
-    versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
+    versions = "".join(f" {k} {v}." for k, v in env.get("versions", {}).items())
     ceil = (f" Read ceiling measured in the same run: {env['read_gbps']:.0f} GB/s (a 2 GiB reduction)."
             if "read_gbps" in env else "")
     lines = [
         "# Paged decode attention: kvq, FlashInfer, TensorRT-LLM XQA",
         "",
-        f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}"
-        + (f", {versions}" if versions else "") + f", {env['date']}.{ceil}",
+        env_line(env) + versions + ceil,
         f"One paged cache per shape and format, read in place by every implementation: pages of "
         f"{env['page_size']} tokens in kvq's layout [pages, kv_heads, page, head_dim] (HND), in random order, "
         "every sequence full length, q and out bf16. FP8 = e4m3 with one per-tensor scale shared by K and V "

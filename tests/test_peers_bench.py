@@ -76,3 +76,14 @@ def test_shape_errors_name_the_fix():
         peers.Shape.parse("llama3-8b-16x32768")
     with pytest.raises(SystemExit, match="do not split over TP 16"):
         peers.Shape.parse("llama3-8b/tp16:1x16")
+
+
+def test_a_peer_that_cannot_run_fails_the_run_but_keeps_the_others(tmp_path):
+    # flashinfer is not installed for the CPU tests (it runs on the GPU machine): its rows say why
+    assert peers.main(["--smoke", "--out", str(tmp_path), "--shapes", "tiny-llama3/tp2:1x32", "--formats", "bf16",
+                       "--impls", "kvq,flashinfer"]) == 1
+    rows = [json.loads(x) for x in (tmp_path / "peers.jsonl").read_text().splitlines()][1:]
+    by_impl = {r["impl"]: r for r in rows}
+    assert by_impl["kvq"]["ok"] and "error" not in by_impl["kvq"]
+    assert not by_impl["flashinfer"]["ok"] and by_impl["flashinfer"]["error"]
+    assert "| failed |" in (tmp_path / "peers.md").read_text()
