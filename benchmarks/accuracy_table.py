@@ -6,7 +6,7 @@ from the same statistics), run ModelOpt's FP8 KV calibration on the same token
 windows, then evaluate every engine with calibration.evaluate.run_evaluation.
 Writes <out>/accuracy_smollm2.json and .md (the table) and prints the table.
 
-    python benchmarks/accuracy_table.py --out benchmarks/results [--device cuda] [--threads 1]
+    python -m benchmarks.accuracy_table --out benchmarks/results [--device cuda] [--threads 1]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ machine's load average and the thread count: on a shared machine the wall time
 says more about the neighbours than about kvq, and the CPU time says how much
 work calibration itself did. Rows go to <out>/calibration_time.json.
 
-    python benchmarks/calibration_time.py --model-dir DIR [--dtypes float32,bfloat16] [--threads 2]
+    python -m benchmarks.calibration_time --model-dir DIR [--dtypes float32,bfloat16] [--threads 2]
 """
 
 from __future__ import annotations

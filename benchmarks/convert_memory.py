@@ -15,7 +15,7 @@ and records each child's peak RSS (VmHWM, which counts the file pages
 safetensors maps too) next to the checkpoint and largest-tensor
 sizes, as one JSON row. Files are deleted at the end.
 
-    .venv/bin/python benchmarks/convert_memory.py [--layers 4] [--workdir DIR] [--out results.json]
+    python -m benchmarks.convert_memory [--layers 4] [--workdir DIR] [--out benchmarks/results/convert_memory.json]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def child(phase: str, src: Path, dst: Path) -> None:
 
 
 def run_child(phase: str, src: Path, dst: Path) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", phase, str(src), str(dst)],
+    out = subprocess.run([sys.executable, "-m", __spec__.name, "--child", phase, str(src), str(dst)],
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

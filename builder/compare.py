@@ -144,16 +144,16 @@ def compare_engines(engines: list[EngineUnderTest], wl: Workload, device: str, o
 
 def compare_recipe(ctx: Context, out: Path) -> dict[str, Any]:
     """Build every variant named by the recipe (sharing converted weights and calibration), then compare."""
-    from .run import run_stages
-
     engines = []
     for name in ctx.recipe.compare.variants:
         if name == ctx.recipe.name:
             sub = ctx
         else:
-            sub = Context(load_recipe(name), ctx.work_dir, ctx.device, frozenset(), True, ctx.console,
-                          spinner=False)
-            run_stages(sub, until="evaluate", stop_on_budget=False)
+            if ctx.run_stages is None:
+                raise StageError("compare: this context has no pipeline runner to build the variants with; "
+                                 "run the compare stage through kvq-build (builder.run.build_pipeline).")
+            sub = ctx.variant(load_recipe(name))
+            ctx.run_stages(sub, until="evaluate", stop_on_budget=False)
         if "build" not in sub.dirs:
             raise StageError(f"compare: variant {name} has no built engine.")
         ev = sub.manifests.get("evaluate", {}).get("outputs")

@@ -78,9 +78,19 @@ class Context:
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     dirs: dict[str, Path] = field(default_factory=dict)
     spinner: bool = True  # off for pipelines nested in a running stage (rich allows one live display)
+    # The pipeline runner (builder.run.run_stages), handed in by whoever makes the context: the compare
+    # stage runs each variant's pipeline through it, because importing run.py from a stage would close
+    # the import cycle run -> stages -> compare -> run.
+    run_stages: Callable[..., list[StageResult]] | None = None
 
     def section_digest(self, *sections: str) -> str:
         return recipe_digest(self.recipe, sections)
+
+    def variant(self, recipe: Recipe) -> Context:
+        """A context for another recipe's stages in the same work directory, nested in this run: nothing
+        forced, accuracy budgets reported rather than enforced, the same pipeline runner."""
+        return Context(recipe, self.work_dir, self.device, frozenset(), True, self.console, spinner=False,
+                       run_stages=self.run_stages)
 
 
 @dataclass

@@ -48,7 +48,8 @@ def _make_context(recipe: Recipe, work_dir: Path, force, device: str, allow: boo
     unknown = forced - set(STAGE_NAMES)
     if unknown:
         raise StageError(f"--force {', '.join(sorted(unknown))}: unknown stage; stages are {', '.join(STAGE_NAMES)}.")
-    return Context(recipe, Path(work_dir).absolute(), device, frozenset(forced), allow, console)
+    return Context(recipe, Path(work_dir).absolute(), device, frozenset(forced), allow, console,
+                   run_stages=run_stages)
 
 
 def run_stages(ctx: Context, until: str | None = None, dry_run: bool = False,

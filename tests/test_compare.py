@@ -63,3 +63,28 @@ def test_compare_reports_memory_throughput_and_plots(engines, tmp_path):
     for png in ("concurrency_vs_context.png", "throughput_vs_concurrency.png", "accuracy_vs_bytes.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert res["baseline"] == "fp16"
+
+
+def test_compare_stage_builds_its_variants_through_the_pipeline(tmp_path):
+    """kvq-build's compare stage builds every variant with the pipeline runner its context carries."""
+    from builder.run import build_pipeline
+    from recipes import load_recipe
+
+    small = ("backend: torch\nmodel: {source: synthetic, preset: tiny-llama3, dtype: fp32}\n"
+             "calibration: {num_samples: 2, seq_len: 32}\n"
+             "build: {max_batch_size: 4, max_input_len: 32, max_seq_len: 64, block_size: 8}\n"
+             "accuracy: {enabled: false}\ndeploy: {enabled: false}\n")
+    paths = {name: tmp_path / f"{name}.yaml" for name in ("base", "int8")}
+    compare = (f"compare: {{variants: [{paths['base']}, {paths['int8']}], prompt_len: 8, output_len: 4, "
+               "concurrency: [1], num_requests: 2}\n")
+    paths["base"].write_text(small + "kv: {dtype: fp16}\n" + compare)
+    paths["int8"].write_text(small + "kv: {dtype: int8, granularity: per_token}\n")
+    work = tmp_path / "work"
+    results = build_pipeline(load_recipe(str(paths["base"])), work, until="compare", device="cpu")
+    assert [r.stage for r in results][-1] == "compare"
+    report = json.loads((work / "compare" / "base" / "report.json").read_text())
+    assert [e["label"] for e in report["engines"]] == [str(paths["base"]), str(paths["int8"])]
+    int8 = report["engines"][1]
+    assert int8["bytes_per_token"] == kv_bytes_per_token(CFG, KVFormat("int8", "per_token"))
+    assert all(run["errors"] == 0 for run in int8["runs"])
+    assert (work / "engines" / "int8" / "engine" / "manifest.json").is_file()  # built by the nested pipeline

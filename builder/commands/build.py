@@ -9,6 +9,7 @@ import click
 from recipes import load_recipe
 
 from ..run import build_pipeline
+from ..stages import STAGE_NAMES
 
 
 @click.command("build")
@@ -18,8 +19,7 @@ from ..run import build_pipeline
               show_default=True, help="Where every stage writes its directory.")
 @click.option("--force", "force", multiple=True, is_flag=False, flag_value="all", metavar="[STAGE]",
               help="Redo STAGE even if up to date (repeatable); --force alone redoes every stage.")
-@click.option("--until", type=click.Choice(["convert", "calibrate", "build", "evaluate", "deploy", "compare"]),
-              default=None, help="Stop after this stage.")
+@click.option("--until", type=click.Choice(STAGE_NAMES), default=None, help="Stop after this stage.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
 @click.option("--dry-run", is_flag=True, help="List the stages with their inputs and output directories.")
 @click.option("--allow-accuracy-regression", is_flag=True,
