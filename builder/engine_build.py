@@ -119,11 +119,11 @@ def build_trtllm_engine(ctx: Context, out: Path) -> dict[str, Any]:
     from .trtllm.build_cmd import run_trtllm_build, trtllm_build_available, trtllm_build_command
     from .trtllm.checkpoint import write_trtllm_checkpoint
     from .trtllm.hf_scales import export_hf_kv_scales
-    from .trtllm.pp_split import check_pp_split, installed_trtllm_version
+    from .trtllm.pp_split import check_pp_split, target_version
 
     r, fmt = ctx.recipe, ctx.recipe.kv_format()
     check_pp_split(ModelConfig.from_dir(ctx.dirs["convert"]).num_layers, r.build.pp,
-                   installed_trtllm_version() or r.build.trtllm_version)
+                   *target_version(r.build.trtllm_version))
     # `out` is the stage's temporary directory; what the manifest and messages record must
     # name the directory it becomes.
     final = ctx.stage_dir or out

@@ -193,6 +193,8 @@ def test_contract_trtllm_handoff_names_final_paths_and_a_rerun_builds_once_trtll
     assert not [p for p in engine.parent.iterdir() if ".tmp-" in p.name]
     earlier = {d: read_manifest(d)["created"] for d in (work / "models").glob("*/*") if read_manifest(d)}
     assert len(earlier) == 2  # convert and calibrate
+    code, text = run_cli([*args, "--dry-run"], capsys)
+    assert code == 0 and "build      would run" in text  # a checkpoint without its engine is not done
 
     install_fake_trtllm_build(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{path}")

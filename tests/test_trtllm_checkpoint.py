@@ -358,9 +358,10 @@ def test_contract_build_command_parses_with_trtllm_build_argparse(tmp_path, sets
     assert ns.use_paged_context_fmha == ("enable" if ctx.recipe.kv.dtype == "fp16" else "disable")
 
 
-def test_contract_uneven_pp_split_matches_upstream_and_is_gated_by_version():
+def test_contract_uneven_pp_split_matches_upstream_and_is_gated_by_version(monkeypatch):
     from helpers_trtllm import UPSTREAM, pp_layers
 
+    from builder.trtllm import pp_split
     from builder.trtllm.checkpoint import pp_layer_ranges
     from builder.trtllm.pp_split import FIRST_MATCHING, check_pp_split
 
@@ -376,3 +377,8 @@ def test_contract_uneven_pp_split_matches_upstream_and_is_gated_by_version():
     for target in ("0.21.0", "1.0.0rc4", "v1.2.0"):
         check_pp_split(30, 4, target)
     check_pp_split(32, 4, None)  # even splits agree in every release
+    # The installed release builds the engine, so it wins over the recipe's target.
+    monkeypatch.setattr(pp_split, "installed_trtllm_version", lambda: "0.20.0")
+    assert pp_split.target_version("1.0.0") == ("0.20.0", "installed here")
+    with pytest.raises(UnsupportedError, match=r"0\.20\.0 \(installed here\) is older than 0\.21"):
+        check_pp_split(30, 4, *pp_split.target_version("1.0.0"))

@@ -40,7 +40,15 @@ def stage_sizes(num_layers: int, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def check_pp_split(num_layers: int, pp: int, target: str | None) -> None:
+def target_version(recipe_version: str | None) -> tuple[str | None, str]:
+    """The release that will build the engine and where that is known from."""
+    installed = installed_trtllm_version()
+    if installed:
+        return installed, "installed here"
+    return recipe_version, "build.trtllm_version"
+
+
+def check_pp_split(num_layers: int, pp: int, target: str | None, source: str = "build.trtllm_version") -> None:
     """Reject an uneven split unless `target` (a TensorRT-LLM version) is known to split like kvq."""
     if pp < 1 or num_layers % pp == 0:
         return
@@ -49,8 +57,12 @@ def check_pp_split(num_layers: int, pp: int, target: str | None) -> None:
         return
     divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0 and d <= 16]
     first = ".".join(map(str, FIRST_MATCHING))
-    known = (f"the target TensorRT-LLM {target} is older than {first}" if release is not None
-             else f"the target TensorRT-LLM version {'is not known' if not target else repr(target) + ' is not a version'}")
+    if release is not None:
+        known = f"the target TensorRT-LLM {target} ({source}) is older than {first}"
+    elif target:
+        known = f"{source} {target!r} is not a version"
+    else:
+        known = "the target TensorRT-LLM version is not known (not installed here, no build.trtllm_version)"
     raise UnsupportedError(
         f"build.pp: {num_layers} layers do not split evenly over pp={pp}. kvq puts "
         f"{stage_sizes(num_layers, pp)} layers on the stages (extra layers on the first ones), as "
