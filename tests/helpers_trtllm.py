@@ -124,8 +124,11 @@ def from_checkpoint(ckpt_dir: Path) -> tuple[dict, dict[int, dict[str, torch.Ten
         assert not not_provided, f"rank {rank}: Required but not provided tensors: {sorted(not_provided)}"
         extra = set(weights) - set(required)
         assert not extra, f"rank {rank}: Provided but not required tensors: {sorted(extra)}"
+        dtype = getattr(torch, c["dtype"])
         for name, want in required.items():
             assert tuple(weights[name].shape) == want, f"rank {rank} {name}: {tuple(weights[name].shape)} != {want}"
+            scale = name.endswith("scaling_factor")
+            assert weights[name].dtype == (torch.float32 if scale else dtype), f"rank {rank} {name}: {weights[name].dtype}"
         ranks[rank] = weights
     return c, ranks
 
