@@ -172,24 +172,24 @@ def hf_converter_rank(sd: dict[str, torch.Tensor], c: dict, tied: bool, rank: in
     return out
 
 
-# A stand-in for trtllm-build that accepts exactly upstream's argparse and writes the engine
-# directory Engine.save writes (config.json + rank{N}.engine); the engine bytes are a marker.
+# A stand-in for trtllm-build that accepts exactly upstream's argparse, loads every rank as
+# build_model does, and writes the engine directory Engine.save writes (config.json +
+# rank{N}.engine); the engine bytes are a marker.
 FAKE_TRTLLM_BUILD = f"""#!{sys.executable}
 import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from pathlib import Path
-from helpers_trtllm import parse_trtllm_build, pretrained_config
+from helpers_trtllm import from_checkpoint, parse_trtllm_build
 args = parse_trtllm_build(["trtllm-build", *sys.argv[1:]])
 ckpt = Path(args.checkpoint_dir)
 config = json.loads((ckpt / "config.json").read_text())
-c = pretrained_config(config)
+c, _ = from_checkpoint(ckpt)  # build_model loads every rank with from_checkpoint
 out = Path(args.output_dir)
 out.mkdir(parents=True, exist_ok=True)
 build_config = {{k: v for k, v in vars(args).items() if v is not None and k not in ("checkpoint_dir", "output_dir")}}
 (out / "config.json").write_text(json.dumps({{"version": "fake", "pretrained_config": config,
                                               "build_config": build_config}}))
 for rank in range(c["tp"] * c["pp"]):
-    assert (ckpt / f"rank{{rank}}.safetensors").is_file()
     (out / f"rank{{rank}}.engine").write_bytes(b"fake engine rank %d" % rank)
 print("[TensorRT-LLM][INFO] Number of tokens per block: %s." % args.tokens_per_block)
 """
