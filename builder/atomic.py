@@ -22,13 +22,15 @@ def atomic_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory beside `target`; on success it becomes `target`.
 
     The temp dir lives in the same parent so the final rename is atomic (same
-    filesystem). On any exception it is removed and the exception propagates.
+    filesystem). On any exception it is removed, with the parent directories
+    this call created, and the exception propagates.
     With `overwrite`, an existing target is replaced only after the new one is
     complete.
     """
     target = Path(target).absolute()
     if target.exists() and not overwrite:
         raise InputError(f"{target} already exists; choose another output directory or remove it first.")
+    created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -42,4 +44,14 @@ def atomic_dir(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
             os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the parents a failed write created (deepest first), so it leaves no trace."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (another writer uses it) or already gone
+            return

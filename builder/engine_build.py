@@ -78,8 +78,13 @@ def trtllm_build_params(ctx: Context) -> dict[str, Any]:
     outcome on the command line rather than rely on either behaviour. Without
     paged context FMHA there is no KV-cache reuse and no chunked context.
     """
+    from .convert.writer import weight_dtype
+
     fmt = ctx.recipe.kv_format()
-    params = {**engine_settings(ctx), "gpt_attention_plugin": "auto", "context_fmha": True,
+    # The model dtype by name: every release's plugin options take it, while "auto" is
+    # newer than some releases that build from checkpoints (tests/data/trtllm_upstream.json).
+    attention_dtype = weight_dtype(ctx.recipe.model.dtype)[2]
+    params = {**engine_settings(ctx), "gpt_attention_plugin": attention_dtype, "context_fmha": True,
               "remove_input_padding": True, "use_paged_context_fmha": not fmt.quantized,
               "use_fp8_context_fmha": False}
     return params
@@ -109,11 +114,19 @@ def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
 
 
 def build_trtllm_engine(ctx: Context, out: Path) -> dict[str, Any]:
+    from runtime.config import ModelConfig
+
     from .trtllm.build_cmd import run_trtllm_build, trtllm_build_available, trtllm_build_command
     from .trtllm.checkpoint import write_trtllm_checkpoint
     from .trtllm.hf_scales import export_hf_kv_scales
+    from .trtllm.pp_split import check_pp_split, target_version
 
     r, fmt = ctx.recipe, ctx.recipe.kv_format()
+    check_pp_split(ModelConfig.from_dir(ctx.dirs["convert"]).num_layers, r.build.pp,
+                   *target_version(r.build.trtllm_version))
+    # `out` is the stage's temporary directory; what the manifest and messages record must
+    # name the directory it becomes.
+    final = ctx.stage_dir or out
     kv_dtype = {"int8": "int8", "fp8_e4m3": "fp8"}.get(fmt.dtype)
     k_amax = v_amax = None
     if kv_dtype is not None:
@@ -134,11 +147,12 @@ def build_trtllm_engine(ctx: Context, out: Path) -> dict[str, Any]:
         outputs["hf_kv_scales"] = export_hf_kv_scales(ctx.dirs["convert"], hf, kv_dtype, k_amax, v_amax)
     settings = engine_settings(ctx)
     _write_json(out / "engine.json", settings)
-    engine_dir = out / "trt_engine"
-    cmd = trtllm_build_command(ckpt, engine_dir, trtllm_build_params(ctx))
+    params = trtllm_build_params(ctx)
+    cmd = trtllm_build_command(final / "checkpoint", final / "trt_engine", params)
     outputs["trtllm_build_command"] = cmd
     if trtllm_build_available():
-        outputs["trtllm_build"] = run_trtllm_build(cmd, out / "trtllm-build.log")
+        facts = run_trtllm_build(trtllm_build_command(ckpt, out / "trt_engine", params), out / "trtllm-build.log")
+        outputs["trtllm_build"] = {**facts, "command": cmd, "log": str(final / "trtllm-build.log")}
         outputs["engine_built"] = True
         outputs["summary"] = f"TensorRT-LLM engine TP{r.build.tp}xPP{r.build.pp}, KV {fmt.name}"
     else:

@@ -82,6 +82,9 @@ class Context:
     # stage runs each variant's pipeline through it, because importing run.py from a stage would close
     # the import cycle run -> stages -> compare -> run.
     run_stages: Callable[..., list[StageResult]] | None = None
+    # The final directory of the stage now running: its files are written to a temporary
+    # sibling first, so anything recorded for later use (paths, commands) must name this one.
+    stage_dir: Path | None = None
 
     def section_digest(self, *sections: str) -> str:
         return recipe_digest(self.recipe, sections)
@@ -105,6 +108,10 @@ class Stage:
     summary: Callable[[dict[str, Any]], str] = lambda outputs: ""
     # Human-readable inputs for --dry-run.
     describe: Callable[[Context], str] = lambda ctx: ""
+    # Whether a manifest's outputs are a finished result. A stage may record a partial one
+    # (a TensorRT-LLM checkpoint whose engine could not be built here); such a directory is
+    # kept for the user but redone on the next run instead of counting as up to date.
+    done: Callable[[dict[str, Any]], bool] = lambda outputs: True
 
 
 @dataclass
@@ -131,7 +138,8 @@ def run_stage(stage: Stage, ctx: Context, dry_run: bool = False) -> StageResult:
     key = stage.key(ctx)
     kd = digest(key)
     old = read_manifest(out)
-    fresh = old is not None and old.get("key_digest") == kd and old.get("stage") == stage.name
+    fresh = (old is not None and old.get("key_digest") == kd and old.get("stage") == stage.name
+             and stage.done(old.get("outputs", {})))
     reuse = fresh and stage.name not in ctx.force
     if reuse:  # downstream keys (and a dry run's verdicts) depend on this manifest
         ctx.manifests[stage.name], ctx.dirs[stage.name] = old, out
@@ -142,6 +150,7 @@ def run_stage(stage: Stage, ctx: Context, dry_run: bool = False) -> StageResult:
     _clean_stale(out)
     t0 = time.perf_counter()
     ctx.console.print(f"[bold]{stage.name}[/bold] → {out}")
+    ctx.stage_dir = out
     with atomic_dir(out, overwrite=True) as tmp:
         live = ctx.console.status(f"[bold]{stage.name}[/bold] running…") if ctx.spinner else nullcontext()
         with live:  # a spinner with the stage name on a terminal

@@ -37,11 +37,13 @@ def _model_source(ctx: Context) -> dict[str, Any]:
 # ------------------------------------------------------------------ convert
 def _convert_run(ctx: Context, tmp: Path) -> dict[str, Any]:
     from .convert import convert_source
+    from .convert.geometry import check_weights_geometry
 
     m = ctx.recipe.model
     source = {"builtin": m.preset, "synthetic": f"synthetic:{m.preset}"}.get(m.source, m.source)
     path = str(Path(m.path).expanduser()) if m.path else None
-    return convert_source(source, path, tmp, m.dtype)
+    return convert_source(source, path, tmp, m.dtype,
+                          check=lambda cfg, where: check_weights_geometry(ctx.recipe, cfg, where))
 
 
 CONVERT = Stage(
@@ -124,6 +126,8 @@ BUILD = Stage(
     run=_build_run,
     summary=lambda o: o.get("summary", ""),
     describe=lambda ctx: _describe_build(ctx),
+    # A TensorRT-LLM checkpoint without its engine (trtllm-build was missing) is not a build.
+    done=lambda o: o.get("backend") != "tensorrt-llm" or bool(o.get("engine_built")),
 )
 
 

@@ -71,6 +71,9 @@ class BuildSection(Section):
     max_num_tokens: int = Field(8192, ge=1)
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    trtllm_version: str | None = Field(
+        None, description="backend tensorrt-llm: the TensorRT-LLM release that will build the engine, when it "
+        "is not installed here (decides whether a pp that does not divide the layers is safe).")
     block_size: int = Field(32, ge=1, le=1024)
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
     cuda_graphs: bool = Field(True, description="Embedded engine on CUDA: decode steps replay CUDA graphs.")

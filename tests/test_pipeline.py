@@ -143,3 +143,73 @@ def test_dry_run_lists_stages_and_writes_nothing(tmp_path):
         assert stage in p.stdout
     assert "would run" in p.stdout and "engines/smollm2-135m-fp8kv/engine" in p.stdout
     assert not (tmp_path / "w").exists()
+
+
+TINY_TRTLLM = """name: tiny-trtllm
+backend: tensorrt-llm
+model: {{source: hf, path: {path}, dtype: fp16}}
+kv: {{dtype: fp8_e4m3, granularity: per_tensor}}
+calibration: {{num_samples: 2, seq_len: 16}}
+build: {{max_batch_size: 2, max_input_len: 64, max_seq_len: 128, tp: 2, block_size: 16}}
+accuracy: {{enabled: false}}
+deploy: {{enabled: false}}
+"""
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
+    from builder.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([*args])
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return info.value.code or 0, out.out + out.err
+
+
+def test_contract_trtllm_handoff_names_final_paths_and_a_rerun_builds_once_trtllm_build_exists(
+        tmp_path, monkeypatch, capsys):
+    """A fake trtllm-build that takes exactly upstream's argparse and writes Engine.save's files."""
+    from helpers_convert import make_hf_dir, tiny_cfg
+    from helpers_trtllm import install_fake_trtllm_build
+
+    make_hf_dir(tmp_path / "hf", tiny_cfg(heads=4, kv_heads=2, layers=2, vocab=97))
+    recipe = tmp_path / "tiny-trtllm.yaml"
+    recipe.write_text(TINY_TRTLLM.format(path=tmp_path / "hf"))
+    work = tmp_path / "work"
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                           if not (Path(p) / "trtllm-build").exists())
+    monkeypatch.setenv("PATH", path)
+    args = ["build", "--recipe", str(recipe), "--work-dir", str(work), "--until", "build"]
+
+    code, text = run_cli(args, capsys)
+    assert code == 8, text
+    engine = work / "engines" / "tiny-trtllm" / "engine"
+    manifest = read_manifest(engine)
+    cmd = manifest["outputs"]["trtllm_build_command"]
+    assert cmd[cmd.index("--checkpoint_dir") + 1] == str(engine / "checkpoint")
+    assert cmd[cmd.index("--output_dir") + 1] == str(engine / "trt_engine")
+    assert (engine / "checkpoint" / "rank1.safetensors").is_file()
+    assert " ".join(cmd) in " ".join(text.split()) and ".tmp-" not in text
+    assert not [p for p in engine.parent.iterdir() if ".tmp-" in p.name]
+    earlier = {d: read_manifest(d)["created"] for d in (work / "models").glob("*/*") if read_manifest(d)}
+    assert len(earlier) == 2  # convert and calibrate
+    code, text = run_cli([*args, "--dry-run"], capsys)
+    assert code == 0 and "build      would run" in text  # a checkpoint without its engine is not done
+
+    install_fake_trtllm_build(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{path}")
+    code, text = run_cli(args, capsys)
+    assert code == 0, text
+    built = read_manifest(engine)
+    assert built["outputs"]["engine_built"] is True and built["created"] >= manifest["created"]
+    assert built["outputs"]["trtllm_build"]["command"] == cmd
+    assert (engine / "trtllm-build.log").is_file() and built["outputs"]["trtllm_build"]["log"] == str(
+        engine / "trtllm-build.log")
+    assert sorted(p.name for p in (engine / "trt_engine").iterdir()) == ["config.json", "rank0.engine", "rank1.engine"]
+    engine_cfg = json.loads((engine / "trt_engine" / "config.json").read_text())
+    assert engine_cfg["pretrained_config"]["mapping"]["tp_size"] == 2
+    assert engine_cfg["build_config"]["gpt_attention_plugin"] == "float16"
+    assert {d: read_manifest(d)["created"] for d in earlier} == earlier  # reused, not redone
+
+    code, text = run_cli(args, capsys)
+    assert code == 0 and read_manifest(engine)["created"] == built["created"]  # now it is up to date

@@ -308,3 +308,77 @@ def test_run_build_keeps_log_and_reports_failure(tmp_path, monkeypatch):
     _script(bindir / "trtllm-build", 'echo "[E] out of memory"; exit 3\n')
     with pytest.raises(StageError, match="out of memory"):
         run_trtllm_build(["trtllm-build"], tmp_path / "c.log")
+
+
+# ------------------------------------------------------ TensorRT-LLM's own code (contract)
+@pytest.mark.parametrize("tp,pp", PARALLEL)
+@pytest.mark.parametrize("model", list(CONFIGS))
+def test_contract_every_rank_loads_like_from_checkpoint_and_matches_its_hf_converter(tmp_path, sources, model, tp, pp):
+    """Loaded with upstream's config/Mapping/load rules; equal tensor for tensor to its HF converter's split."""
+    from helpers_trtllm import from_checkpoint, hf_converter_rank
+
+    src_dir, cfg, sd = sources[model]
+    write_trtllm_checkpoint(src_dir, tmp_path, "fp32", tp=tp, pp=pp, kv_dtype="fp8",
+                            k_amax=torch.full((3,), 2.0), v_amax=torch.full((3,), 3.0))
+    c, ranks = from_checkpoint(tmp_path)
+    assert (c["tp"], c["pp"], c["kv_algo"]) == (tp, pp, "FP8")
+    for rank, weights in ranks.items():
+        want = hf_converter_rank(sd, c, cfg.tie_word_embeddings, rank)
+        assert set(want) == {k for k in weights if not k.endswith("kv_cache_scaling_factor")}
+        for name, tensor in want.items():
+            assert torch.equal(weights[name], tensor), f"rank {rank} {name}"
+        scales = [k for k in weights if k.endswith("kv_cache_scaling_factor")]
+        assert scales and all(weights[k].dtype == torch.float32 for k in scales)
+
+
+def _recipe_ctx(tmp_path, *sets):
+    from builder.pipeline import Context
+    from recipes import load_recipe
+
+    r = load_recipe("smollm2-135m-fp8kv", ["backend=tensorrt-llm", *sets])
+    return Context(r, tmp_path)
+
+
+@pytest.mark.parametrize("sets", [
+    ("kv.dtype=fp8_e4m3", "model.dtype=bf16"),
+    ("kv.dtype=int8", "model.dtype=fp16"),
+    ("kv.dtype=fp16", "model.dtype=fp32"),
+])
+def test_contract_build_command_parses_with_trtllm_build_argparse(tmp_path, sets):
+    from helpers_trtllm import parse_trtllm_build
+
+    from builder.engine_build import trtllm_build_params
+
+    ctx = _recipe_ctx(tmp_path, *[f"{s}" for s in sets])
+    cmd = trtllm_build_command(tmp_path / "ck", tmp_path / "eng", trtllm_build_params(ctx))
+    ns = parse_trtllm_build(cmd)
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[ctx.recipe.model.dtype]
+    assert ns.gpt_attention_plugin == dtype  # a value every release's plugin options accept
+    assert ns.kv_cache_type == "paged" and ns.tokens_per_block == ctx.recipe.build.block_size
+    assert ns.use_paged_context_fmha == ("enable" if ctx.recipe.kv.dtype == "fp16" else "disable")
+
+
+def test_contract_uneven_pp_split_matches_upstream_and_is_gated_by_version(monkeypatch):
+    from helpers_trtllm import UPSTREAM, pp_layers
+
+    from builder.trtllm import pp_split
+    from builder.trtllm.checkpoint import pp_layer_ranges
+    from builder.trtllm.pp_split import FIRST_MATCHING, check_pp_split
+
+    for layers, pp in ((30, 4), (32, 3), (3, 2), (80, 8)):
+        assert [list(r) for r in pp_layer_ranges(layers, pp)] == [pp_layers(layers, pp, s) for s in range(pp)]
+    assert ".".join(map(str, FIRST_MATCHING)) == UPSTREAM["pp_layers_history"]["first_matching_release"]
+    for target in (None, "0.20.0", "0.19.0.dev2025", "latest"):
+        with pytest.raises(UnsupportedError) as info:
+            check_pp_split(30, 4, target)
+        msg = str(info.value)
+        assert "build.pp" in msg and "[8, 8, 7, 7]" in msg and "floor division" in msg
+        assert "--set build.trtllm_version=0.21.0" in msg and "1, 2, 3, 5, 6, 10, 15" in msg
+    for target in ("0.21.0", "1.0.0rc4", "v1.2.0"):
+        check_pp_split(30, 4, target)
+    check_pp_split(32, 4, None)  # even splits agree in every release
+    # The installed release builds the engine, so it wins over the recipe's target.
+    monkeypatch.setattr(pp_split, "installed_trtllm_version", lambda: "0.20.0")
+    assert pp_split.target_version("1.0.0") == ("0.20.0", "installed here")
+    with pytest.raises(UnsupportedError, match=r"0\.20\.0 \(installed here\) is older than 0\.21"):
+        check_pp_split(30, 4, *pp_split.target_version("1.0.0"))

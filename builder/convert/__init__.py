@@ -7,9 +7,11 @@ the standalone command) and returns the facts for the manifest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runtime.config import ModelConfig
 from runtime.errors import InputError
 
 from .builtin import BUILTIN_MODELS, builtin_gguf_path
@@ -23,12 +25,15 @@ SOURCE_KINDS = ("hf", "gguf", *BUILTIN_MODELS, "synthetic:<preset>")
 
 
 def convert_source(source: str, path: str | Path | None, out_dir: str | Path, dtype: str,
-                   seed: int = 0) -> dict[str, Any]:
+                   seed: int = 0, check: Callable[[ModelConfig, str], None] | None = None) -> dict[str, Any]:
     """Convert `source` into the (existing, empty) `out_dir`; returns manifest outputs.
 
     source: "hf" (path = HF directory), "gguf" (path = .gguf file), a builtin
     name ("smollm2-135m"), or "synthetic:<preset>" (no weights; `seed` recorded).
+    `check(config, where)` sees the weights' geometry before anything is written
+    (the pipeline compares it with the recipe's).
     """
+    check = check or (lambda cfg, where: None)
     out = Path(out_dir)
     if source.startswith("synthetic:"):
         facts = write_synthetic(source.split(":", 1)[1], out, dtype, seed)
@@ -38,12 +43,14 @@ def convert_source(source: str, path: str | Path | None, out_dir: str | Path, dt
             raise InputError("source 'gguf' needs --path pointing to a .gguf file.")
         gguf_path = builtin_gguf_path(source) if source in BUILTIN_MODELS else Path(path)
         src = GGUFSource(gguf_path)
+        check(src.cfg, str(gguf_path))
         facts = write_model_dir(src.cfg, src.shapes, src.load, src.origin, out, dtype)
         files = save_gguf_tokenizer(gguf_path, out)
         return {"source": source, "path": str(gguf_path), "tokenizer_files": files, **facts}
     if source == "hf":
         if path is None:
             raise InputError("source 'hf' needs --path pointing to a Hugging Face model directory.")
+        check(ModelConfig.from_dir(path), str(Path(path) / "config.json"))
         ckpt = HFCheckpoint(path)
         shapes = ckpt.check_llama()
         # Tokenizer first: it is cheap and a missing one should fail before GBs are written.
