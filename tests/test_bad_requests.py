@@ -146,6 +146,15 @@ def test_genai_perf_requests_with_exclude_input_in_output(triton_served, triton_
     assert full["text_output"].startswith(DOCS_PROMPT)
 
 
+def test_tensorrt_llm_bls_answers_like_the_ensemble(triton_served, triton_reference):
+    body = {"text_input": DOCS_PROMPT, "max_tokens": DOCS_MAX_TOKENS}
+    answer = client.post_generate(triton_served["http"], body, model="tensorrt_llm_bls")
+    assert answer["text_output"] == triton_reference["docs"].text
+    with pytest.raises(RequestError, match=r"image_url_input is not supported here \(kvq engines are text-only\)"):
+        client.post_generate(triton_served["http"], {**body, "image_url_input": "http://x/y.png"},
+                             model="tensorrt_llm_bls")
+
+
 def test_return_log_probs_over_http_and_streaming(triton_served, triton_reference):
     docs = triton_reference["docs"]
     body = {"text_input": DOCS_PROMPT, "max_tokens": DOCS_MAX_TOKENS, "return_log_probs": True}
