@@ -53,6 +53,7 @@ def recording(device: str):
     """Capture launches (a list of dicts) made inside; device 'h200' patches an H200's properties in, 'cpu'
     sets the Triton interpreter's runtime flag (the kernels are not run either way)."""
     from triton import knobs
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     launches: list[dict] = []
@@ -64,9 +65,9 @@ def recording(device: str):
         row.update({k: _value(v) for k, v in kwargs.items()})
         launches.append(row)
 
-    saved = (JITFunction.run, torch.cuda.get_device_properties, torch.cuda.get_device_capability,
-             knobs.runtime.interpret)
-    JITFunction.run = run
+    saved = (JITFunction.run, InterpretedFunction.run, torch.cuda.get_device_properties,
+             torch.cuda.get_device_capability, knobs.runtime.interpret)
+    JITFunction.run = InterpretedFunction.run = run  # kernels are the second under TRITON_INTERPRET=1
     if device == "h200":
         torch.cuda.get_device_properties = lambda d=None: types.SimpleNamespace(
             multi_processor_count=H200["sms"], name="NVIDIA H200")
@@ -79,8 +80,8 @@ def recording(device: str):
             warnings.simplefilter("ignore")  # TMA descriptors read a fake tensor's (meaningless) data pointer
             yield launches
     finally:
-        (JITFunction.run, torch.cuda.get_device_properties, torch.cuda.get_device_capability,
-         knobs.runtime.interpret) = saved
+        (JITFunction.run, InterpretedFunction.run, torch.cuda.get_device_properties,
+         torch.cuda.get_device_capability, knobs.runtime.interpret) = saved
 
 
 def _cache(fmt, num_blocks, block_size, kv_heads, head_dim, device):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import codes
 from .dequant import _dot, _operand, _unpack
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
 
@@ -44,7 +45,7 @@ from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _t
 @triton.jit
 def _k_operand(kraw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, ASM_LO: tl.constexpr,
                ASM_HI: tl.constexpr, dt: tl.constexpr, DOT: tl.constexpr):
-    return _operand(_unpack(kraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT, False)
+    return _operand(_unpack(kraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT)
 
 
 @triton.jit
@@ -56,7 +57,7 @@ def _v_operand(vraw, HALF: tl.constexpr, vs, vz, V_TOKEN: tl.constexpr, KIND: tl
         v = v.to(tl.float32) * vs[:, :, None]
         if ASYM:
             v += vz[:, :, None]
-    return _operand(v, dt, DOT, False)
+    return _operand(v, dt, DOT)
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def _decode_kernel_warps(
         dt = tl.float16
     else:
         dt = Q.dtype.element_ty
-    V_TOKEN: tl.constexpr = SCALE_MODE == 3 and not P_SCALE
+    V_TOKEN: tl.constexpr = SCALE_MODE == codes.PER_TOKEN and not P_SCALE
 
     q_a, q_b, qsum, q_pre, heads, hmask, cols_a, cols_b, dmask = _group_q(
         Q, b, kvh, stride_qb, stride_qh, GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, KIND, DOT_F16, dt, DOT)
@@ -163,19 +164,19 @@ def _decode_kernel_warps(
         meta = page * stride_mb + kvh * stride_mh + slot
         vs = 1.0
         vz = 0.0
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             vs = tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)
             if ASYM:
                 vz = tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)
 
         s = _scores(_k_operand(kraw, 0, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), qk_a, HEADS_N, DOT)
-        if KIND == 2:
+        if KIND == codes.INT4:
             s += _scores(_k_operand(kraw, 1, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), qk_b, HEADS_N, DOT)
         if HEADS_N:  # per-token terms broadcast along heads, the last axis
             tmask = nmask[:, :, None]
         else:
             tmask = nmask[:, None, :]
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             ks = tl.load(KS + meta, mask=nmask, other=0.0).to(tl.float32)
             if HEADS_N:
                 s = s * ks[:, :, None]
@@ -206,7 +207,7 @@ def _decode_kernel_warps(
                 pw = p * (vs / vs_max[:, None])[:, :, None]
             else:
                 pw = p * (vs / vs_max[:, None])[:, None, :]
-        pd = _operand(pw, dt, DOT, False)
+        pd = _operand(pw, dt, DOT)
         if HEADS_N:
             a_scale = alpha[:, None, :]
         else:
@@ -216,7 +217,7 @@ def _decode_kernel_warps(
         else:
             pv_scale = 1.0
         acc_a = acc_a * a_scale + pv_scale * _pv(pd, _v_operand(vraw, 0, vs, vz, V_TOKEN, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), HEADS_N, DOT)
-        if KIND == 2:
+        if KIND == codes.INT4:
             acc_b = acc_b * a_scale + pv_scale * _pv(pd, _v_operand(vraw, 1, vs, vz, V_TOKEN, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), HEADS_N, DOT)
         if P_SCALE and ASYM:  # + sum_n p_n z_n, the same for every column
             if HEADS_N:
@@ -224,7 +225,7 @@ def _decode_kernel_warps(
             else:
                 pz = tl.sum(p * vz[:, None, :], 2)[:, :, None]
             acc_a += pz
-            if KIND == 2:
+            if KIND == codes.INT4:
                 acc_b += pz
 
     # merge the W warp states (the split-K rule, within the program)
