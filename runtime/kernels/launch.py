@@ -32,6 +32,7 @@ from .plan import (
     dot_mode,
     prefill_plan,
     rows_fit,
+    warp_page_fits,
     write_plan,
 )
 from .prefill_context import _prefill_context_kernel
@@ -87,7 +88,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
     qk_scale = sm_scale * _LOG2E
     if plan.kernel == "gluon":
-        _check_gluon_plan(plan, kf, q, bs, group)
+        _check_gluon_plan(plan, kf, q, bs, group)  # before the split buffers: no partial output
         splits = split_plan(out, max_tokens, plan.splits, decode_gluon.TILE * (2 if plan.pairs else 1), cache)
         _launch_gluon(q, cache, kf, block_tables, seq_lens, qk_scale, out, splits, plan)
         return out
@@ -99,6 +100,9 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     if plan.kernel == "warps" and (plan.block_n < 16 or plan.block_n % plan.num_warps
                                    or plan.block_n // plan.num_warps < 16):
         raise _bad_plan(plan, "block_n", "the per-warp kernel needs >= 16 tokens a warp (block_n / num_warps)")
+    if plan.kernel == "warps" and plan.warp_page and not warp_page_fits(plan.block_n, plan.num_warps, bs):
+        raise _bad_plan(plan, "warp_page", f"a warp's {plan.block_n // plan.num_warps} tokens do not divide pages "
+                        f"of {bs}")
     cuda = q.device.type == "cuda"
     dot = dot_mode(q.dtype, device_of(q.device))
     if plan.dot_fp16 and dot != codes.DOT_NATIVE:
@@ -133,9 +137,6 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
 
 
 def _check_gluon_plan(plan: DecodePlan, kf, q: torch.Tensor, block_size: int, group: int) -> None:
-    if not decode_gluon.supported(kf, q, block_size, group):
-        raise _bad_plan(plan, "kernel", "the Gluon kernel serves CUDA fp16 / bf16 q, head_dim 128, <= 8 query heads "
-                        "per KV head, pages of 16k tokens and quantized formats; choose warps or tiles")
     if plan.stages and kf.kind != codes.INT4:
         raise _bad_plan(plan, "stages", "the shared-memory ring serves int4 formats only; use 0")
     if plan.pairs and plan.stages < 4:
@@ -144,6 +145,9 @@ def _check_gluon_plan(plan: DecodePlan, kf, q: torch.Tensor, block_size: int, gr
         raise _bad_plan(plan, "tma", "the TMA unit fills the ring: it needs stages > 0")
     if plan.k_chains not in (1, 2, 4):
         raise _bad_plan(plan, "k_chains", "use 1, 2 or 4")
+    if not decode_gluon.supported(kf, q, block_size, group):
+        raise _bad_plan(plan, "kernel", "the Gluon kernel serves CUDA fp16 / bf16 q, head_dim 128, <= 8 query heads "
+                        "per KV head, pages of 16k tokens and quantized formats; choose warps or tiles")
 
 
 def ring_descriptors(kw: torch.Tensor, vw: torch.Tensor, scales: tuple = ()) -> tuple:

@@ -191,9 +191,12 @@ def gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size
 
 def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens: int,
                 device: Device | torch.device | str = DEVICE_H200, *, head_dim: int = 128, block_size: int = 16,
-                q_dtype: torch.dtype = torch.bfloat16) -> DecodePlan:
+                q_dtype: torch.dtype = torch.bfloat16,
+                kernel: Literal["gluon", "triton"] | None = None) -> DecodePlan:
     """The default plan for `batch` sequences of up to `max_tokens` (the block table's width in tokens), `heads` query
-    heads over `kv_heads` KV heads of `head_dim`, pages of `block_size` tokens, on `device`."""
+    heads over `kv_heads` KV heads of `head_dim`, pages of `block_size` tokens, on `device`. kernel: the plan of that
+    kernel family instead of the default choice ("triton": the format's Triton kernel, warps or tiles), for tests
+    and benchmarks that compare kernels."""
     device = device if isinstance(device, Device) else device_of(device)
     kf = format_codes(fmt, head_dim)
     tuned = _format_tuned(fmt, device).decode
@@ -204,7 +207,9 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
         gluon = gluon and tuning.gluon_for_few_programs(kf)
         if one_warp:  # the format's 4-warp tile: 4 x 16 tokens, 3 programs per SM
             block_n, resident = 64, 3
-    if gluon and gluon_serves(fmt, device, q_dtype, block_size, group, head_dim):
+    if kernel is not None:
+        gluon = kernel == "gluon"
+    if kernel == "gluon" or (gluon and gluon_serves(fmt, device, q_dtype, block_size, group, head_dim)):
         tma = tuning.gluon_tma_for(kf, device.capability)
         cap, splits, stages, pairs = tuning.gluon_plan(kf, batch, kv_heads, max_tokens, device.sms, group, tma,
                                                        tuned.registers, tuned.ring_registers)
@@ -223,13 +228,18 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     num_warps = min(4, block_n // 16) if tuned.warps else 4
     one_warp_splits = {"max_splits": tuning.ONE_WARP_MAX_SPLITS} if tuned.warps and num_warps == 1 else {}
     splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, device.sms, resident, **one_warp_splits)
-    tokens_per_warp = block_n // num_warps
     return DecodePlan(
         "warps" if tuned.warps else "tiles", splits, tuned.tile_registers or None, block_n=block_n,
         num_warps=num_warps, num_stages=tuned.num_stages, dot_fp16=dot_fp16,
         p_scale=tuned.p_scale and kf.scale_mode == codes.PER_TOKEN, widen_ptx=widen, heads_n=tuned.heads_n,
         pages_ahead=tuned.pages_ahead,
-        warp_page=tuned.warp_page and block_n % num_warps == 0 and block_size % tokens_per_warp == 0)
+        warp_page=tuned.warp_page and warp_page_fits(block_n, num_warps, block_size))
+
+
+def warp_page_fits(block_n: int, num_warps: int, block_size: int) -> bool:
+    """Whether a warp's tokens of a tile share one page (`DecodePlan.warp_page`): they start at multiples of their
+    count, which divides the page size."""
+    return block_n % num_warps == 0 and block_size % (block_n // num_warps) == 0
 
 
 @dataclass(frozen=True)
@@ -267,9 +277,13 @@ def write_plan(fmt: KVFormat, tokens: int, kv_heads: int, device: Device | torch
     else:  # int8 / fp8 rows store bytes from bf16 words: only there
         lanes = tuned.lanes if tuned.lanes and words and rows_fit(head_dim, tuned.lanes) else 0
         packed = bool(lanes)
-    # a row per `lanes` threads: 8 lanes x 16 tokens fill 4 warps; fewer tokens, fewer warps
-    num_warps = max(1, min(4 if lanes == 8 else 2, lanes * block_t // 32)) if lanes else 2
-    return WritePlan(block_t, num_warps, fast, lanes, packed)
+    return WritePlan(block_t, write_warps(lanes, block_t), fast, lanes, packed)
+
+
+def write_warps(lanes: int, block_t: int) -> int:
+    """The write kernel's warps: a row per `lanes` threads, so 8 lanes x 16 tokens fill 4 warps, fewer tokens fewer
+    warps; the tile (lanes 0) takes 2."""
+    return max(1, min(4 if lanes == 8 else 2, lanes * block_t // 32)) if lanes else 2
 
 
 @dataclass(frozen=True)
