@@ -1,10 +1,10 @@
 """Paged decode attention written in Gluon (Triton's explicit-layout dialect), GPU only.
 
-The Triton kernels (`decode_attention.py`, `decode_warps.py`) leave register layouts to the
+The Triton kernels (`decode_warps.py`, `decode_tiles.py`) leave register layouts to the
 compiler, which stages 8-bit V through shared memory and reads it back one byte per
 instruction (V's token axis is the p . V product's reduction axis, but the page rows are
 contiguous along head_dim), pads the 4 heads of a GQA group to mma's 16 rows, and widens
-int8/int4 in ~600 instructions per 16-token tile (KERNEL_NOTES.md). Here a program is one warp
+int8/int4 in ~600 instructions per 16-token tile (docs/kernels.md). Here a program is one warp
 over 16-token tiles, with every layout written out:
 
 * Heads on the mma N dimension (8 columns, a group of <= 8 heads): s^T = K q^T and
@@ -38,7 +38,7 @@ over 16-token tiles, with every layout written out:
   takes the copies' address arithmetic and LSU traffic off the warp; before, cp.async from every lane. Page offsets are int32 where the cache allows
   (`OFF32`), and a 16-token page needs no slot arithmetic.
 * A tile's attention is `gluon_attend.py`: its scores (one chain of 8 mma, or `K_CHAINS` 2 or 4
-  independent chains over blocks of k, `tuning.gluon_k_chains_for`), the online softmax per column
+  independent chains over blocks of k, `DecodePlan.k_chains`), the online softmax per column
   (head) with per-token scales on the scores and on p, and p . V.
 
 Numerics: the dots run in fp16 on exact operands (fp8, int8 and int4 values are exact in

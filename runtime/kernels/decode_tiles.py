@@ -65,7 +65,8 @@ def _decode_kernel(
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        acc = acc * alpha[:, None] + _dot(_operand(p, dt, DOT), _operand(v, dt, DOT), DOT)
+        pd = _operand(p, dt, DOT)
+        acc = acc * alpha[:, None] + _dot(pd, _operand(v, dt, DOT), DOT)
 
     _store_group(OUT, PM, PL, PACC, acc * v_fold, acc * v_fold, m_i, l_i, b, sp, heads, hmask, cols_a, cols_b,
                  dmask, num_splits, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, codes.FLOAT, SPLIT)

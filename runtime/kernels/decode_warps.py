@@ -1,10 +1,10 @@
 """Paged decode attention with one softmax state per warp (flash-decoding inside a program).
 
-`decode_attention._decode_kernel` gives the tensor cores a [query heads, tokens]
+`decode_tiles._decode_kernel` gives the tensor cores a [query heads, tokens]
 tile per program: the GQA group (4 heads for Llama-3) is padded to mma's 16 rows,
 so Triton spreads the program's warps over the tokens and every row max, row sum
 and p crosses warps through shared memory -- 8-10 barriers per tile (SASS,
-KERNEL_NOTES.md), and the H200 profile is latency-bound.
+docs/kernels.md), and the H200 profile is latency-bound.
 
 Here the token tile is [W, NW]: warp w takes NW consecutive tokens of it and keeps
 its own running max, sum and accumulator. The products are batched dots over the
@@ -23,9 +23,9 @@ a group of 4 to 8 columns instead of 16 rows and halves the accumulator register
 transposed A operand, which Triton 3.6 loads into registers instead of through its
 cp.async pipeline, and uses in the same iteration. With heads on M (the static
 8-bit default) K and V both go through cp.async, but V, the B operand with its
-token axis not contiguous, is read from shared memory one byte per instruction;
-widening it before the staging (`_operand`'s CVT_EARLY) is miscompiled here by
-Triton 3.6 (benchmarks/triton_repro_join_dot3d.py; KERNEL_NOTES.md, "Fourth session").
+token axis not contiguous, is read from shared memory one byte per instruction
+(widening it before the staging is miscompiled by Triton 3.6:
+benchmarks/triton_repro_join_dot3d.py; docs/kernels.md).
 
 Dequantization follows `_decode_kernel` (same helpers, same exact-operand algebra):
 raw stored values in the dots, K scales on the scores, static V scales on the

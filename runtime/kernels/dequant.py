@@ -52,7 +52,7 @@ def _unpack(raw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr,
 
     ASM_LO/ASM_HI (GPU only, else ""): the PTX of `widen_ptx.widen_asm`, which turns 4 stored bytes
     into 4 fp16/bf16 values with an AND or XOR, two byte permutes and two packed FMAs -- the
-    generic nibble code costs ~5 instructions per value (KERNEL_NOTES.md), and Triton widens
+    generic nibble code costs ~5 instructions per value (docs/kernels.md), and Triton widens
     int8 one value per conversion instruction.
     """
     if KIND == codes.INT4:

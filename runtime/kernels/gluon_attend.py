@@ -3,10 +3,10 @@ softmax step and p . V, one tile a step (`_attend`) or two (`_attend_pair`), on 
 
 A tile's scores are one chain of 8 mma (k = 128 in steps of 16), each waiting on the last's accumulator, or
 (`K_CHAINS`) 2 or 4 independent chains over blocks of k, summed: a shorter dependency chain for the formats
-with the fewest programs per SM to hide it (`tuning.gluon_k_chains_for`).
+with the fewest programs per SM to hide it (`DecodePlan.k_chains`).
 
 Online softmax per column (head): the row sums of p accumulate elementwise and are reduced once at the
-kernel's end, and where no column's max grew the rescale is skipped (`tuning.skip_rescale_for`). Static K
+kernel's end, and where no column's max grew the rescale is skipped (`DecodePlan.skip_rescale`). Static K
 scales fold into the softmax scale and static V scales multiply the output (the kernel's); per-token K
 scales multiply the scores (zero points add qsum * z); per-token V scales go on p as p * s / c with c the
 largest V scale seen so far (so the fp16 p stays in [0, 1]); c's growth folds into the accumulator's

@@ -1,6 +1,6 @@
 """What a decode program reads and writes for its query-head group, the same in both kernels.
 
-A program of `decode_attention._decode_kernel` or `decode_warps._decode_kernel_warps`
+A program of `decode_tiles._decode_kernel` or `decode_warps._decode_kernel_warps`
 serves the GROUP query heads of one KV head: it loads their q rows, folds the static
 K/V scales into the softmax scale and the output, and writes either the finished output
 or a split-K partial (m, l, acc or o / l) for `split_k.merge_splits`.
@@ -34,7 +34,7 @@ def _tile_pages(bt_row, offs_n, end, BLOCK_SIZE: tl.constexpr):
     Both kernels load a tile's pages one iteration ahead of its K/V: when the K/V addresses
     come from a load in the same iteration, Triton 3.6's pipeliner gives K and V a single
     shared-memory buffer whatever num_stages says (one tile in flight per program); from a
-    loop-carried value they get num_stages - 1 buffers (sm_90 TTGIR; KERNEL_NOTES.md).
+    loop-carried value they get num_stages - 1 buffers (sm_90 TTGIR; docs/kernels.md).
     """
     return tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
 
