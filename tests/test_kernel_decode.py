@@ -132,7 +132,7 @@ def test_decode_rejects_plans_that_do_not_fit():
              (dict(kernel="gluon", tma=True), "DecodePlan.tma=True"),
              (dict(kernel="gluon", k_chains=3), "DecodePlan.k_chains=3")]
     if plan.kernel == "warps":
-        cases += [(dict(block_n=8), "DecodePlan.block_n=8"), (dict(block_n=32, num_warps=1), "warp_page")]
+        cases += [(dict(block_n=8), "DecodePlan.block_n=8"), (dict(block_n=32, num_warps=1, warp_page=True), "DecodePlan.warp_page=True")]
     for changes, message in cases:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
             K.decode_attention(q, cache, bt, lens, 0.25, plan=replace(plan, **changes))

@@ -24,6 +24,7 @@ from .formats import (
     scale_tensors,
 )
 from .plan import (
+    KERNELS,
     DecodePlan,
     PrefillPlan,
     WritePlan,
@@ -92,8 +93,8 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
         splits = split_plan(out, max_tokens, plan.splits, decode_gluon.TILE * (2 if plan.pairs else 1), cache)
         _launch_gluon(q, cache, kf, block_tables, seq_lens, qk_scale, out, splits, plan)
         return out
-    if plan.kernel not in ("warps", "tiles"):
-        raise _bad_plan(plan, "kernel", "choose gluon, warps or tiles")
+    if plan.kernel not in KERNELS:
+        raise _bad_plan(plan, "kernel", f"choose {', '.join(KERNELS)}")
     if (plan.kernel == "tiles") != (kf.scale_mode == codes.NO_SCALE):
         raise _bad_plan(plan, "kernel", f"the {cache.fmt.name} format runs on "
                         f"{'tiles' if kf.scale_mode == codes.NO_SCALE else 'warps or gluon'}")
