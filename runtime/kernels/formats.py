@@ -8,6 +8,7 @@ branches for other formats compile away. This module turns a `KVFormat` into tho
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,7 @@ def kernel_format(cache: LayerCache) -> KernelFormat:
     return kf
 
 
+@functools.cache
 def format_codes(fmt: KVFormat, head_dim: int) -> KernelFormat:
     """The kernels' constants for a KV format (no cache needed: plans are made from the format alone)."""
     kind = codes.INT4 if fmt.dtype == "int4" else codes.INT8 if fmt.dtype == "int8" else codes.FLOAT

@@ -118,8 +118,9 @@ def _load_tuned(stem: str) -> TunedFile:
     return TunedFile.model_validate(json.loads(text))
 
 
+@functools.cache
 def tuned_for_device(device: Device) -> TunedFile:
-    """The device's tuned file, else the H200's."""
+    """The device's tuned file, else the H200's (looked up once a device: plans are made on every launch)."""
     stem = tuned_file_name(device.name)
     has = (resources.files(__package__) / "tuned" / f"{stem}.json").is_file()
     return _load_tuned(stem if has else TUNED_FALLBACK)
