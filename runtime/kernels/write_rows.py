@@ -1,5 +1,5 @@
-"""Quantize-on-write with whole rows over a few lanes: int4 (`write_kv_launch(int4_lanes=N)`), and int8 and
-fp8 per-token from bf16 rows (`write_kv_launch(byte_rows=N)`, through `_rows_store_words`).
+"""Quantize-on-write with whole rows over a few lanes: int4 (`WritePlan.lanes` = N), and int8 and
+fp8 per-token from bf16 rows (`lanes` with `packed`, through `_rows_store_words`).
 
 The tile path of `write_kv.py` spreads a [tokens, head_dim] tile over the warps as the compiler
 likes, so every per-token reduction is a chain of shuffles over 4 rows and the per-row scale
