@@ -4,7 +4,10 @@ restructuring of the kernels' source can be shown to change no instruction. The 
 benchmarks/kernels.py's grid (its formats x Llama-3-8B / 70B TP8 / TP2 x its (batch, context) shapes, bf16 q),
 the write kernel and the prefill-context kernel at one shape each. Run without TRITON_INTERPRET:
 
-    python -m tests.helpers_sass_digest tests/data/kernel_launches_6941f60.json.gz OUT.json
+    python -m tests.helpers_sass_digest tests/data/kernel_launches_6941f60.json.gz OUT.json \
+        [tests/data/sass_digests_6941f60.json]
+
+With a third argument it compares OUT with those digests (6941f60's, Triton 3.6.0) and exits 1 where any differ.
 
 Line information is left out of the builds (TRITON_DISABLE_LINE_INFO): the source's line numbers are not code.
 A constexpr a launch record has and the kernel no longer takes is dropped (a deleted variant's switch; the
@@ -136,5 +139,16 @@ def main(records: str, out: str) -> None:
     print(f"{len(digests)} builds -> {out}")
 
 
+def compare(out: str, reference: str) -> int:
+    got, want = json.loads(Path(out).read_text()), json.loads(Path(reference).read_text())
+    differ = sorted(k for k in want if got.get(k) != want[k])
+    print(f"{len(want) - len(differ)} of {len(want)} builds identical (PTX and SASS)")
+    for key in differ:
+        print("differs:", json.loads(key)["kernel"], want[key], got.get(key))
+    return 1 if differ else 0
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    if len(sys.argv) > 3:
+        sys.exit(compare(sys.argv[2], sys.argv[3]))
