@@ -66,7 +66,7 @@ def test_gluon_widening_exact_for_every_byte(kind, fp8, symmetric):
             f"pair={pair}: first mismatch at {(y.cpu().nan_to_num(7777.0) != want.nan_to_num(7777.0)).nonzero()[0].tolist()}"
 
 
-
+@pytest.mark.skipif(not CUDA, reason="inline PTX compiles for the GPU only; the interpreter has no PTX")
 @pytest.mark.parametrize("bits,dtype,symmetric", [(4, torch.bfloat16, True), (4, torch.bfloat16, False),
                                                   (4, torch.float16, True), (4, torch.float16, False),
                                                   (8, torch.float16, True), (8, torch.float16, False)])
