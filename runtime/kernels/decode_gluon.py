@@ -1,4 +1,5 @@
-"""Paged decode attention written in Gluon (Triton's explicit-layout dialect), GPU only.
+"""The quantized formats' decode kernel on the GPU (`plan.DecodePlan`), written in Gluon (Triton's explicit-layout
+dialect).
 
 The Triton kernels (`decode_warps.py`, `decode_tiles.py`) leave register layouts to the
 compiler, which stages 8-bit V through shared memory and reads it back one byte per

@@ -1,4 +1,5 @@
-"""Paged decode attention with one softmax state per warp (flash-decoding inside a program).
+"""The quantized formats' decode kernel where the Gluon one does not serve (the interpreter, head_dim != 128, fp32 q)
+and for static 8-bit formats with few programs: one softmax state per warp (flash-decoding inside a program).
 
 `decode_tiles._decode_kernel` gives the tensor cores a [query heads, tokens]
 tile per program: the GQA group (4 heads for Llama-3) is padded to mma's 16 rows,
