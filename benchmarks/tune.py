@@ -32,7 +32,7 @@ from runtime.kernels.plan import DEVICE_H200, TunedFile, device_of, tuned_for_de
 
 # decode field -> (the DecodePlan field it sets, candidates), for the kernel the format runs
 GLUON_FIELDS = {"registers": ("registers", (0, 120, 128)), "ring_registers": ("registers", (0, 120, 128)),
-                "k_chains": ("k_chains", (1, 2, 4)), "skip_rescale": ("skip_rescale", (False, True)),
+                "k_chains": ("k_chains", (1, 2)), "skip_rescale": ("skip_rescale", (False, True)),
                 "offsets32": ("offsets32", (False, True))}
 TRITON_FIELDS = {"block_n": ("block_n", (16, 64, 128)), "num_stages": ("num_stages", (2, 3, 4)),
                  "tile_registers": ("registers", (0, 128))}

@@ -38,7 +38,7 @@ over 16-token tiles, with every layout written out:
   (`TMA`, `ring_descriptors`: one copy a tensor and tile, completion on a stage's mbarrier), which
   takes the copies' address arithmetic and LSU traffic off the warp; before, cp.async from every lane. Page offsets are int32 where the cache allows
   (`OFF32`), and a 16-token page needs no slot arithmetic.
-* A tile's attention is `gluon_attend.py`: its scores (one chain of 8 mma, or `K_CHAINS` 2 or 4
+* A tile's attention is `gluon_attend.py`: its scores (one chain of 8 mma, or `K_CHAINS` 2
   independent chains over blocks of k, `DecodePlan.k_chains`), the online softmax per column
   (head) with per-token scales on the scores and on p, and p . V.
 

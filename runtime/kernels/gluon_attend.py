@@ -2,7 +2,7 @@
 softmax step and p . V, one tile a step (`_attend`) or two (`_attend_pair`), on the operands of `gluon_operands`.
 
 A tile's scores are one chain of 8 mma (k = 128 in steps of 16), each waiting on the last's accumulator, or
-(`K_CHAINS`) 2 or 4 independent chains over blocks of k, summed: a shorter dependency chain for the formats
+(`K_CHAINS`) 2 independent chains over blocks of k, summed: a shorter dependency chain for the formats
 with the fewest programs per SM to hide it (`DecodePlan.k_chains`).
 
 Online softmax per column (head): the row sums of p accumulate elementwise and are reduced once at the

@@ -80,20 +80,15 @@ if gluon is not None:
 
     @gluon.jit
     def _k_parts(x, PARTS: gl.constexpr):
-        """[R, 128] in the scores' k order -> PARTS (1, 2 or 4) column blocks of 128 / PARTS, as a tuple."""
+        """[R, 128] in the scores' k order -> PARTS (1 or 2) column blocks of 128 / PARTS, as a tuple."""
         if PARTS == 1:
             return (x,)
-        elif PARTS == 2:
-            return _halves(x)
         else:
-            x0, x1 = _halves(x)
-            x00, x01 = _halves(x0)
-            x10, x11 = _halves(x1)
-            return x00, x01, x10, x11
+            return _halves(x)
 
     @gluon.jit
     def _k_operands(w, KIND: gl.constexpr, ASM: gl.constexpr, PARTS: gl.constexpr):
-        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] as PARTS blocks along k, a tuple of
+        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] as PARTS (1 or 2) blocks along k, a tuple of
         [16, 128 / PARTS] (a register rename: k's bits 5 and 6 are register bits of the A operand). Each block
         starts its own chain of mma: one chain of 8 m16n8k16 waits on each result in turn."""
         parts = _k_parts(_k_columns(_widen(w, KIND, ASM), KIND), PARTS)

@@ -144,8 +144,8 @@ def _check_gluon_plan(plan: DecodePlan, kf, q: torch.Tensor, block_size: int, gr
         raise _bad_plan(plan, "pairs", "tiles two a step need a ring of >= 4 stages")
     if plan.tma and not plan.stages:
         raise _bad_plan(plan, "tma", "the TMA unit fills the ring: it needs stages > 0")
-    if plan.k_chains not in (1, 2, 4):
-        raise _bad_plan(plan, "k_chains", "use 1, 2 or 4")
+    if plan.k_chains not in (1, 2):
+        raise _bad_plan(plan, "k_chains", "use 1 or 2")
     if not decode_gluon.supported(kf, q, block_size, group):
         raise _bad_plan(plan, "kernel", "the Gluon kernel serves CUDA fp16 / bf16 q, head_dim 128, <= 8 query heads "
                         "per KV head, pages of 16k tokens and quantized formats; choose warps or tiles")

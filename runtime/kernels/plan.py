@@ -64,7 +64,7 @@ class DecodeTuned(_Tuned):
     gluon: bool
     registers: int  # the Gluon kernel's register cap from registers (0: none) ...
     ring_registers: int  # ... and through the int4 ring
-    k_chains: Literal[1, 2, 4]
+    k_chains: Literal[1, 2]
     skip_rescale: bool
     offsets32: bool
     block_n: int
@@ -144,7 +144,7 @@ class DecodePlan:
 
     Gluon kernel: stages: int4 tiles through a shared-memory ring of this many stages (0: registers a step ahead);
     pairs: the ring's tiles two a step (stages >= 4); tma: the TMA unit fills the ring (sm_90); k_chains: a tile's
-    scores as 1, 2 or 4 independent mma chains; skip_rescale: skip the softmax rescale of tiles that raise no max;
+    scores as 1 or 2 independent mma chains; skip_rescale: skip the softmax rescale of tiles that raise no max;
     offsets32: int32 page offsets where the cache holds < 2^31 words.
 
     Triton kernels: block_n: tokens a tile (warps: 16 a warp); num_warps, num_stages: Triton's; dot_fp16: dots in fp16
