@@ -27,8 +27,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
-
 BENCH_FORMATS = ("bf16", "fp8_e4m3-per_tensor", "fp8_e4m3-per_token", "int8-per_tensor", "int8-per_token",
                  "int8-per_token-asym", "int4-per_head", "int4-per_token", "int4-per_token-asym")
 BENCH_GEOMETRIES = ("llama3-8b", "llama3-70b-tp8", "llama3-70b-tp2")
@@ -122,6 +120,7 @@ def compile_build(launch: dict) -> dict:
 
 
 def main(records: str, out: str) -> None:
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # read when a kernel compiles
     rows = json.load(gzip.open(records))
     builds = {}
     for row in rows:
