@@ -2,11 +2,12 @@
 
 Run on the GPU machine from the repository root (needs only torch and triton):
 
-    python3 benchmarks/kernels.py --out benchmarks/results            # full grid
-    python3 benchmarks/kernels.py --quick --out /tmp/r                 # one shape
+    python -m benchmarks.kernels --out benchmarks/results            # full grid
+    python -m benchmarks.kernels --quick --out /tmp/r                 # one shape
+    python -m benchmarks.kernels --models llama3-8b --shapes 16x32768,1x131072 --out /tmp/r   # part of it
 
 For each model shape x (batch, context) x KV format it records the decode
-kernel's median GPU time (CUDA-graph replays, L2 emptied before each call by
+kernel's median GPU time under its default plan (runtime.kernels.decode_plan; the plan's fields go into the row) (CUDA-graph replays, L2 emptied before each call by
 reading 256 MiB -- `--flush write` zeroes them instead, as runs before 2026-11-30
 did, which charges every call the write-back of those dirty lines: gpu_timing.py;
 the eager launch time beside it), the GB/s of KV it actually reads (pages of the valid
@@ -21,19 +22,16 @@ Rows go to kernels.jsonl (one JSON object per line), a table to kernels.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
-import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_timing import (  # noqa: E402
+from benchmarks.gpu_timing import (
     DEFAULT_FLUSH,
     FLUSH_MODES,
     ceilings,
@@ -43,12 +41,9 @@ from gpu_timing import (  # noqa: E402
     median_ms,
     read_gbps,
 )
-
-from runtime.kernels import decode_attention_launch, write_kv_launch  # noqa: E402
-from runtime.kernels.formats import kernel_format  # noqa: E402
-from runtime.kernels.tuning import tuned_for  # noqa: E402
-from runtime.kv_cache import allocate_layer  # noqa: E402
-from runtime.kv_format import KVFormat, dequantize  # noqa: E402
+from runtime.kernels import DecodePlan, decode_attention, decode_plan_for, write_kv
+from runtime.kv_cache import allocate_layer
+from runtime.kv_format import KVFormat, dequantize
 
 FORMATS = {
     "bf16": KVFormat("bf16"),
@@ -70,10 +65,7 @@ GRID = [(1, 131072), (16, 32768), (32, 32768), (64, 32768), (64, 8192), (128, 40
 BLOCK_SIZE = 16
 DEVICE = "cuda"
 FLUSH = DEFAULT_FLUSH  # how median_ms empties L2 before a timed call (gpu_timing.FLUSH_MODES)
-# (block_n, num_warps, num_stages, V tile loaded transposed) candidates for the tuning pass
-# (None = the launcher's defaults, chosen with benchmarks/kernel_variants.py; --tune-tiles adds the rest)
-CONFIGS_16BIT = [(64, 4, 3, 0), (128, 4, 3, 0)]
-CONFIGS_8BIT = [(32, 4, 2, 0), (64, 4, 1, 0), (64, 4, 2, 0), (64, 4, 2, 1), (128, 4, 2, 0)]
+CHECK_SHAPE = ("llama3-8b", 16, 32768)  # where each format's output is also checked against the fp32 reference
 
 
 class Case:
@@ -156,17 +148,8 @@ class Case:
         return (p @ v).view(b, self.heads, d)
 
 
-def kernel_name(tuned, kf, case: Case, opts: dict) -> str:
-    """Which kernel the launch ran: the Gluon one where the format's default asks for it and it
-    serves the shape (explicit tile options keep the Triton kernels)."""
-    from runtime.kernels import decode_gluon
-
-    if tuned.gluon and not opts and decode_gluon.supported(kf, case.q, BLOCK_SIZE, case.heads // case.kv_heads):
-        return "gluon"
-    return "per-warp" if tuned.warps else "heads-x-tokens"
-
-
-def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
+def run_case(case: Case, fmt_names, rows, sink, check: bool, plan_changes: dict | None = None):
+    """Each format's write and decode (under its default plan, with `plan_changes` if given) at this case."""
     sdpa_ms, backend = case.sdpa_ms()
     dense = case.kv_bytes(KVFormat("bf16"))
     print(f"{case.model} {case.batch}x{case.ctx}: SDPA[{backend}] {sdpa_ms:.3f} ms "
@@ -174,50 +157,42 @@ def run_case(case: Case, fmt_names, configs, rows, sink, check: bool):
     for name in fmt_names:
         fmt = FORMATS[name]
         cache = case.cache(fmt)
-        write_ms = median_ms(partial(write_kv_launch, cache, case.k, case.v, case.slots), flush=FLUSH)
+        write_ms = median_ms(partial(write_kv, cache, case.k, case.v, case.slots), flush=FLUSH)
         write_bytes = case.write_bytes(fmt)
-        best = None
-        tried = []
-        launch = partial(decode_attention_launch, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale)
-        tuned = tuned_for(kernel_format(cache), case.batch * case.kv_heads, case.block_tables.shape[1] * BLOCK_SIZE)
-        for cfg in configs:
-            if cfg is None:  # the launcher's own choice for this format and shape (tuning.tuned_for)
-                opts = {}
-                cfg = (tuned.block_n, 4 if not tuned.warps else min(4, tuned.block_n // 16), tuned.num_stages, 0)
-            else:
-                opts = dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], v_transposed=bool(cfg[3]))
-            try:
-                ms = median_ms(partial(launch, **opts), flush=FLUSH)
-            except Exception as e:  # a config that does not compile (e.g. out of shared memory)
-                print(f"  {name} cfg={cfg}: {type(e).__name__} {str(e)[:100]}", flush=True)
-                continue
-            tried.append([*cfg, round(ms, 4)])
-            if best is None or ms < best[0]:
-                best = (ms, cfg, opts)
-        ms, (bn, warps, stages, vt), opts = best
-        eager = eager_ms(partial(launch, **opts))
+        plan = decode_plan_for(case.q, cache, case.block_tables)
+        plan = dataclasses.replace(plan, **(plan_changes or {}))
+        launch = partial(decode_attention, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, plan=plan)
+        ms = median_ms(launch, flush=FLUSH)
+        eager = eager_ms(launch)
         err = None
         if check:
             ref = case.reference(cache)
-            err = ((launch(**opts).float() - ref).norm() / ref.norm()).item()
+            err = ((launch().float() - ref).norm() / ref.norm()).item()
         kvb = case.kv_bytes(fmt)
         row = {
             "kind": "decode", "model": case.model, "batch": case.batch, "ctx": case.ctx, "format": name,
             "fmt": fmt.name, "ms": ms, "kv_bytes": kvb, "gbps": kvb / ms / 1e6, "read_gbps_same_size": read_gbps(kvb, FLUSH),
             "sdpa_ms": sdpa_ms, "sdpa_backend": backend, "speedup": sdpa_ms / ms, "eager_ms": eager,
             "timing": f"cuda graph, L2 flushed per call ({FLUSH})",
-            "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6,
-            "block_n": bn, "num_warps": warps, "num_stages": stages, "v_transposed": vt, "relerr_vs_fp32": err,
-            "kernel": kernel_name(tuned, kernel_format(cache), case, opts), "default_tile": not opts,
-            "configs_tried": tried if len(tried) > 1 else None,
+            "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6, "relerr_vs_fp32": err,
+            "kernel": plan.kernel, "plan": dataclasses.asdict(plan),
             "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim, "block_size": BLOCK_SIZE,
         }
         rows.append(row)
         sink.write(json.dumps(row) + "\n")
         sink.flush()
-        print(f"  {name:14s} {ms:.3f} ms {row['gbps']:6.0f} GB/s x{row['speedup']:.2f} "
-              f"write {row['write_gbps']:5.0f} GB/s cfg=({bn},{warps},{stages},{vt}) err={err}", flush=True)
+        print(f"  {name:14s} {ms:.4f} ms {row['gbps']:6.0f} GB/s x{row['speedup']:.2f} "
+              f"write {row['write_gbps']:5.0f} GB/s {plan_text(plan)} err={err}", flush=True)
         del cache
+
+
+def plan_text(plan) -> str:
+    """The plan's fields that matter for its kernel, short."""
+    if plan.kernel == "gluon":
+        return (f"gluon splits={plan.splits} regs={plan.registers} stages={plan.stages}"
+                f"{' pairs' if plan.pairs else ''}{' tma' if plan.tma else ''} kc={plan.k_chains}")
+    return (f"{plan.kernel} splits={plan.splits} n={plan.block_n} warps={plan.num_warps} stages={plan.num_stages}"
+            f" regs={plan.registers}")
 
 
 def end_to_end(out: Path, device: str = "cuda", preset_name: str = "smollm2-135m", max_tokens: int = 32) -> list[dict]:
@@ -278,34 +253,62 @@ def markdown(env: dict, rows: list[dict]) -> str:
         "eager calls (host time included where it outlasts the kernel). "
         "Baseline: torch SDPA (cuDNN backend) on dense BF16 KV of the same shape, same run.",
         "",
-        "Kernel: gluon = decode_gluon._decode_kernel_gluon (one-warp programs of 16-token tiles; the tile "
-        "column then shows the Triton kernels' options, unused), heads-x-tokens = decode_attention._decode_kernel, "
-        "per-warp = decode_warps._decode_kernel_warps (tile: 1 warp = one-warp programs of 16 tokens, "
-        "4 warps = 4 x 16 tokens).",
+        "Plan: the default DecodePlan's kernel (gluon = decode_gluon.py, one-warp programs of 16-token tiles; "
+        "warps = decode_warps.py; tiles = decode_tiles.py) and its main fields (docs/interfaces.md).",
         "",
-        "| model | batch x ctx | format | ms | GB/s | % read bw | % same-size read | vs cuDNN bf16 | eager ms | write GB/s | write % of copy | kernel | tile (n,warps,stages,vT) | rel err |",
+        "| model | batch x ctx | format | ms | GB/s | % read bw | % same-size read | vs cuDNN bf16 | eager ms | write GB/s | write % of copy | plan | rel err |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         err = "" if r["relerr_vs_fp32"] is None else f"{r['relerr_vs_fp32']:.1e}"
-        eager = f"{r['eager_ms']:.3f}" if "eager_ms" in r else "-"  # rows recorded before graph timing
-        same = f"{100 * r['gbps'] / r['read_gbps_same_size']:.0f}%" if "read_gbps_same_size" in r else "-"
+        eager = f"{r['eager_ms']:.3f}"
+        same = f"{100 * r['gbps'] / r['read_gbps_same_size']:.0f}%"
         lines.append(
             f"| {r['model']} | {r['batch']}x{r['ctx']} | {r['format']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
             f"{100 * r['gbps'] / env['read_gbps']:.0f}% | {same} | {r['speedup']:.2f}x ({r['sdpa_ms']:.3f} ms) | {eager} | "
-            f"{r['write_gbps']:.0f} | {100 * r['write_gbps'] / env['copy_gbps']:.0f}% | {r.get('kernel', 'heads-x-tokens')} | ({r['block_n']},{r['num_warps']},{r['num_stages']},{r.get('v_transposed', 0)}) | {err} |"
+            f"{r['write_gbps']:.0f} | {100 * r['write_gbps'] / env['copy_gbps']:.0f}% | "
+            f"{plan_text(DecodePlan(**r['plan']))} | {err} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def check_without_gpu(grid, fmt_names) -> None:
+    """Each case's default plans run once under the Triton interpreter (TRITON_INTERPRET=1, tiny --shapes) and
+    checked against the fp32 reference: the benchmark's own code path, without timings."""
+    global DEVICE
+    DEVICE = "cpu"
+    for model, batch, ctx in grid:
+        case = Case(model, batch, ctx)
+        for name in fmt_names:
+            cache = case.cache(FORMATS[name])
+            write_kv(cache, case.k, case.v, case.slots)
+            plan = decode_plan_for(case.q, cache, case.block_tables)
+            out = decode_attention(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, plan=plan)
+            ref = case.reference(cache)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            print(f"{model} {batch}x{ctx} {name:14s} {plan_text(plan)} err={err:.2e}", flush=True)
+            assert err < 0.05, f"{name}: relative error {err} against the fp32 reference"
+
+
+def grid_of(models: str, shapes: str, quick: bool) -> list[tuple[str, int, int]]:
+    """(model, batch, context) cases: the GRID over MODELS, or the given ones ("16x32768,1x131072")."""
+    if quick:
+        return [CHECK_SHAPE]
+    names = models.split(",") if models else list(MODELS)
+    unknown = [m for m in names if m not in GEOMETRIES]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {', '.join(GEOMETRIES)}")
+    cases = [tuple(int(x) for x in s.split("x")) for s in shapes.split(",")] if shapes else GRID
+    return [(m, b, c) for m in names for (b, c) in cases]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="only llama3-8b 16x32768")
+    ap.add_argument("--models", default="", help=f"comma-separated, of {', '.join(GEOMETRIES)} (default: the grid's)")
+    ap.add_argument("--shapes", default="", help="comma-separated BATCHxCONTEXT (default: the grid's)")
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--tune", default="16x32768", help="batch x ctx whose runs try every tile config")
-    ap.add_argument("--tune-tiles", action="store_true", help="also try the tile configs at the tuning shape")
-    ap.add_argument("--configs", default="", help="fixed 'bn,warps,stages,vT' per format, e.g. int4=64,4,3,1;bf16=32,4,2,0")
     ap.add_argument("--profile", default="", help="only run FORMAT's decode at 16x32768 a few times (under ncu)")
     ap.add_argument("--e2e", default="", help="only the end-to-end greedy check, on this device (cuda)")
     ap.add_argument("--markdown", default="", help="only rebuild kernels.md from this kernels.jsonl")
@@ -321,48 +324,27 @@ def main() -> None:
         end_to_end(Path(args.out), device=args.e2e)
         return
     if args.profile:
-        name, cfg = args.profile.split("=")
-        bn, warps, stages, vt = (int(x) for x in cfg.split(","))
-        case = Case("llama3-8b", 16, 32768)
-        cache = case.cache(FORMATS[name])
-        write_kv_launch(cache, case.k, case.v, case.slots)
+        case = Case(*CHECK_SHAPE)
+        cache = case.cache(FORMATS[args.profile])
+        write_kv(cache, case.k, case.v, case.slots)
         for _ in range(3):
-            decode_attention_launch(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale,
-                                    block_n=bn, num_warps=warps, num_stages=stages, v_transposed=bool(vt))
+            decode_attention(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale)
         torch.cuda.synchronize()
+        return
+    grid = grid_of(args.models, args.shapes, args.quick)
+    if not torch.cuda.is_available():  # CPU: the interpreter runs each plan once, checked; nothing is timed
+        check_without_gpu(grid, args.formats.split(","))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = gpu_env(flush=FLUSH, **ceilings(FLUSH))
     print(f"{env['gpu']}: copy {env['copy_gbps']:.0f} GB/s, read {env['read_gbps']:.0f} GB/s", flush=True)
-    fmt_names = args.formats.split(",")
-    fixed = {}
-    for item in filter(None, args.configs.split(";")):
-        name, cfg = item.split("=")
-        fixed[name] = [tuple(int(x) for x in cfg.split(","))]
     rows: list[dict] = []
     with open(out / "kernels.jsonl", "w") as sink:
         sink.write(json.dumps(env) + "\n")
-        grid = [(m, b, c) for m in MODELS for (b, c) in GRID]
-        if args.quick:
-            grid = [("llama3-8b", 16, 32768)]
-        tuned: dict[str, list] = {}
-        # tuning shape first, so the other shapes reuse its best tile per format
-        grid.sort(key=lambda x: (x[0] != "llama3-8b", f"{x[1]}x{x[2]}" != args.tune))
         for model, batch, ctx in grid:
             case = Case(model, batch, ctx)
-            tune = model == "llama3-8b" and f"{batch}x{ctx}" == args.tune
-            for name in fmt_names:
-                full = [None]
-                if args.tune_tiles:
-                    full += CONFIGS_8BIT if FORMATS[name].quantized else CONFIGS_16BIT
-                cfgs = fixed.get(name) or (full if tune or name not in tuned else tuned[name])
-                before = len(rows)
-                run_case(case, [name], cfgs, rows, sink, check=tune)
-                if tune and len(rows) > before:  # the launcher's defaults depend on the shape: reuse None
-                    r = rows[-1]
-                    tuned[name] = [None if r["default_tile"] else
-                                   (r["block_n"], r["num_warps"], r["num_stages"], r["v_transposed"])]
+            run_case(case, args.formats.split(","), rows, sink, check=(model, batch, ctx) == CHECK_SHAPE)
             del case
             torch.cuda.empty_cache()
     (out / "kernels.md").write_text(markdown(env, rows))
@@ -370,5 +352,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.pop("TRITON_INTERPRET", None)
     main()

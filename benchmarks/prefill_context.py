@@ -2,10 +2,10 @@
 
 Run on the GPU machine from the repository root (needs only torch and triton):
 
-    python3 benchmarks/prefill_context.py --out benchmarks/results          # full grid
-    python3 benchmarks/prefill_context.py --quick --out /tmp/r              # 8192 + 512 only
-    python3 benchmarks/prefill_context.py --tune 32768x512 --out /tmp/r     # + alternative tiles there
-    python3 benchmarks/prefill_context.py --p-scale both --out /tmp/r       # per-token formats both ways
+    python -m benchmarks.prefill_context --out benchmarks/results          # full grid
+    python -m benchmarks.prefill_context --quick --out /tmp/r              # 8192 + 512 only
+    python -m benchmarks.prefill_context --tune 32768x512 --out /tmp/r     # + alternative tiles there
+    python -m benchmarks.prefill_context --p-scale both --out /tmp/r       # per-token formats both ways
 
 Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, bf16 q/k/v), page 16, pages
 in random order: one chunk of 512 or 2048 tokens continuing a sequence whose first 8192,
@@ -20,7 +20,7 @@ in random order: one chunk of 512 or 2048 tokens continuing a sequence whose fir
 * the error of both against an fp32 attention over the dequantized cache (the first and
   last 64 queries of the chunk, where the causal part is shortest and longest);
 * for per-token formats, where V's scales went: on V, dequantized in fp32 in every tile (the
-  launcher's default) or on p (p_scale=True); --p-scale both records a row for each.
+  plan's default here) or on p (PrefillPlan.p_scale); --p-scale both records a row for each.
 
 Rows go to prefill_context.jsonl (first line: the environment), a table to prefill_context.md.
 Without CUDA it runs the --quick shape shrunk to 1024 + 48 tokens under the Triton
@@ -30,10 +30,10 @@ interpreter and checks the errors only (no timing): a smoke test of this script.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -42,15 +42,9 @@ import torch
 if not torch.cuda.is_available():  # before triton decorates the kernels (tests/conftest.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels as kb  # noqa: E402  (benchmarks/kernels.py: the format names)
-
+from benchmarks import kernels as kb  # noqa: E402  (the format names)
 from runtime import attention as ref_ops  # noqa: E402
-from runtime.kernels import prefill_context_attention_launch  # noqa: E402
-from runtime.kernels.prefill_context import DEFAULTS  # noqa: E402
+from runtime.kernels import prefill_context_attention, prefill_plan  # noqa: E402
 from runtime.kv_cache import allocate_layer  # noqa: E402
 from runtime.kv_format import KVFormat  # noqa: E402
 
@@ -126,24 +120,32 @@ def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def plan_for(args: list, tile: tuple | None, p_scale: bool):
+    """The default PrefillPlan for these arguments with `tile` (block_m, block_n, num_warps, num_stages; None: the
+    default's) and V's scales on p where `p_scale` and the format and q dtype allow it."""
+    q, cache = args[0], args[4]
+    plan = prefill_plan(cache.fmt, q.device, q_dtype=q.dtype)
+    changes = {} if tile is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tile))
+    return dataclasses.replace(plan, p_scale=p_scale and plan.p_scale, **changes)
+
+
 def run_case(case: Case, name: str, tiles: list, rows: list, sink, p_scale: bool = True) -> None:
-    from gpu_timing import eager_ms, median_ms
+    from benchmarks.gpu_timing import eager_ms, median_ms
 
     fmt = FORMATS[name]
     cache = case.cache(fmt)
     args = case.args(cache)
     tried = []
-    for tile in tiles:  # None: the launcher's defaults
-        opts = {} if tile is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tile))
-        opts["p_scale"] = p_scale
+    for tile in tiles:  # None: the default plan's
+        plan = plan_for(args, tile, p_scale)
         try:
-            ms = median_ms(partial(prefill_context_attention_launch, *args, **opts))
+            ms = median_ms(partial(prefill_context_attention, *args, plan=plan))
         except Exception as e:  # a tile that does not compile (shared memory, registers)
             print(f"  {name} {tile}: {type(e).__name__} {str(e)[:100]}", flush=True)
             continue
-        tried.append((ms, tile, opts))
-    ms, tile, opts = min(tried, key=lambda x: x[0])
-    kernel = partial(prefill_context_attention_launch, *args, **opts)
+        tried.append((ms, tile, plan))
+    ms, tile, plan = min(tried, key=lambda x: x[0])
+    kernel = partial(prefill_context_attention, *args, plan=plan)
     eager = eager_ms(kernel)
     truth = case.reference(cache)
     pick = case.check_rows()
@@ -155,12 +157,12 @@ def run_case(case: Case, name: str, tiles: list, rows: list, sink, p_scale: bool
         print(f"  reference: out of memory ({str(e)[:80]})", flush=True)
         ref_ms = ref_err = float("nan")
         torch.cuda.empty_cache()
-    used = {k: opts.get(k, DEFAULTS["16bit"][k]) for k in DEFAULTS["16bit"]}
+    used = {k: getattr(plan, k) for k in ("block_m", "block_n", "num_warps", "num_stages")}
     row = {
         "kind": "prefill_context", "ctx": case.ctx, "chunk": case.chunk, "format": name, "fmt": fmt.name,
         "ms": ms, "tflops": case.flops() / ms / 1e9, "eager_ms": eager, "ref_ms": ref_ms, "speedup": ref_ms / ms,
         "relerr_vs_fp32": err, "ref_relerr_vs_fp32": ref_err, "tiles": used,
-        "p_scale": p_scale if fmt.dynamic else None,
+        "p_scale": plan.p_scale if fmt.dynamic else None,
         "configs_tried": [[t, round(m, 4)] for m, t, _ in tried] if len(tried) > 1 else None,
         "timing": "kernel: cuda graph, L2 flushed per call; ref: eager (host sync inside)",
         "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
@@ -209,7 +211,7 @@ def smoke() -> None:
         truth = case.reference(cache)
         ref_err = relerr(ref_ops.prefill_context_attention(*args)[pick], truth)
         for p_scale in (True, False) if fmt.dynamic else (True,):
-            err = relerr(prefill_context_attention_launch(*args, p_scale=p_scale)[pick], truth)
+            err = relerr(prefill_context_attention(*args, plan=plan_for(args, None, p_scale))[pick], truth)
             where = V_SCALES[p_scale if fmt.dynamic else None]
             print(f"{name:14s} {where} kernel err {err:.1e}  reference err {ref_err:.1e}", flush=True)
             assert err <= 2 * ref_err + 1e-2, (name, p_scale, err, ref_err)
@@ -229,9 +231,10 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from gpu_timing import gpu_env
+    from benchmarks.gpu_timing import gpu_env
 
-    env = gpu_env(defaults=DEFAULTS["16bit"])
+    default = prefill_plan(KVFormat("bf16"), "cuda", q_dtype=torch.bfloat16)
+    env = gpu_env(defaults={k: getattr(default, k) for k in ("block_m", "block_n", "num_warps", "num_stages")})
     grid = [(8192, 512)] if args.quick else GRID
     rows: list[dict] = []
     with open(out / "prefill_context.jsonl", "w") as sink:

@@ -1,6 +1,7 @@
-"""Cross-compile every variant of the Gluon decode kernel for sm_90 and print one JSON line each
-(registers, spill stack, local-memory instructions inside the tile loop, shared memory). Run without TRITON_INTERPRET (tests/test_kernels.py runs it
-in a subprocess); exit code 3 when this Triton has no Gluon."""
+"""Cross-compile every planned build of the Gluon decode kernel for sm_90 and print one JSON line each (registers,
+spill stack, local-memory instructions inside the tile loop, shared memory). Run without TRITON_INTERPRET
+(`python -m tests.helpers_gluon_compile`; tests/test_kernel_gluon.py runs it in a subprocess); exit code 3 when
+this Triton has no Gluon."""
 
 from __future__ import annotations
 
@@ -11,57 +12,52 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton
+from triton.backends.compiler import GPUTarget
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from runtime.kernels import decode_gluon
+from runtime.kernels.formats import format_codes
+from runtime.kernels.plan import DEVICE_H200, DecodePlan, Device, decode_plan
+from runtime.kv_format import KVFormat
 
-from runtime.kernels import decode_gluon, tuning  # noqa: E402
-from runtime.kernels.formats import FP8_E4M3, KernelFormat  # noqa: E402
-
-
-def kernel_format_of(kind: int, mode: int, asym: bool = False) -> KernelFormat:
-    return KernelFormat(kind=kind, scale_mode=mode, asym=asym, fp8=FP8_E4M3 if kind == 0 else 0, qmax=0.0, qmin=0.0,
-                        scale_dtype=0, head_dim=decode_gluon.HEAD_DIM)
-
-
-def planned_build(kind: int, mode: int, asym: bool, group: int, batch: int, kv_heads: int,
-                  ctx: int) -> tuple[int, int, bool, int, bool, int, int]:
-    """The variant (ring stages, tiles two a step, what the TMA unit copies) `tuning.gluon_plan` takes for this
-    format and shape on the H200."""
-    kf = kernel_format_of(kind, mode, asym)
-    tma = tuning.gluon_tma_for(kf, 9)
-    _, _, stages, pairs = tuning.gluon_plan(kf, batch, kv_heads, ctx, 132, group=group, tma=tma)
-    return kind, mode, asym, stages, pairs, group, tma if stages else 0
-
-
-# (storage kind, scale mode, asymmetric, ring stages, tiles two a step, query heads per KV head, TMA copies): fp8 /
-# int8 / int4 x
-# per-tensor, per-head, per-token (+ asym), as planned for long splits (int4: the ring filled by TMA, two tiles a
-# step), for few long sequences (`tuning._long_splits`) and for short splits (int4 from registers), at GQA groups 4
-# (Llama-3-8B), 8 (70B) and 1 (multi-head); fp8 per-token, whose register cap depends on the group
-# (`tuning.FP8_TOKEN_CAP_GROUPS`), at every group; and the int4 rings filled by cp.async (Ampere's), one tile a step
-# for per-head int4
-FORMATS = [(kind, mode, asym) for kind in (0, 1, 2)
-           for mode, asym in ((1, False), (2, False), (3, False)) + (((3, True),) if kind else ())]
+# fp8 / int8 / int4 x per-tensor, per-head, per-token (+ asym)
+FORMATS_BY_NAME = {f.name: f for f in [KVFormat(dtype, g) for dtype in ("fp8_e4m3", "int8", "int4")
+                                       for g in ("per_tensor", "per_head", "per_token")]
+                   + [KVFormat(dtype, "per_token", symmetric=False) for dtype in ("int8", "int4")]}
+AMPERE = Device("NVIDIA A100", 108, 8)  # no TMA: the int4 ring filled by cp.async
 PLAN_SHAPES = [(16, 8, 32768), (1, 8, 131072), (64, 1, 8192)]  # (batch, KV heads, context)
-GLUON_VARIANTS = list(dict.fromkeys(planned_build(*fmt, group, *shape)
-                                    for group in (4, 8, 1) for shape in PLAN_SHAPES for fmt in FORMATS))
-GLUON_VARIANTS += [planned_build(0, 3, False, group, *PLAN_SHAPES[0]) for group in (2, 3, 5, 6, 7)]
-GLUON_VARIANTS += [(2, 1, False, 2, False, 4, 0), (2, 3, False, 4, True, 4, 0), (2, 3, True, 4, True, 4, 0),
-                   (2, 3, True, 4, True, 4, 1)]
+
+
+def planned(name: str, group: int, batch: int, kv_heads: int, ctx: int, device: Device = DEVICE_H200
+            ) -> tuple[tuple, DecodePlan]:
+    """(variant: format name, GQA group, ring stages, tiles two a step, TMA; the Gluon plan) for this shape."""
+    plan = decode_plan(FORMATS_BY_NAME[name], batch, group * kv_heads, kv_heads, ctx, device, kernel="gluon")
+    return (name, group, plan.stages, plan.pairs, plan.tma), plan
+
+
+# Every format as planned on the H200 for long splits (int4: the ring filled by TMA, two tiles a step), for few long
+# sequences (`tuning._long_splits`) and for short splits (int4 from registers), at GQA groups 4 (Llama-3-8B), 8
+# (70B) and 1 (multi-head); fp8 per-token, whose register cap depends on the group (`tuning.FP8_TOKEN_CAP_GROUPS`),
+# at every group; and the int4 rings filled by cp.async (sm_8x plans: one tile a step for per-head int4)
+VARIANT_PLANS = dict(planned(name, group, *shape) for group in (4, 8, 1) for shape in PLAN_SHAPES
+                     for name in FORMATS_BY_NAME)
+VARIANT_PLANS.update(planned("fp8_e4m3-per_token", group, *PLAN_SHAPES[0]) for group in (2, 3, 5, 6, 7))
+VARIANT_PLANS.update(planned(name, 4, *PLAN_SHAPES[0], AMPERE)
+                     for name in ("int4-per_head", "int4-per_token", "int4-per_token-asym"))
+GLUON_VARIANTS = list(VARIANT_PLANS)
 
 
 def tma_signature(mode: int) -> dict[str, str]:
-    """The kernel's argument types where the TMA unit copies (`decode_gluon.ring_descriptors`): K, V (and per-token
+    """The kernel's argument types where the TMA unit copies (`launch.ring_descriptors`): K, V (and per-token
     KS, VS, KZ, VZ) as tensor descriptors."""
     import torch
     from triton.runtime.jit import mangle_type
 
     pages = torch.zeros(16, 1, 16, 16, dtype=torch.int32)
     scales = (torch.zeros(16, 1, 16, dtype=torch.float16),) * 4 if mode == 3 else ()
-    return dict(zip(("K", "V", "KS", "VS", "KZ", "VZ"), map(mangle_type, decode_gluon.ring_descriptors(pages, pages,
-                                                                                                        scales))))
+    from runtime.kernels.launch import ring_descriptors
+
+    return dict(zip(("K", "V", "KS", "VS", "KZ", "VZ"), map(mangle_type, ring_descriptors(pages, pages, scales))))
 
 
 def loop_local_accesses(sass: str) -> int:
@@ -74,28 +70,29 @@ def loop_local_accesses(sass: str) -> int:
     return sum(1 for a, line in addr if start <= a <= end and re.search(r"\b(LDL|STL)\b", line))
 
 
-def build(kind: int, mode: int, asym: bool, stages: int, pairs: bool, group: int, tma: int) -> dict:
+def build(name: str, group: int, stages: int, pairs: bool, tma: bool) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    plan = VARIANT_PLANS[(name, group, stages, pairs, tma)]
+    kf = format_codes(FORMATS_BY_NAME[name], decode_gluon.HEAD_DIM)
+    mode, asym = kf.scale_mode, kf.asym
     fn = decode_gluon._decode_kernel_gluon
     scale = "*fp16" if mode == 3 else "*fp32"
     ptrs = {"Q": "*bf16", "K": "*i32", "V": "*i32", "KS": scale, "VS": scale, "KZ": scale, "VZ": scale,
             "BT": "*i32", "SEQ": "*i32", "OUT": "*bf16", "PM": "*fp32", "PL": "*fp32", "PACC": "*fp32"}
-    if tma:  # as `decode_gluon.launch` passes them
-        described = tma_signature(mode if tma == 2 else 0)
+    if tma:  # as `launch._launch_gluon` passes them
+        described = tma_signature(mode)
         ptrs.update(described if mode != 3 or asym else {**described, "KZ": described.get("KS", scale),
                                                            "VZ": described.get("VS", scale)})
-    kf = kernel_format_of(kind, mode, asym)
-    consts = dict(NUM_HEADS=8 * group, BLOCK_SIZE=16, GROUP=group, KIND=kind, SCALE_MODE=mode, ASYM=asym,
-                  **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=tuning.skip_rescale_for(kf),
-                  STAGES=stages, OFF32=tuning.gluon_offsets32(kf, 0), PAIRS=pairs, K_CHAINS=tuning.gluon_k_chains_for(kf),
-                  TMA=tma)
+    consts = dict(NUM_HEADS=8 * group, BLOCK_SIZE=16, GROUP=group, KIND=kf.kind, SCALE_MODE=mode, ASYM=asym,
+                  **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=plan.skip_rescale, STAGES=stages,
+                  OFF32=plan.offsets32, PAIRS=pairs, K_CHAINS=plan.k_chains, TMA=tma)
     names = fn.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if ptrs.get(n, "").startswith("*") or n.startswith("stride_") or n == "tokens_per_split"]
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    cap, _ = tuning.gluon_registers(kf, ring=stages > 0, group=group)
+    cap = plan.registers
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from runtime import attention as ref_ops  # noqa: E402
-from runtime.kernels import prefill_context_attention, prefill_context_attention_launch  # noqa: E402
+from runtime.kernels import prefill_context_attention, prefill_plan  # noqa: E402
 from runtime.kv_cache import allocate_layer  # noqa: E402
 from runtime.kv_format import KVFormat, dequantize  # noqa: E402
 
@@ -162,6 +163,16 @@ def _qdtype(fmt, shape):
     return torch.float16 if shape == "gqa2-page16" else torch.bfloat16
 
 
+def _planned(args, sm_scale, p_scale=None, **tiles):
+    """prefill_context_attention under its default plan with `tiles` (block_m, block_n) and, where the format and q
+    dtype allow V's scales on p, `p_scale`."""
+    q, cache = args[0], args[4]
+    plan = prefill_plan(cache.fmt, q.device, q_dtype=q.dtype)
+    if p_scale is not None:
+        tiles["p_scale"] = p_scale and plan.p_scale  # the default says where it serves
+    return prefill_context_attention(*args, sm_scale, plan=replace(plan, **tiles))
+
+
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
 def test_prefill_context_relative_oracle(fmt, shape):
@@ -169,7 +180,7 @@ def test_prefill_context_relative_oracle(fmt, shape):
     qdtype = _qdtype(fmt, shape)
     args = _build(fmt, SHAPES[shape], gen, qdtype)
     sm_scale = 1.0 / math.sqrt(args[0].shape[-1])
-    out = prefill_context_attention_launch(*args, sm_scale, **SHAPES[shape]["tiles"])
+    out = _planned(args, sm_scale, **SHAPES[shape]["tiles"])
     assert out.dtype == qdtype and out.shape == args[0].shape
     truth, torch_err = _check(out, args, sm_scale, qdtype)
     # and the reference op it replaces, within the same bound
@@ -179,9 +190,8 @@ def test_prefill_context_relative_oracle(fmt, shape):
         assert _relerr(out, truth) <= 2 * _relerr(ref, truth) + 1e-5
 
 
-# Per-token formats, V's scales on p (the default for symmetric formats with bf16 q; the launcher
-# takes the fp32 path for asymmetric formats and other q dtypes whatever p_scale says) and on V in
-# fp32 (p_scale=False), with V whose scales and zero points vary strongly from token to token
+# Per-token formats, V's scales on p (PrefillPlan.p_scale, the default for symmetric formats with bf16 q; the
+# others take the fp32 path) and on V in fp32 (p_scale=False), with V whose scales and zero points vary strongly from token to token
 # (_build's v_per_token): a scale or zero point applied to another token's values, or dropped, is
 # far outside the oracle's bound.
 TOKEN_FORMATS = [
@@ -200,12 +210,12 @@ V_PATHS = [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, Fals
 def test_per_token_v_scales_that_vary_by_token(fmt, qdtype, p_scale):
     gen = torch.Generator().manual_seed(zlib.crc32(f"vtok{fmt.name}".encode()))
     args = _build(fmt, SHAPES["gqa2-page16"], gen, qdtype, v_per_token=True)
-    out = prefill_context_attention_launch(*args, 0.2, p_scale=p_scale, **SHAPES["gqa2-page16"]["tiles"])
+    out = _planned(args, 0.2, p_scale, **SHAPES["gqa2-page16"]["tiles"])
     _check(out, args, 0.2, qdtype)
 
 
 def test_default_tiles_and_public_op():
-    """The public op (launcher defaults: one tile spans a whole CPU-sized chunk) agrees too."""
+    """The public op under its default plan (one tile spans a whole CPU-sized chunk) agrees too."""
     fmt = KVFormat("int8", "per_token")
     gen = torch.Generator().manual_seed(5)
     args = _build(fmt, SHAPES["gqa3-page5"], gen, torch.bfloat16)
@@ -218,7 +228,7 @@ def test_without_context_equals_prefill_attention():
     gen = torch.Generator().manual_seed(6)
     args = _build(KVFormat("fp32"), SHAPES["gqa3-page5"], gen, torch.float32)
     args[-1] = torch.zeros_like(args[-1])
-    out = prefill_context_attention_launch(*args, 0.3, block_m=16, block_n=16)
+    out = _planned(args, 0.3, block_m=16, block_n=16)
     ref = ref_ops.prefill_attention(*args[:4], 0.3)
     assert (out - ref).abs().max().item() <= 1e-5
 
@@ -232,7 +242,7 @@ def test_many_chunks_find_their_tiles():
     chunks[0], chunks[7], chunks[19] = (5, 0), (0, 0), (3, 0)
     s = dict(heads=8, kv_heads=2, head_dim=16, block_size=4, chunks=chunks)
     args = _build(KVFormat("fp32"), s, gen, torch.float32)
-    out = prefill_context_attention_launch(*args, 0.3, block_m=16, block_n=16)
+    out = _planned(args, 0.3, block_m=16, block_n=16)
     assert (out - ref_ops.prefill_context_attention(*args, 0.3)).abs().max().item() <= 1e-5
 
 
@@ -255,8 +265,11 @@ def test_rejects_bad_input():
         prefill_context_attention(q, k, v, cu, cache, bt, ctx[:-1], 1.0)
     with pytest.raises(ValueError, match="a row per chunk"):
         prefill_context_attention(q, k, v, cu, cache, bt[:-1], ctx, 1.0)
-    with pytest.raises(ValueError, match="block_n must be a power of two"):
-        prefill_context_attention_launch(q, k, v, cu, cache, bt, ctx, 1.0, block_n=24)
+    plan = prefill_plan(cache.fmt, q.device, q_dtype=q.dtype)
+    with pytest.raises(ValueError, match=r"PrefillPlan.block_n=24: use a power of two"):
+        prefill_context_attention(q, k, v, cu, cache, bt, ctx, 1.0, plan=replace(plan, block_n=24))
+    with pytest.raises(ValueError, match=r"PrefillPlan.p_scale=True"):  # fp16 q: p s could leave fp16's range
+        prefill_context_attention(q, k, v, cu, cache, bt, ctx, 1.0, plan=replace(plan, p_scale=True))
 
 
 @pytest.mark.gpu

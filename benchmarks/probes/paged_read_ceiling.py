@@ -2,14 +2,13 @@
 and the contiguous read ceiling (GPU machine). Thirteenth session: 1 KB chunks (an int4 page of 16 tokens, one
 KV head) read at 4308 GB/s against 4272 contiguous, so the page size does not cap int4 decode (KERNEL_NOTES.md).
 
-    python3 benchmarks/probes/paged_read_ceiling.py --out DIR
+    python -m benchmarks.probes.paged_read_ceiling --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -17,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_timing import ceilings, median_ms  # noqa: E402
+from benchmarks.gpu_timing import ceilings, median_ms
 
 
 @triton.jit

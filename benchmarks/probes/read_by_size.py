@@ -3,18 +3,16 @@ can reach. Fourteenth session: ~95% of the 2 GiB figure at 0.54 GB (int4 at Llam
 0.13 GB (8-bit at Llama-3-70B TP8 16 x 32768; `results/read_by_size_round18.jsonl`), with a few % of scatter from PyTorch's size-dependent launch shapes
 (`gpu_timing.read_gbps` takes the best of three nearby sizes for that reason).
 
-    python3 benchmarks/probes/read_by_size.py --out DIR
+    python -m benchmarks.probes.read_by_size --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_timing import read_gbps, sum_gbps  # noqa: E402
+from benchmarks.gpu_timing import read_gbps, sum_gbps
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
-"""Paged decode attention written in Gluon (Triton's explicit-layout dialect), GPU only.
+"""The quantized formats' decode kernel on the GPU (`plan.DecodePlan`), written in Gluon (Triton's explicit-layout
+dialect).
 
-The Triton kernels (`decode_attention.py`, `decode_warps.py`) leave register layouts to the
+The Triton kernels (`decode_warps.py`, `decode_tiles.py`) leave register layouts to the
 compiler, which stages 8-bit V through shared memory and reads it back one byte per
 instruction (V's token axis is the p . V product's reduction axis, but the page rows are
 contiguous along head_dim), pads the 4 heads of a GQA group to mma's 16 rows, and widens
-int8/int4 in ~600 instructions per 16-token tile (KERNEL_NOTES.md). Here a program is one warp
+int8/int4 in ~600 instructions per 16-token tile (docs/kernels.md). Here a program is one warp
 over 16-token tiles, with every layout written out:
 
 * Heads on the mma N dimension (8 columns, a group of <= 8 heads): s^T = K q^T and
@@ -37,8 +38,8 @@ over 16-token tiles, with every layout written out:
   (`TMA`, `ring_descriptors`: one copy a tensor and tile, completion on a stage's mbarrier), which
   takes the copies' address arithmetic and LSU traffic off the warp; before, cp.async from every lane. Page offsets are int32 where the cache allows
   (`OFF32`), and a 16-token page needs no slot arithmetic.
-* A tile's attention is `gluon_attend.py`: its scores (one chain of 8 mma, or `K_CHAINS` 2 or 4
-  independent chains over blocks of k, `tuning.gluon_k_chains_for`), the online softmax per column
+* A tile's attention is `gluon_attend.py`: its scores (one chain of 8 mma, or `K_CHAINS` 2
+  independent chains over blocks of k, `DecodePlan.k_chains`), the online softmax per column
   (head) with per-token scales on the scores and on p, and p . V.
 
 Numerics: the dots run in fp16 on exact operands (fp8, int8 and int4 values are exact in
@@ -52,7 +53,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats import SCALE_NONE, SCALE_TOKEN, KernelFormat
+from . import codes
+from .formats import KernelFormat
 from .group_io import _program_tokens, _static_folds
 from .widen_ptx import pair_asm, word_asm
 
@@ -76,7 +78,7 @@ def serves(kf: KernelFormat, block_size: int, group: int) -> bool:
     """Whether the kernel is written for this format and shape (head_dim 128, <= 8 query heads per KV
     head, pages of 16k tokens, a quantized format)."""
     return (gluon is not None and kf.head_dim == HEAD_DIM and group <= MAX_GROUP and block_size % TILE == 0
-            and kf.scale_mode != SCALE_NONE)
+            and kf.scale_mode != codes.NO_SCALE)
 
 
 def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) -> bool:
@@ -117,10 +119,10 @@ if gluon is not None:
         KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, SPLIT: gl.constexpr,
         SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
         OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False, K_CHAINS: gl.constexpr = 1,
-        TMA: gl.constexpr = 0,
+        TMA: gl.constexpr = False,
     ):
-        """K, V: the pages as int32 words, strides in words (TMA: tensor descriptors of their 16-word rows; TMA 2:
-        KS, VS, KZ, VZ too, of the per-token scales' rows of 16)."""
+        """K, V: the pages as int32 words, strides in words (TMA: tensor descriptors of their 16-word rows, and KS, VS,
+        KZ, VZ of the per-token scales' rows of 16)."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
 
         # q rows of the group, / 16 (exact) so fp16 holds q up to 16 x 65504; int4's odd columns
@@ -131,19 +133,19 @@ if gluon is not None:
         q = gl.load(Q + b * stride_qb + (kvh * GROUP + hr)[:, None] * stride_qh + dr[None, :],
                     mask=hmask_r[:, None], other=0.0)
         nibble = gl.full([1, 128], 1.0, gl.float32, layout=ROWS)
-        if KIND == 2:
+        if KIND == codes.INT4:
             nibble = gl.where(dr[None, :] % 2 == 1, 16.0, 1.0)
         q16 = (q.to(gl.float32) * (0.0625 / nibble)).to(gl.float16)
         qt = _q_operands(q16, KIND, K_CHAINS)
         # the dots' unit: q / 16, and for int8 / int4 K the subnormal 2^-24 (`word_asm`)
-        k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625 if KIND == 0 else 0.0625 / 16777216.0,
+        k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625 if KIND == codes.FLOAT else 0.0625 / 16777216.0,
                                        SCALE_MODE)
         qsum = 0.0  # sum(q) of the rounded q the dots see, in the dots' unit: centres and zero points
-        if KIND != 0:
+        if KIND != codes.FLOAT:
             qsum = gl.convert_layout(gl.sum(q16.to(gl.float32) * (nibble / 16777216.0), 1), gl.SliceLayout(0, MMA))
 
         # centres of the stored integers: V's (`pair_asm` widens centred) and K's (`word_asm` does not)
-        if KIND == 2:
+        if KIND == codes.INT4:
             CENTER: gl.constexpr = 8.0
             K_CENTER: gl.constexpr = 0.0 if ASYM else 8.0
             KL: gl.constexpr = K_W4
@@ -151,7 +153,7 @@ if gluon is not None:
             WORDS: gl.constexpr = 16
         else:
             CENTER: gl.constexpr = 128.0
-            K_CENTER: gl.constexpr = 0.0 if ASYM or KIND == 0 else 128.0
+            K_CENTER: gl.constexpr = 0.0 if ASYM or KIND == codes.FLOAT else 128.0
             KL: gl.constexpr = K_W8
             VL: gl.constexpr = V_W8
             WORDS: gl.constexpr = 32
@@ -235,7 +237,7 @@ if gluon is not None:
         m_i, l_t, z_t, acc, c_v = state
 
         l_i = gl.sum(l_t, 0)
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             o = acc * c_v
             if ASYM:
                 o += gl.sum(z_t, 0)[None, :]
@@ -257,74 +259,3 @@ if gluon is not None:
             o = o / l_r[:, None]
             gl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + dr[None, :], o.to(OUT.dtype.element_ty),
                      mask=hmask_r[:, None])
-
-
-# The TMA ring's shared layouts: K unswizzled (a lane reads 16 bytes of rows g and g + 8: conflict-free);
-# V 64-byte swizzled (its reads of rows 2t, 2t + 1 would fall 4 to a bank unswizzled, 2 with it: TMA's
-# swizzles move 16-byte chunks by row bits 1-2, where `gluon_tiles.RING_V` moves them by bits 1-2 onto bits 5-6).
-TMA_SWIZZLE_K = 0
-TMA_SWIZZLE_V = 64
-
-
-def ring_descriptors(kw: torch.Tensor, vw: torch.Tensor, scales: tuple = ()) -> tuple:
-    """TMA descriptors of the int4 pages' rows (16 words: a token's 128 values of one KV head), a 16-token tile a
-    copy, and of `scales` (per-token scales / zero points [blocks, kv_heads, block_size]) in rows of 16, a tile's
-    16 a copy. Needs rows stored whole and in order (a cache made by `runtime`, int4, head_dim 128)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    tensors = (kw, vw, *scales)
-    if kw.shape[-1] != 16 or not all(t.is_contiguous() and t.numel() % 16 == 0 for t in tensors) \
-            or kw.numel() // 16 >= 2**31:
-        raise ValueError(f"the TMA ring needs contiguous int4 pages of 16-word rows (< 2^31 of them) and contiguous "
-                         f"per-token scales; got pages {tuple(kw.shape)}: pass gluon_tma=0")
-
-    def rows(t: torch.Tensor, box: list[int], swizzle: int):
-        bits = t.element_size() * 8
-        return TensorDescriptor.from_tensor(t.view(-1, 16), box, gl.NVMMASharedLayout(
-            swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2))
-
-    return (rows(kw, [16, 16], TMA_SWIZZLE_K), rows(vw, [16, 16], TMA_SWIZZLE_V),
-            *(rows(t, [1, 16], 0) for t in scales))
-
-
-def launch(q: torch.Tensor, cache, kf: KernelFormat, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-           qk_scale: float, out: torch.Tensor, plan: tuple, scale_args: tuple, meta_strides: tuple[int, int],
-           maxnreg: int | None, skip_rescale: bool, stages: int = 0, offsets32: bool = False, pairs: bool = False,
-           k_chains: int = 1, tma: int = 0):
-    """Run the kernel (and the split-K merge) into `out`; the caller has checked `supported`.
-    plan: `split_k.split_plan`'s (tokens per split, splits, partial buffers) for tiles of TILE tokens. skip_rescale: skip the softmax rescale of tiles that raise no max (`tuning.skip_rescale_for`).
-    stages: int4 tiles through a shared-memory ring of this many stages (0: registers;
-    `tuning.gluon_stages_for`). offsets32: int32 page offsets (`tuning.gluon_offsets32`). pairs: the ring's
-    tiles two a step (stages >= 4; `tuning.gluon_pairs_for`). k_chains: the scores as this many independent chains
-    of mma over blocks of k (1, 2 or 4; `tuning.gluon_k_chains_for`). tma: the ring's K and V words (1), and
-    the per-token scales and zero points (2), copied by the TMA unit (`ring_descriptors`) instead of cp.async."""
-    from .split_k import merge_splits
-
-    batch, num_heads, _ = q.shape
-    _, kv_heads, bs, _ = cache.k.shape
-    tokens_per_split, num_splits, (pm, pl, pacc) = plan
-    split = num_splits > 1
-    kw, vw = cache.k.view(torch.int32), cache.v.view(torch.int32)
-    pages = (kw, vw, *scale_args)
-    if tma:
-        metas = scale_args if tma == 2 and kf.scale_mode == SCALE_TOKEN else ()
-        # formats without zero points pass the scales' descriptors in their places (never read)
-        metas = metas[:2] * 2 if metas and not kf.asym else metas
-        described = ring_descriptors(kw, vw, metas)
-        pages = described + pages[len(described):]
-    _decode_kernel_gluon[(batch, kv_heads, num_splits)](
-        q, *pages, block_tables, seq_lens, out, pm, pl, pacc,
-        qk_scale, tokens_per_split, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kw.stride(0), kw.stride(1), kw.stride(2), *meta_strides,
-        NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
-        SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **widening(kf), SPLIT=split,
-        SKIP_RESCALE=skip_rescale, STAGES=stages,
-        OFF32=offsets32, PAIRS=pairs, K_CHAINS=k_chains, TMA=tma,
-        num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
-    )
-    if split:
-        merge_splits(pm, pl, pacc, out, num_splits)
-    return out
-
-

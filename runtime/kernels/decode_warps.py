@@ -1,10 +1,11 @@
-"""Paged decode attention with one softmax state per warp (flash-decoding inside a program).
+"""The quantized formats' decode kernel where the Gluon one does not serve (the interpreter, head_dim != 128, fp32 q)
+and for static 8-bit formats with few programs: one softmax state per warp (flash-decoding inside a program).
 
-`decode_attention._decode_kernel` gives the tensor cores a [query heads, tokens]
+`decode_tiles._decode_kernel` gives the tensor cores a [query heads, tokens]
 tile per program: the GQA group (4 heads for Llama-3) is padded to mma's 16 rows,
 so Triton spreads the program's warps over the tokens and every row max, row sum
 and p crosses warps through shared memory -- 8-10 barriers per tile (SASS,
-KERNEL_NOTES.md), and the H200 profile is latency-bound.
+docs/kernels.md), and the H200 profile is latency-bound.
 
 Here the token tile is [W, NW]: warp w takes NW consecutive tokens of it and keeps
 its own running max, sum and accumulator. The products are batched dots over the
@@ -23,9 +24,9 @@ a group of 4 to 8 columns instead of 16 rows and halves the accumulator register
 transposed A operand, which Triton 3.6 loads into registers instead of through its
 cp.async pipeline, and uses in the same iteration. With heads on M (the static
 8-bit default) K and V both go through cp.async, but V, the B operand with its
-token axis not contiguous, is read from shared memory one byte per instruction;
-widening it before the staging (`_operand`'s CVT_EARLY) is miscompiled here by
-Triton 3.6 (benchmarks/triton_repro_join_dot3d.py; KERNEL_NOTES.md, "Fourth session").
+token axis not contiguous, is read from shared memory one byte per instruction
+(widening it before the staging is miscompiled by Triton 3.6:
+benchmarks/triton_repro_join_dot3d.py; docs/kernels.md).
 
 Dequantization follows `_decode_kernel` (same helpers, same exact-operand algebra):
 raw stored values in the dots, K scales on the scores, static V scales on the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import codes
 from .dequant import _dot, _operand, _unpack
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
 
@@ -44,7 +46,7 @@ from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _t
 @triton.jit
 def _k_operand(kraw, HALF: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, ASM_LO: tl.constexpr,
                ASM_HI: tl.constexpr, dt: tl.constexpr, DOT: tl.constexpr):
-    return _operand(_unpack(kraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT, False)
+    return _operand(_unpack(kraw, HALF, KIND, ASYM, ASM_LO, ASM_HI, dt), dt, DOT)
 
 
 @triton.jit
@@ -56,7 +58,7 @@ def _v_operand(vraw, HALF: tl.constexpr, vs, vz, V_TOKEN: tl.constexpr, KIND: tl
         v = v.to(tl.float32) * vs[:, :, None]
         if ASYM:
             v += vz[:, :, None]
-    return _operand(v, dt, DOT, False)
+    return _operand(v, dt, DOT)
 
 
 @triton.jit
@@ -113,7 +115,7 @@ def _decode_kernel_warps(
         dt = tl.float16
     else:
         dt = Q.dtype.element_ty
-    V_TOKEN: tl.constexpr = SCALE_MODE == 3 and not P_SCALE
+    V_TOKEN: tl.constexpr = SCALE_MODE == codes.PER_TOKEN and not P_SCALE
 
     q_a, q_b, qsum, q_pre, heads, hmask, cols_a, cols_b, dmask = _group_q(
         Q, b, kvh, stride_qb, stride_qh, GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, KIND, DOT_F16, dt, DOT)
@@ -163,19 +165,19 @@ def _decode_kernel_warps(
         meta = page * stride_mb + kvh * stride_mh + slot
         vs = 1.0
         vz = 0.0
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             vs = tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)
             if ASYM:
                 vz = tl.load(VZ + meta, mask=nmask, other=0.0).to(tl.float32)
 
         s = _scores(_k_operand(kraw, 0, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), qk_a, HEADS_N, DOT)
-        if KIND == 2:
+        if KIND == codes.INT4:
             s += _scores(_k_operand(kraw, 1, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), qk_b, HEADS_N, DOT)
         if HEADS_N:  # per-token terms broadcast along heads, the last axis
             tmask = nmask[:, :, None]
         else:
             tmask = nmask[:, None, :]
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             ks = tl.load(KS + meta, mask=nmask, other=0.0).to(tl.float32)
             if HEADS_N:
                 s = s * ks[:, :, None]
@@ -206,7 +208,7 @@ def _decode_kernel_warps(
                 pw = p * (vs / vs_max[:, None])[:, :, None]
             else:
                 pw = p * (vs / vs_max[:, None])[:, None, :]
-        pd = _operand(pw, dt, DOT, False)
+        pd = _operand(pw, dt, DOT)
         if HEADS_N:
             a_scale = alpha[:, None, :]
         else:
@@ -216,7 +218,7 @@ def _decode_kernel_warps(
         else:
             pv_scale = 1.0
         acc_a = acc_a * a_scale + pv_scale * _pv(pd, _v_operand(vraw, 0, vs, vz, V_TOKEN, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), HEADS_N, DOT)
-        if KIND == 2:
+        if KIND == codes.INT4:
             acc_b = acc_b * a_scale + pv_scale * _pv(pd, _v_operand(vraw, 1, vs, vz, V_TOKEN, KIND, ASYM, ASM_LO, ASM_HI, dt, DOT), HEADS_N, DOT)
         if P_SCALE and ASYM:  # + sum_n p_n z_n, the same for every column
             if HEADS_N:
@@ -224,7 +226,7 @@ def _decode_kernel_warps(
             else:
                 pz = tl.sum(p * vz[:, None, :], 2)[:, :, None]
             acc_a += pz
-            if KIND == 2:
+            if KIND == codes.INT4:
                 acc_b += pz
 
     # merge the W warp states (the split-K rule, within the program)

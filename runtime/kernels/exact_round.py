@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import codes
+
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 half-to-even
 
 
@@ -23,9 +25,9 @@ _HUGE = tl.constexpr(1.8446744073709552e19)  # 2**64: any quotient this large sa
 
 @triton.jit
 def _to_scale_dtype(x, SCALE_DT: tl.constexpr):
-    if SCALE_DT == 0:
+    if SCALE_DT == codes.SCALE_FP16:
         return x.to(tl.float16)
-    elif SCALE_DT == 1:
+    elif SCALE_DT == codes.SCALE_BF16:
         return x.to(tl.bfloat16)
     else:
         return x
@@ -34,7 +36,7 @@ def _to_scale_dtype(x, SCALE_DT: tl.constexpr):
 @triton.jit
 def _from_bits(bits, SCALE_DT: tl.constexpr):
     """The fp16 (SCALE_DT 0) or bf16 (1) values of int16 bit patterns."""
-    if SCALE_DT == 0:
+    if SCALE_DT == codes.SCALE_FP16:
         v = bits.to(tl.float16, bitcast=True)
     else:
         v = bits.to(tl.bfloat16, bitcast=True)
@@ -44,7 +46,7 @@ def _from_bits(bits, SCALE_DT: tl.constexpr):
 @triton.jit
 def _round_up(x, SCALE_DT: tl.constexpr):
     """Smallest scale-dtype value >= x (x > 0), returned as fp32."""
-    if SCALE_DT == 2:
+    if SCALE_DT == codes.SCALE_FP32:
         out = x
     else:
         r = _to_scale_dtype(x, SCALE_DT)
@@ -59,7 +61,7 @@ def _round_up(x, SCALE_DT: tl.constexpr):
 @triton.jit
 def _round_down(x, SCALE_DT: tl.constexpr):
     """Largest scale-dtype value <= x (any sign), returned as fp32."""
-    if SCALE_DT == 2:
+    if SCALE_DT == codes.SCALE_FP32:
         out = x
     else:
         r = _to_scale_dtype(x, SCALE_DT)
@@ -97,10 +99,10 @@ def _reciprocal(s, SCALE_UP: tl.constexpr, SCALE_DOWN: tl.constexpr = False):
 def _clamp_round(x, SCALE_DT: tl.constexpr, UP: tl.constexpr):
     """UP: a scale, clamped to the scale dtype's [smallest normal, largest finite] (torch.finfo tiny /
     max) and rounded up to it; else a zero point, clamped to its finite range and rounded down."""
-    if SCALE_DT == 0:
+    if SCALE_DT == codes.SCALE_FP16:
         TINY: tl.constexpr = 6.103515625e-05
         BIG: tl.constexpr = 65504.0
-    elif SCALE_DT == 1:
+    elif SCALE_DT == codes.SCALE_BF16:
         TINY: tl.constexpr = 1.1754943508222875e-38
         BIG: tl.constexpr = 3.3895313892515355e38
     else:
@@ -151,7 +153,7 @@ def _quotient(a, s, y, k, FAST: tl.constexpr, ONE_FMA: tl.constexpr = False):
 @triton.jit
 def _encode_fp8(y, FP8: tl.constexpr):
     """fp32 (finite, already clamped to +-max) -> fp8 byte, round to nearest even."""
-    if FP8 == 2:  # e5m2
+    if FP8 == codes.FP8_E5M2:  # e5m2
         MB: tl.constexpr = 2
         BIAS: tl.constexpr = 15
         MIN_NORMAL: tl.constexpr = 6.103515625e-05  # 2**-14
@@ -179,9 +181,9 @@ def _encode_fp8(y, FP8: tl.constexpr):
 def _fp8_byte(q, FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
     """A quotient (`_quotient`) -> its fp8 byte: NaN -> 0, clamped to [QMIN, QMAX], rounded to nearest even."""
     q = tl.minimum(tl.maximum(tl.where(q != q, 0.0, q), QMIN), QMAX)
-    if FP8 == 3:  # FP8_HARDWARE e4m3: cvt.rn.satfinite, the same RNE on the already clamped value
+    if FP8 == codes.FP8_E4M3_HW:  # FP8_HARDWARE e4m3: cvt.rn.satfinite, the same RNE on the already clamped value
         out = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    elif FP8 == 4:  # FP8_HARDWARE e5m2
+    elif FP8 == codes.FP8_E5M2_HW:  # FP8_HARDWARE e5m2
         out = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
         out = _encode_fp8(q, FP8)

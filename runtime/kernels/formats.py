@@ -1,38 +1,27 @@
 """What the kernels need to know about a KV format, as compile-time constants.
 
-Both kernels specialise on the format through `tl.constexpr` arguments, so the
-branches for other formats compile away. This module turns a `LayerCache`
-into those constants once and checks that the cache tensors have the layout
-`runtime/kv_cache.py` allocates; the launchers call it before every launch.
+The kernels specialise on the format through `tl.constexpr` arguments (`codes.py`), so the
+branches for other formats compile away. This module turns a `KVFormat` into those constants
+(`format_codes`, what the plans are made from) and checks that a cache's tensors have the layout
+`runtime/kv_cache.py` allocates (`kernel_format`, before every launch).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import UnsupportedError
 from ..kv_cache import LayerCache
+from ..kv_format import KVFormat
+from . import codes
 
-# Storage kinds: how a stored element becomes a number.
-KIND_FLOAT = 0  # fp32/fp16/bf16/fp8: the stored value is the number (times a scale for fp8)
-KIND_INT8 = 1  # int8 (symmetric) or uint8 (asymmetric)
-KIND_INT4 = 2  # two 4-bit values per byte, even element in the low nibble
-
-# Where the dequantization scale comes from.
-SCALE_NONE = 0  # unquantized fp16/bf16/fp32
-SCALE_TENSOR = 1  # one fp32 scalar per layer (k and v each)
-SCALE_HEAD = 2  # one fp32 per KV head
-SCALE_TOKEN = 3  # one per (block, head, slot), in the format's scale dtype
-
-# Scale storage dtype of per-token scales (the write kernel rounds to it).
-SCALE_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-
-# fp8 flavour for the write kernel's bit-exact encoder.
-FP8_NONE, FP8_E4M3, FP8_E5M2 = 0, 1, 2
-# The same encodings through the GPU's saturating conversion instruction instead of the encoder.
-FP8_HARDWARE = {FP8_E4M3: 3, FP8_E5M2: 4}
+# torch dtype of per-token scales -> its code (`codes.SCALE_FP16` ...)
+SCALE_DTYPE_CODES = {torch.float16: codes.SCALE_FP16, torch.bfloat16: codes.SCALE_BF16, torch.float32: codes.SCALE_FP32}
+# an fp8 encoding -> the same encoding through the GPU's saturating conversion instruction instead of the encoder
+FP8_HARDWARE = {codes.FP8_E4M3: codes.FP8_E4M3_HW, codes.FP8_E5M2: codes.FP8_E5M2_HW}
 
 
 @dataclass(frozen=True)
@@ -43,7 +32,7 @@ class KernelFormat:
     fp8: int
     qmax: float
     qmin: float
-    scale_dtype: int  # SCALE_DTYPE_CODES value, meaningful for SCALE_TOKEN only
+    scale_dtype: int  # SCALE_DTYPE_CODES value, meaningful for codes.PER_TOKEN only
     head_dim: int  # logical head dim (stored dim x2 for int4)
 
 
@@ -61,16 +50,22 @@ def kernel_format(cache: LayerCache) -> KernelFormat:
         raise ValueError(f"cache holds {k.dtype} but format {fmt.name} stores {fmt.storage_dtype}")
     if not (k.is_contiguous() and v.is_contiguous()):
         raise ValueError("cache pages must be contiguous tensors (allocate them with kv_cache.allocate_layer)")
-    kind = KIND_INT4 if fmt.dtype == "int4" else KIND_INT8 if fmt.dtype == "int8" else KIND_FLOAT
-    head_dim = k.shape[-1] * (2 if kind == KIND_INT4 else 1)
+    kf = format_codes(fmt, k.shape[-1] * (2 if fmt.dtype == "int4" else 1))
+    _check_scales(cache, kf.scale_mode)
+    return kf
+
+
+@functools.cache
+def format_codes(fmt: KVFormat, head_dim: int) -> KernelFormat:
+    """The kernels' constants for a KV format (no cache needed: plans are made from the format alone)."""
+    kind = codes.INT4 if fmt.dtype == "int4" else codes.INT8 if fmt.dtype == "int8" else codes.FLOAT
     if not fmt.quantized:
-        mode = SCALE_NONE
+        mode = codes.NO_SCALE
     elif fmt.dynamic:
-        mode = SCALE_TOKEN
+        mode = codes.PER_TOKEN
     else:
-        mode = SCALE_TENSOR if fmt.granularity == "per_tensor" else SCALE_HEAD
-    _check_scales(cache, mode)
-    fp8 = {"fp8_e4m3": FP8_E4M3, "fp8_e5m2": FP8_E5M2}.get(fmt.dtype, FP8_NONE)
+        mode = codes.PER_TENSOR if fmt.granularity == "per_tensor" else codes.PER_HEAD
+    fp8 = {"fp8_e4m3": codes.FP8_E4M3, "fp8_e5m2": codes.FP8_E5M2}.get(fmt.dtype, codes.FP8_NONE)
     return KernelFormat(
         kind=kind,
         scale_mode=mode,
@@ -86,15 +81,15 @@ def kernel_format(cache: LayerCache) -> KernelFormat:
 def _check_scales(cache: LayerCache, mode: int) -> None:
     nb, heads, bs, _ = cache.k.shape
     want = {
-        SCALE_NONE: None,
-        SCALE_TENSOR: (),
-        SCALE_HEAD: (heads,),
-        SCALE_TOKEN: (nb, heads, bs),
+        codes.NO_SCALE: None,
+        codes.PER_TENSOR: (),
+        codes.PER_HEAD: (heads,),
+        codes.PER_TOKEN: (nb, heads, bs),
     }[mode]
     if want is None:
         return
     names = ["k_scale", "v_scale"] + (["k_zero", "v_zero"] if not cache.fmt.symmetric else [])
-    dtype = cache.fmt.scale_torch_dtype if mode == SCALE_TOKEN else torch.float32
+    dtype = cache.fmt.scale_torch_dtype if mode == codes.PER_TOKEN else torch.float32
     for name in names:
         t = getattr(cache, name)
         if t is None:
@@ -144,7 +139,7 @@ def scale_tensors(cache: LayerCache, stand_in: torch.Tensor) -> tuple[torch.Tens
 def meta_strides(kf: KernelFormat, cache: LayerCache) -> tuple[int, int]:
     """Block and KV-head strides of per-token scales / zero points [blocks, kv_heads, block_size]; (0, 0) otherwise."""
     _, kv_heads, bs, _ = cache.k.shape
-    return (kv_heads * bs, bs) if kf.scale_mode == SCALE_TOKEN else (0, 0)
+    return (kv_heads * bs, bs) if kf.scale_mode == codes.PER_TOKEN else (0, 0)
 
 
 def out_dtype(q_dtype: torch.dtype) -> torch.dtype:

@@ -2,11 +2,11 @@
 softmax step and p . V, one tile a step (`_attend`) or two (`_attend_pair`), on the operands of `gluon_operands`.
 
 A tile's scores are one chain of 8 mma (k = 128 in steps of 16), each waiting on the last's accumulator, or
-(`K_CHAINS`) 2 or 4 independent chains over blocks of k, summed: a shorter dependency chain for the formats
-with the fewest programs per SM to hide it (`tuning.gluon_k_chains_for`).
+(`K_CHAINS`) 2 independent chains over blocks of k, summed: a shorter dependency chain for the formats
+with the fewest programs per SM to hide it (`DecodePlan.k_chains`).
 
 Online softmax per column (head): the row sums of p accumulate elementwise and are reduced once at the
-kernel's end, and where no column's max grew the rescale is skipped (`tuning.skip_rescale_for`). Static K
+kernel's end, and where no column's max grew the rescale is skipped (`DecodePlan.skip_rescale`). Static K
 scales fold into the softmax scale and static V scales multiply the output (the kernel's); per-token K
 scales multiply the scores (zero points add qsum * z); per-token V scales go on p as p * s / c with c the
 largest V scale seen so far (so the fp16 p stays in [0, 1]); c's growth folds into the accumulator's
@@ -14,6 +14,8 @@ rescale, zero points add sum_n p_n z_n.
 """
 
 from __future__ import annotations
+
+from . import codes
 
 try:  # Gluon ships with Triton >= 3.5 (decode_gluon.py falls back without it)
     from triton.experimental import gluon
@@ -36,14 +38,14 @@ if gluon is not None:
         # the rescale is 36 of a tile's ~300 instructions. The condition is warp-uniform (one-warp
         # programs).
         grown = gl.max(m_new - m_i, 0) > 0
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             grown = grown | (c_new > c_v)
         if grown or not SKIP_RESCALE:
             alpha = gl.exp2(m_i - m_new)
             l_t = l_t * alpha[None, :]
             if ASYM:
                 z_t = z_t * alpha[None, :]
-            if SCALE_MODE == 3:
+            if SCALE_MODE == codes.PER_TOKEN:
                 alpha = alpha * (c_v / c_new)
             acc = acc * alpha[None, :]
         return m_new, p, l_t, z_t, acc
@@ -57,7 +59,7 @@ if gluon is not None:
         s = mma_v2(a[0], qt[0], gl.zeros([16, 8], gl.float32, layout=MMA))
         for i in gl.static_range(1, K_CHAINS):
             s += mma_v2(a[i], qt[i], gl.zeros([16, 8], gl.float32, layout=MMA))
-        if SCALE_MODE == 3:  # k = ks (n - K_CENTER) + kz for stored n
+        if SCALE_MODE == codes.PER_TOKEN:  # k = ks (n - K_CENTER) + kz for stored n
             if K_CENTER != 0:
                 s = s - K_CENTER * qsum[None, :]
             s = s * ks[:, None]
@@ -75,7 +77,7 @@ if gluon is not None:
                  ASYM: gl.constexpr, VASM: gl.constexpr, CENTER: gl.constexpr, INV: gl.constexpr = False):
         """acc += V^T p^T for a tile's p (per-token V: p s / c, with c_inv = 1 / c where INV, and the zero
         points' sum into z_t)."""
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             if ASYM:
                 z_t += p * (vz + CENTER * vs)[:, None]
             if INV:
@@ -95,7 +97,7 @@ if gluon is not None:
         """One 16-token tile into the online softmax state (m_i, l_t, z_t, acc, c_v)."""
         s = _scores(n0, kw, ks, kz, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER, K_CHAINS)
         c_new = c_v
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             c_new = gl.maximum(c_v, gl.max(vs, 0))
         m_new, p, l_t, z_t, acc = _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, ASYM, SKIP_RESCALE)
         l_t += p
@@ -116,7 +118,7 @@ if gluon is not None:
         s1 = _scores(n0 + 16, kw1, ks1, kz1, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM,
                      K_CENTER, K_CHAINS)
         c_new = c_v
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             c_new = gl.maximum(c_v, gl.max(gl.maximum(vs0, vs1), 0))
         # the max of both tiles (the p `_rescale` returns for it is unused)
         m_new, _, l_t, z_t, acc = _rescale(gl.maximum(s0, s1), m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, ASYM,

@@ -10,6 +10,8 @@ layouts; the final conversion to the mma operand layout is checked to move no da
 
 from __future__ import annotations
 
+from . import codes
+
 try:  # Gluon ships with Triton >= 3.5 (decode_gluon.py falls back without it)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -41,7 +43,7 @@ if gluon is not None:
         last axis, so joining (even, odd) pairs outermost-last rebuilds the storage order."""
         R: gl.constexpr = w.shape[0]
         C: gl.constexpr = w.shape[1]
-        if KIND == 2:
+        if KIND == codes.INT4:
             x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
                 ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
             y = gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
@@ -61,9 +63,9 @@ if gluon is not None:
         lowest other bit, i the remaining three."""
         R: gl.constexpr = x.shape[0]
         y = gl.reshape(x, [R, 4, 2, 2, 2, 2, 2])  # (row, t, d4, d3, d2, d1, d0)
-        if KIND == 0:
+        if KIND == codes.FLOAT:
             y = gl.permute(y, (0, 2, 3, 4, 5, 1, 6))
-        elif KIND == 1:
+        elif KIND == codes.INT8:
             y = gl.permute(y, (0, 2, 3, 4, 6, 1, 5))
         else:
             y = gl.permute(y, (0, 2, 3, 5, 6, 1, 4))
@@ -78,20 +80,15 @@ if gluon is not None:
 
     @gluon.jit
     def _k_parts(x, PARTS: gl.constexpr):
-        """[R, 128] in the scores' k order -> PARTS (1, 2 or 4) column blocks of 128 / PARTS, as a tuple."""
+        """[R, 128] in the scores' k order -> PARTS (1 or 2) column blocks of 128 / PARTS, as a tuple."""
         if PARTS == 1:
             return (x,)
-        elif PARTS == 2:
-            return _halves(x)
         else:
-            x0, x1 = _halves(x)
-            x00, x01 = _halves(x0)
-            x10, x11 = _halves(x1)
-            return x00, x01, x10, x11
+            return _halves(x)
 
     @gluon.jit
     def _k_operands(w, KIND: gl.constexpr, ASM: gl.constexpr, PARTS: gl.constexpr):
-        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] as PARTS blocks along k, a tuple of
+        """K words [16, W] -> the scores' A operand [16 tokens, 128 k] as PARTS (1 or 2) blocks along k, a tuple of
         [16, 128 / PARTS] (a register rename: k's bits 5 and 6 are register bits of the A operand). Each block
         starts its own chain of mma: one chain of 8 m16n8k16 waits on each result in turn."""
         parts = _k_parts(_k_columns(_widen(w, KIND, ASM), KIND), PARTS)
@@ -116,7 +113,7 @@ if gluon is not None:
         `pair_asm` on the words of tokens 2i and 2i + 1 (the token-parity axis is in registers)."""
         C: gl.constexpr = w.shape[1]
         even, odd = gl.split(gl.permute(gl.reshape(w, [8, 2, C]), (0, 2, 1)))
-        if KIND == 2:
+        if KIND == codes.INT4:
             x = gl.inline_asm_elementwise(ASM, "=h," * 16 + "r,r", [even, odd], dtype=(gl.float16,) * 16,
                                           is_pure=True, pack=1)
             p0, p1, p2, p3, p4, p5, p6, p7 = (gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]),

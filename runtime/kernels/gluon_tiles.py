@@ -6,6 +6,8 @@ per-token scales / zero points, loaded into registers a step ahead or copied int
 
 from __future__ import annotations
 
+from . import codes
+
 try:  # Gluon ships with Triton >= 3.5 (decode_gluon.py falls back without it)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -34,7 +36,7 @@ if gluon is not None:
         """A tile's K/V words and per-token scales / zero points (scales 0 past `end`)."""
         page = _page(bt_row, n0, end, BLOCK_SIZE, OFF32)
         base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
-        if KIND == 0:
+        if KIND == codes.FLOAT:
             kw = gl.load(K + base + koffs, mask=((n0 + tk) < end)[:, None], other=0)
             vw = gl.load(V + base + voffs, mask=((n0 + tv) < end)[:, None], other=0)
         else:
@@ -47,7 +49,7 @@ if gluon is not None:
         vs = 0.0
         kz = 0.0
         vz = 0.0
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             meta = page * stride_mb + kvh * stride_mh + slot + ts
             tmask = (n0 + ts) < end
             ks = gl.load(KS + meta, mask=tmask, other=0.0).to(gl.float32)
@@ -77,7 +79,7 @@ if gluon is not None:
 
     @gluon.jit
     def _copy_tile(n0, page, K, V, k_ring, v_ring, stage, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
-                   BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, TMA: gl.constexpr = 0):
+                   BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, TMA: gl.constexpr = False):
         """Start the asynchronous copy of a tile's K and V words (and per-token scales, zero points: `metas`)
         into ring stage `stage` (one cp.async group). TMA: K and V are tensor descriptors of the pages' 16-word
         rows, copied by the TMA unit (one instruction a tensor) onto the stage's mbarrier (`metas[-1]`)."""
@@ -86,7 +88,7 @@ if gluon is not None:
         if TMA:
             bar = bars.index(stage)
             row = (base // 16).to(gl.int32)  # rows of 16 words (`decode_gluon.ring_descriptors` checks the stride)
-            if SCALE_MODE == 3 and TMA == 2:
+            if SCALE_MODE == codes.PER_TOKEN:
                 nbytes: gl.constexpr = KS.dtype.primitive_bitwidth // 8 * 16 * (4 if ASYM else 2)
                 mbarrier.expect(bar, 2 * 16 * 64 + nbytes)
                 mrow = ((page * stride_mb + kvh * stride_mh + slot) // 16).to(gl.int32)  # rows of 16 scales
@@ -102,7 +104,7 @@ if gluon is not None:
         else:
             async_copy.async_copy_global_to_shared(k_ring.index(stage), K + base + coffs)
             async_copy.async_copy_global_to_shared(v_ring.index(stage), V + base + coffs)
-        if SCALE_MODE == 3 and TMA != 2:
+        if SCALE_MODE == codes.PER_TOKEN and not TMA:
             # tiles start at multiples of 16 tokens: say so, or cp.async falls back to 2-byte copies it lacks
             meta = gl.multiple_of(page * stride_mb + kvh * stride_mh + slot, 16) + gl.arange(0, 16, layout=META_COPY)
             async_copy.async_copy_global_to_shared(ks_ring.index(stage), KS + meta)
@@ -110,7 +112,7 @@ if gluon is not None:
             if ASYM:
                 async_copy.async_copy_global_to_shared(kz_ring.index(stage), KZ + meta)
                 async_copy.async_copy_global_to_shared(vz_ring.index(stage), VZ + meta)
-        if TMA != 2:
+        if not TMA:
             async_copy.commit_group()
 
     @gluon.jit
@@ -121,14 +123,14 @@ if gluon is not None:
     @gluon.jit
     def _meta_row(ring, stage, TMA: gl.constexpr):
         """A tile's 16 per-token scales (or zero points) in ring stage `stage`."""
-        if TMA == 2:
+        if TMA:
             return ring._reinterpret(ring.dtype, [ring.shape[0], 64], RING_META).index(stage).slice(0, 16)
         else:
             return ring.index(stage)
 
     @gluon.jit
     def _allocate_ring(K, V, KS, VS, KZ, VZ, stride_mb, stride_mh, STAGES: gl.constexpr, SCALE_MODE: gl.constexpr,
-                       ASYM: gl.constexpr, TMA: gl.constexpr = 0):
+                       ASYM: gl.constexpr, TMA: gl.constexpr = False):
         """The ring's shared memory: K and V words [STAGES, 16 tokens, 16 words] and, for per-token formats, the
         tiles' scales (and zero points) [STAGES, 16]; TMA: in the descriptors' layouts, with an mbarrier a stage.
         Returns (k_ring, v_ring, metas), metas as `_copy_tile` and `_ring_metas` take it (static scales: no scale
@@ -145,8 +147,8 @@ if gluon is not None:
             v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], RING_V)
             bars = k_ring
         metas = (KS, VS, KZ, VZ, k_ring, v_ring, k_ring, v_ring, stride_mb, stride_mh, bars)
-        if SCALE_MODE == 3:
-            if TMA == 2:  # TMA boxes land on 128-byte boundaries: a stage per 64 scales, 16 used
+        if SCALE_MODE == codes.PER_TOKEN:
+            if TMA:  # TMA boxes land on 128-byte boundaries: a stage per 64 scales, 16 used
                 ks_ring = gl.allocate_shared_memory(KS.dtype, [STAGES, 1, 64], KS.layout)
                 vs_ring = gl.allocate_shared_memory(VS.dtype, [STAGES, 1, 64], VS.layout)
             else:
@@ -155,7 +157,7 @@ if gluon is not None:
             kz_ring = ks_ring
             vz_ring = vs_ring
             if ASYM:
-                if TMA == 2:
+                if TMA:
                     kz_ring = gl.allocate_shared_memory(KZ.dtype, [STAGES, 1, 64], KZ.layout)
                     vz_ring = gl.allocate_shared_memory(VZ.dtype, [STAGES, 1, 64], VZ.layout)
                 else:
@@ -167,7 +169,7 @@ if gluon is not None:
     @gluon.jit
     def _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
                    AHEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,
-                   OFF32: gl.constexpr, TMA: gl.constexpr = 0):
+                   OFF32: gl.constexpr, TMA: gl.constexpr = False):
         """Start the copies of the split's first AHEAD tiles into stages 0 .. AHEAD - 1; returns the next tile's
         first token and page (loaded a step before its copy)."""
         for i in gl.static_range(AHEAD):
@@ -177,13 +179,13 @@ if gluon is not None:
         return ahead, _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
 
     @gluon.jit
-    def _ring_metas(n0, end, metas, stage, ts, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, TMA: gl.constexpr = 0):
+    def _ring_metas(n0, end, metas, stage, ts, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, TMA: gl.constexpr = False):
         """A ring tile's per-token scales and zero points (0 past `end`, as `_tile_words` loads them)."""
         ks = 0.0
         vs = 0.0
         kz = 0.0
         vz = 0.0
-        if SCALE_MODE == 3:
+        if SCALE_MODE == codes.PER_TOKEN:
             _, _, _, _, ks_ring, vs_ring, kz_ring, vz_ring, _, _, _ = metas
             valid = (n0 + ts) < end
             ks = gl.where(valid, _meta_row(ks_ring, stage, TMA).load(gl.SliceLayout(1, MMA)).to(gl.float32), 0.0)
@@ -204,7 +206,7 @@ if gluon is not None:
                     TMA: gl.constexpr):
         """Wait for the copies still in flight after the split's last step (the AHEAD tiles past it): a program
         must not exit while a copy can still write its shared memory."""
-        if TMA != 2:
+        if not TMA:
             async_copy.wait_group(0)
         if TMA:
             step: gl.constexpr = 32 if PAIRS else 16
@@ -221,7 +223,7 @@ if gluon is not None:
         barrier. (The freed stages' reads have returned, their values used a step ago, so the TMA's writes need
         no proxy fence of ours, as CUTLASS's TMA pipelines release stages without one; Gluon's barrier analysis
         puts a bar.sync and a fence around each copy all the same.)"""
-        if TMA != 2:
+        if not TMA:
             async_copy.wait_group(waiting)
         if TMA:
             i = (n0 - start).to(gl.uint32) // 16  # the tile's index in the split: unsigned, shifts

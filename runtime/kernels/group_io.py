@@ -1,6 +1,6 @@
 """What a decode program reads and writes for its query-head group, the same in both kernels.
 
-A program of `decode_attention._decode_kernel` or `decode_warps._decode_kernel_warps`
+A program of `decode_tiles._decode_kernel` or `decode_warps._decode_kernel_warps`
 serves the GROUP query heads of one KV head: it loads their q rows, folds the static
 K/V scales into the softmax scale and the output, and writes either the finished output
 or a split-K partial (m, l, acc or o / l) for `split_k.merge_splits`.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import codes
 from .dequant import _operand
 
 
@@ -33,7 +34,7 @@ def _tile_pages(bt_row, offs_n, end, BLOCK_SIZE: tl.constexpr):
     Both kernels load a tile's pages one iteration ahead of its K/V: when the K/V addresses
     come from a load in the same iteration, Triton 3.6's pipeliner gives K and V a single
     shared-memory buffer whatever num_stages says (one tile in flight per program); from a
-    loop-carried value they get num_stages - 1 buffers (sm_90 TTGIR; KERNEL_NOTES.md).
+    loop-carried value they get num_stages - 1 buffers (sm_90 TTGIR; docs/kernels.md).
     """
     return tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
 
@@ -43,7 +44,7 @@ def _stored_columns(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.cons
     """Stored columns of a page row and their mask, with the q / out columns each one pairs with:
     int4 pages hold head_dim / 2 bytes, so q splits into even (low nibble) and odd columns."""
     offs_d = tl.arange(0, BLOCK_D)
-    if KIND == 2:
+    if KIND == codes.INT4:
         dmask = offs_d < HEAD_DIM // 2
         cols_a = 2 * offs_d
         cols_b = 2 * offs_d + 1
@@ -72,14 +73,14 @@ def _group_q(Q, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.c
     qmask = hmask[:, None] & dmask[None, :]
     q_pre = 0.0625 if DOT_F16 else 1.0
     q_a = tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qmask, other=0.0).to(tl.float32)
-    q_a = _operand(q_a * q_pre, dt, DOT, False)
+    q_a = _operand(q_a * q_pre, dt, DOT)
     q_b = q_a
-    if KIND == 2:
+    if KIND == codes.INT4:
         q_b = tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qmask, other=0.0).to(tl.float32)
-        q_b = _operand(q_b * q_pre, dt, DOT, False)
+        q_b = _operand(q_b * q_pre, dt, DOT)
     # sum(q) of the rounded q the dots see (for asymmetric K's zero points)
     qsum = tl.sum(q_a.to(tl.float32), 1)
-    if KIND == 2:
+    if KIND == codes.INT4:
         qsum += tl.sum(q_b.to(tl.float32), 1)
     return q_a, q_b, qsum, q_pre, heads, hmask, cols_a, cols_b, dmask
 
@@ -90,10 +91,10 @@ def _static_folds(KS, VS, kvh, qk_scale, q_pre, SCALE_MODE: tl.constexpr):
     undo q_pre; static V scales multiply the output once (1.0 for other scale modes)."""
     k_fold = qk_scale / q_pre
     v_fold = 1.0
-    if SCALE_MODE == 1:
+    if SCALE_MODE == codes.PER_TENSOR:
         k_fold = k_fold * tl.load(KS)
         v_fold = tl.load(VS)
-    elif SCALE_MODE == 2:
+    elif SCALE_MODE == codes.PER_HEAD:
         k_fold = k_fold * tl.load(KS + kvh)
         v_fold = tl.load(VS + kvh)
     return k_fold, v_fold
@@ -126,5 +127,5 @@ def _store_group(OUT, PM, PL, PACC, o_a, o_b, m, l, b, sp, heads, hmask, cols_a,
         wb = (o_b / l[:, None]).to(OUT.dtype.element_ty)
     omask = hmask[:, None] & dmask[None, :]
     tl.store(out_a, wa, mask=omask)
-    if KIND == 2:
+    if KIND == codes.INT4:
         tl.store(out_b, wb, mask=omask)

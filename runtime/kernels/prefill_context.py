@@ -20,46 +20,20 @@ gigabytes at 128k tokens -- before SDPA; here the pages are read in place:
 No split-K: a 512-token chunk of Llama-3-8B is already 16 x 8 programs, and each
 is compute-bound (its ROWS rows reuse every K/V tile it loads).
 
-The launcher reads nothing back from the device: the grid is sized from q's row count
+Its plan (`plan.PrefillPlan`: tiles per q dtype from tuned/*.json, P_SCALE) is untimed beyond
+benchmarks/prefill_context.py's tile sweep (docs/kernels.md). The launcher reads nothing back from the device: the grid is sized from q's row count
 and the chunk count, and each program finds its chunk from cu_seqlens itself, so a
 launch can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..kv_cache import LayerCache
-from .decode_attention import _LOG2E, _dequant_v, _dot_mode
-from .dequant import _dot, _operand, _unpack
-from .formats import Q_DTYPES, SCALE_TOKEN, check_device, check_q, kernel_format, meta_strides, out_dtype, scale_tensors
+from . import codes
+from .dequant import _dequant_v, _dot, _operand, _unpack
 from .group_io import _static_folds, _stored_columns, _tile_pages
-
-# Launch options by q dtype. 16-bit: flash-attention's usual Hopper tile for head_dim 128; an
-# offline sm_90 compile (Triton 3.6, Llama-3-8B shapes) gives 207-255 registers, K/V through
-# cp.async, and no spills (int8 per-token asym spilled 16-32 bytes with 64-bit scale offsets). On the H200
-# (benchmarks/prefill_context.py --tune 32768x512, results/prefill_context.md) five other tiles
-# were within a few percent of it; with a 512-token chunk the kernel is 1.3-3.4x faster than the
-# gather + dequantize + SDPA reference, with 2048 tokens 1.0-1.5x for 16-bit and static 8-bit
-# formats but 0.6-0.8x for per-token ones (every 32-token query tile dequantizes the whole
-# context again; measured with per-token V dequantized in fp32 and 64-bit scale offsets).
-# fp32 q (parity runs, IEEE dots on CUDA cores) spills at any tile; smaller tiles spill least.
-#
-# Per-token formats, same compile, SASS instructions of loop 1 per 64-token tile (fp8 / int8 /
-# int8 asym / int4 / int4 asym): V dequantized in fp32 1082 / 1087 / 1321 / 1232 / 1279 with
-# 64-bit scale offsets, 985 / 996 / 1137 / 1139 / 1125 with 32-bit ones (the int8 asym spill
-# gone); V's scales on p (P_SCALE) 1051 / 1052 / 1307 / 1247 / 1309. Scaling p saves no
-# multiply here -- p's tile (128 rows x 64 tokens) is as large as V's (64 x 128) -- and the
-# scales become 16 values per thread in the scores' layout instead of 2 on V's rows. Yet on the
-# H200 (benchmarks/prefill_context.py --p-scale both, results/prefill_context.md) int8 per-token
-# ran 4-7% faster with P_SCALE at every context and chunk; int4 per-token asym was a tie and its
-# error grew with the context (see the launcher), so P_SCALE is the default for symmetric formats.
-DEFAULTS = {
-    "16bit": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    "fp32": dict(block_m=32, block_n=16, num_warps=4, num_stages=2),
-}
 
 
 @triton.jit
@@ -110,13 +84,13 @@ def _prefill_context_kernel(
     offs_d, dmask, cols_a, cols_b = _stored_columns(HEAD_DIM, BLOCK_D, KIND)
     q_row = (c0 + tok).to(tl.int64) * stride_qt + heads * stride_qh
     qm = rmask[:, None] & dmask[None, :]
-    q_a = _operand(tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qm, other=0.0), dt, DOT, False)
+    q_a = _operand(tl.load(Q + q_row[:, None] + cols_a[None, :], mask=qm, other=0.0), dt, DOT)
     q_b = q_a
-    if KIND == 2:
-        q_b = _operand(tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qm, other=0.0), dt, DOT, False)
+    if KIND == codes.INT4:
+        q_b = _operand(tl.load(Q + q_row[:, None] + cols_b[None, :], mask=qm, other=0.0), dt, DOT)
     # sum(q) of the q the dots see, for asymmetric K's zero points
     qsum = tl.sum(q_a.to(tl.float32), 1)
-    if KIND == 2:
+    if KIND == codes.INT4:
         qsum += tl.sum(q_b.to(tl.float32), 1)
     k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 1.0, SCALE_MODE)
 
@@ -155,10 +129,10 @@ def _prefill_context_kernel(
             meta = page * stride_mb + kvh * stride_mh + slot
         else:
             meta = page32 * stride_mb + kvh * stride_mh + slot
-        s = _dot(q_a, tl.trans(_operand(_unpack(kraw, 0, KIND, ASYM, "", "", dt), dt, DOT, False)), DOT)
-        if KIND == 2:
-            s += _dot(q_b, tl.trans(_operand(_unpack(kraw, 1, KIND, ASYM, "", "", dt), dt, DOT, False)), DOT)
-        if SCALE_MODE == 3:
+        s = _dot(q_a, tl.trans(_operand(_unpack(kraw, 0, KIND, ASYM, "", "", dt), dt, DOT)), DOT)
+        if KIND == codes.INT4:
+            s += _dot(q_b, tl.trans(_operand(_unpack(kraw, 1, KIND, ASYM, "", "", dt), dt, DOT)), DOT)
+        if SCALE_MODE == codes.PER_TOKEN:
             s = s * tl.load(KS + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
             if ASYM:
                 s += qsum[:, None] * tl.load(KZ + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -171,12 +145,12 @@ def _prefill_context_kernel(
             # error: bf16's exponent range is fp32's, so no max(s) is divided out (decode's _p_operand
             # does, for fp16 dots)
             pv = p * tl.load(VS + meta, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        pv = _operand(pv, dt, DOT, False)
+        pv = _operand(pv, dt, DOT)
         acc_a = acc_a * alpha[:, None] + _dot(pv, _dequant_v(vraw, 0, VS, VZ, meta, nmask, KIND, V_SCALE, ASYM,
-                                                             dt, DOT, False, False, "", ""), DOT)
-        if KIND == 2:
+                                                             dt, DOT, "", ""), DOT)
+        if KIND == codes.INT4:
             acc_b = acc_b * alpha[:, None] + _dot(pv, _dequant_v(vraw, 1, VS, VZ, meta, nmask, KIND, V_SCALE, ASYM,
-                                                                 dt, DOT, False, False, "", ""), DOT)
+                                                                 dt, DOT, "", ""), DOT)
     # V's static scales (1.0 for per-token formats): once, before the chunk's own values join the sums
     acc_a = acc_a * v_fold
     acc_b = acc_b * v_fold
@@ -188,101 +162,22 @@ def _prefill_context_kernel(
         m2 = nmask[:, None] & dmask[None, :]
         k_row = (c0 + pos).to(tl.int64) * stride_knt + kvh * stride_knh
         v_row = (c0 + pos).to(tl.int64) * stride_vnt + kvh * stride_vnh
-        k_a = _operand(tl.load(KN + k_row[:, None] + cols_a[None, :], mask=m2, other=0.0), dt, DOT, False)
+        k_a = _operand(tl.load(KN + k_row[:, None] + cols_a[None, :], mask=m2, other=0.0), dt, DOT)
         s = _dot(q_a, tl.trans(k_a), DOT)
-        if KIND == 2:
-            k_b = _operand(tl.load(KN + k_row[:, None] + cols_b[None, :], mask=m2, other=0.0), dt, DOT, False)
+        if KIND == codes.INT4:
+            k_b = _operand(tl.load(KN + k_row[:, None] + cols_b[None, :], mask=m2, other=0.0), dt, DOT)
             s += _dot(q_b, tl.trans(k_b), DOT)
         s = tl.where(nmask[None, :] & (pos[None, :] <= tok[:, None]), s * qk_scale, float("-inf"))
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
-        pv = _operand(p, dt, DOT, False)
-        v_a = _operand(tl.load(VN + v_row[:, None] + cols_a[None, :], mask=m2, other=0.0), dt, DOT, False)
+        pv = _operand(p, dt, DOT)
+        v_a = _operand(tl.load(VN + v_row[:, None] + cols_a[None, :], mask=m2, other=0.0), dt, DOT)
         acc_a = acc_a * alpha[:, None] + _dot(pv, v_a, DOT)
-        if KIND == 2:
-            v_b = _operand(tl.load(VN + v_row[:, None] + cols_b[None, :], mask=m2, other=0.0), dt, DOT, False)
+        if KIND == codes.INT4:
+            v_b = _operand(tl.load(VN + v_row[:, None] + cols_b[None, :], mask=m2, other=0.0), dt, DOT)
             acc_b = acc_b * alpha[:, None] + _dot(pv, v_b, DOT)
 
     l_i = tl.where(rmask, l_i, 1.0)  # rows that are not stored may have seen no key: no 0/0
     o_row = (c0 + tok).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(OUT + o_row[:, None] + cols_a[None, :], (acc_a / l_i[:, None]).to(OUT.dtype.element_ty), mask=qm)
-    if KIND == 2:
+    if KIND == codes.INT4:
         tl.store(OUT + o_row[:, None] + cols_b[None, :], (acc_b / l_i[:, None]).to(OUT.dtype.element_ty), mask=qm)
-
-
-def prefill_context_attention_launch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, cache: LayerCache,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, sm_scale: float,
-    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, p_scale: bool = True,
-) -> torch.Tensor:
-    """Validate shapes and launch; options left at None take `DEFAULTS` for q's dtype.
-
-    block_m: rows per program, chunk tokens x the GQA group (a power of two >= 16, raised to the
-    group's if smaller): block_m // group chunk tokens per program. block_n: tokens per K/V tile
-    (a power of two >= 16). p_scale: symmetric per-token formats with bf16 q multiply p by V's scales
-    so the p.V dot runs on V's raw stored values (H200, int8 per-token: 4-7% faster at every context
-    and chunk of benchmarks/prefill_context.py); False dequantizes V in fp32 in every tile. Never for
-    asymmetric formats: sum p s x and sum p z are two large terms that cancel, and with p s rounded
-    to bf16 int4 per-token asym's error grew to 0.26 at a 128k context (0.015 on the fp32 path);
-    never for fp16 q (p s can leave fp16's exponent range) or fp32 q (parity runs).
-    Only shapes and dtypes are checked: values of cu_seqlens / context_lens stay on the device
-    (no host sync); a context longer than the block table's width is cut to it, as in decode.
-    """
-    kf = kernel_format(cache)
-    check_device(q, k, v, cu_seqlens, context_lens, cache.k, block_tables)
-    _, kv_heads, bs, stored = cache.k.shape
-    check_q(q, kf, kv_heads, "tokens")
-    tokens, num_heads, head_dim = q.shape
-    want = (tokens, kv_heads, head_dim)
-    if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype not in Q_DTYPES or v.dtype not in Q_DTYPES:
-        raise ValueError(f"k and v must both be fp16/bf16/fp32 {list(want)}, got {k.dtype} {tuple(k.shape)} "
-                         f"and {v.dtype} {tuple(v.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be int32 [chunks + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    chunks = cu_seqlens.numel() - 1
-    if context_lens.shape != (chunks,) or context_lens.dtype != torch.int32:
-        raise ValueError(f"context_lens must be int32 [{chunks}], got {context_lens.dtype} {tuple(context_lens.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != chunks or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [{chunks}, max_blocks] (a row per chunk), "
-                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
-    group = num_heads // kv_heads
-    dflt = DEFAULTS["fp32" if q.dtype == torch.float32 else "16bit"]
-    block_m = dflt["block_m"] if block_m is None else block_m
-    block_n = dflt["block_n"] if block_n is None else block_n
-    for name, val in (("block_m", block_m), ("block_n", block_n)):
-        if val < 16 or val & (val - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (a tensor-core tile), got {val}")
-    rows = max(block_m, triton.next_power_of_2(group))
-    tile_m = rows // group
-
-    out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
-    if chunks == 0 or tokens == 0:
-        return out.to(q.dtype)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    block_d = max(16, triton.next_power_of_2(stored))
-    grid = (triton.cdiv(tokens, tile_m) + chunks, kv_heads)  # >= the chunks' tiles: each adds <= 1 partial tile
-    _prefill_context_kernel[grid](
-        q, k, v, cache.k, cache.v, *scale_tensors(cache, cache.k), block_tables, cu_seqlens.contiguous(), context_lens.contiguous(),
-        out, sm_scale * _LOG2E, block_tables.shape[1] * bs, chunks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), *meta_strides(kf, cache),
-        GROUP=group, ROWS=rows, TILE_M=tile_m, BLOCK_C=max(16, triton.next_power_of_2(chunks)), BLOCK_SIZE=bs,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, DOT=_dot_mode(q.dtype), FULL_D=block_d == stored,
-        ALIGN=16 if stored % 16 == 0 else 1,
-        P_SCALE=p_scale and kf.scale_mode == SCALE_TOKEN and not kf.asym and q.dtype == torch.bfloat16,
-        META_I64=kf.scale_mode == SCALE_TOKEN and cache.k_scale.numel() >= 2**31,
-        num_warps=dflt["num_warps"] if num_warps is None else num_warps,
-        num_stages=dflt["num_stages"] if num_stages is None else num_stages,
-    )
-    return out if out.dtype == q.dtype else out.to(q.dtype)
-
-
-def prefill_context_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, cache: LayerCache,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, sm_scale: float,
-) -> torch.Tensor:
-    """runtime/attention.py's prefill_context_attention, reading the context from the pages in place."""
-    return prefill_context_attention_launch(q, k, v, cu_seqlens, cache, block_tables, context_lens, sm_scale)
-

@@ -11,7 +11,7 @@ in the output's dtype instead (bf16 / fp16, as vLLM's paged_attention_v2 does: a
 values has the output's range), and the merge weighs it by w_i l_i. At a GQA group of 8 a split's
 fp32 partial is 4 KB against 34 KB of int4 KV read over 272 tokens (Llama-3-70B, TP 8, 16 x
 32768): its write and the merge's read were a fifth of the launch's traffic, and bf16 partials
-took int4 0.031 -> 0.027 ms, fp8 0.043 -> 0.040 (fourteenth session). Their rounding adds about
+took int4 0.031 -> 0.027 ms, fp8 0.043 -> 0.040. Their rounding adds about
 one rounding of the output (relative error against fp32 1.7e-3 -> 2.4e-3 with bf16 q).
 """
 
@@ -52,12 +52,14 @@ def _merge_kernel(
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
-# partials in the output's dtype where fp32 ones would be at least this share of the KV bytes a split
-# reads: Llama-3-70B TP8 splits are at 2.3-12.5% (2.5-4% faster at 2.3-3%, 5-14% at 6-12%), Llama-3-8B's at
-# most 1.6% (there bf16 partials measured 0-1.5% slower: fp32 keeps the output's precision)
+# partials in the output's dtype where fp32 ones would be at least this share of the KV bytes a split reads.
+# why: Llama-3-70B TP8 splits are at 2.3-12.5% (2.5-14% faster), Llama-3-8B's at most 1.6% (0-1.5% slower: fp32 keeps
+# the output's precision); measured: benchmarks/results/kernel_variants.jsonl (rule=partial_dtype)
 PARTIAL_ROUNDING_SHARE = 1 / 48
 # a merge program's share of the partials: splits x head_dim columns of about this many values (2 for each of its
-# 128 threads), in head_dim slices of 32 to 128 (`merge_splits`)
+# 128 threads), in head_dim slices of 32 to 128 (`merge_splits`).
+# why: whole rows left the GPU idle for one long sequence, slices of 32 made too many small programs at 128 x 4096;
+# measured: benchmarks/results/kernel_variants.jsonl (rule=MERGE_VALUES)
 MERGE_VALUES = 256
 MERGE_MIN_BLOCK_D = 32
 MIN_TOKENS_PER_SPLIT = 512  # shorter splits cost more in partial write-backs and merging than they gain
@@ -90,7 +92,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, 
     0.653 vs 0.575 ms). More splits cost partial write-backs and a merge, so among
     near-equal counts the smallest wins; splits stay >= min_tokens_per_split long.
     resident_per_sm: programs of this kernel an SM holds at once (registers and shared
-    memory of the compiled kernel; tuning.TUNED). refine_tolerance: where `tolerance` already
+    memory of the compiled kernel; the tuned data). refine_tolerance: where `tolerance` already
     splits, the fewest splits within this (smaller) one instead: splitting at all must win
     `tolerance`, one more split per program costs little once there is a merge.
     """
@@ -143,7 +145,7 @@ def merge_splits(pm: torch.Tensor, pl: torch.Tensor, pacc: torch.Tensor, out: to
     # head_dim in slices of MERGE_VALUES / block_s columns, 32 to 128: one sequence at Llama-3-70B TP8 has 8
     # (sequence, head) rows of up to 256 splits, which whole left the GPU idle (0.0344 -> 0.0338 ms in slices
     # of 32), while 4096 rows of 2 splits (Llama-3-8B, 128 x 4096) in slices of 32 made 16384 programs of 64
-    # values (int4 0.1386 -> 0.1453 ms against whole rows; fifteenth session, KERNEL_NOTES.md)
+    # values (int4 0.1386 -> 0.1453 ms against whole rows)
     block_d = min(triton.next_power_of_2(head_dim), max(MERGE_MIN_BLOCK_D, MERGE_VALUES // block_s))
     _merge_kernel[(batch, num_heads, triton.cdiv(head_dim, block_d))](
         pm, pl, pacc, out, num_splits, out.stride(0), out.stride(1),

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from .formats import FP8_E4M3, FP8_E5M2, KIND_INT4
+from . import codes
 
 
 def _half2(x: float, dtype: torch.dtype = torch.float16) -> str:
@@ -65,7 +65,7 @@ def _int_widen(kind: int, symmetric: bool, src: str, dst: list[str]) -> str:
     a high nibble there is 1024 + 16 n, which one fma by 1/16 takes to 64 + n (FasterTransformer's
     trick: no shift per nibble). Signed int8 is first flipped to n + 128 (XOR 0x80,
     in the same LOP3)."""
-    if kind != KIND_INT4:
+    if kind != codes.INT4:
         magic = 0x64806480 if symmetric else 0x64006400
         return f"lop3.b32 {dst[0]}, {src}, 0x00FF00FF, {magic:#010x}, 0x6A; add.rn.f16x2 {dst[0]}, {dst[0]}, c0; "
     return (f"lop3.b32 {dst[0]}, {src}, 0x000F000F, 0x64006400, 0xEA; "
@@ -88,12 +88,12 @@ def word_asm(kind: int, fp8: int, symmetric: bool) -> str:
     `K_CENTER * sum(q)`. Registers hold values (i, i + 2) (int8) or (i, i + 4) (int4); the K
     operand's column order (`_k_columns`) is chosen so that these are its register pairs.
     """
-    if kind == 0:
-        name = {FP8_E4M3: "e4m3", FP8_E5M2: "e5m2"}[fp8]
+    if kind == codes.FLOAT:
+        name = {codes.FP8_E4M3: "e4m3", codes.FP8_E5M2: "e5m2"}[fp8]
         return ("{ .reg .b16 l, h; .reg .b32 a, b; mov.b32 {l, h}, $4; "
                 f"cvt.rn.f16x2.{name}x2 a, l; cvt.rn.f16x2.{name}x2 b, h; "
                 "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-    if kind != KIND_INT4:
+    if kind != codes.INT4:
         flip = 0x00800080 if symmetric else 0  # (w & mask) ^ flip
         return ("{ .reg .b32 s, a, b; shr.b32 s, $4, 8; "
                 f"lop3.b32 a, $4, 0x00FF00FF, {flip:#010x}, 0x6A; lop3.b32 b, s, 0x00FF00FF, {flip:#010x}, 0x6A; "
@@ -115,10 +115,10 @@ def pair_asm(kind: int, fp8: int, symmetric: bool) -> str:
     register. One byte permute per word interleaves the tokens before widening; widening the
     tokens separately and repacking afterwards cost a permute per register instead (8-bit: two
     per word, int4: four)."""
-    n = 8 if kind == KIND_INT4 else 4  # values per word; inputs are $2n (first token), $2n+1
+    n = 8 if kind == codes.INT4 else 4  # values per word; inputs are $2n (first token), $2n+1
     a, b = f"${2 * n}", f"${2 * n + 1}"
-    if kind == 0:  # x = (a0, b0, a1, b1), y = (a2, b2, a3, b3): each 16-bit half is a token pair
-        name = {FP8_E4M3: "e4m3", FP8_E5M2: "e5m2"}[fp8]
+    if kind == codes.FLOAT:  # x = (a0, b0, a1, b1), y = (a2, b2, a3, b3): each 16-bit half is a token pair
+        name = {codes.FP8_E4M3: "e4m3", codes.FP8_E5M2: "e5m2"}[fp8]
         body = (f"{{ .reg .b16 l0, h0, l1, h1; .reg .b32 x, y, r0, r1, r2, r3; "
                 f"prmt.b32 x, {a}, {b}, 0x5140; prmt.b32 y, {a}, {b}, 0x7362; "
                 "mov.b32 {l0, h0}, x; mov.b32 {l1, h1}, y; "
@@ -128,7 +128,7 @@ def pair_asm(kind: int, fp8: int, symmetric: bool) -> str:
         regs = [f"r{i}" for i in range(n)]
         per = n // 4  # fp16 pairs per byte position: int8 1, int4 2 (low and high nibble)
         body = (f"{{ .reg .b32 x, y, u, v, {', '.join(regs)}; "
-                + (_INT4_CONSTANTS if kind == KIND_INT4 else _INT8_CONSTANTS)
+                + (_INT4_CONSTANTS if kind == codes.INT4 else _INT8_CONSTANTS)
                 + f"prmt.b32 x, {a}, {b}, 0x5410; prmt.b32 y, {a}, {b}, 0x7632; shr.b32 u, x, 8; shr.b32 v, y, 8; "
                 + "".join(_int_widen(kind, symmetric, src, regs[i * per:(i + 1) * per])
                           for i, src in enumerate(("x", "u", "y", "v"))))

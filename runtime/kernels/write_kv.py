@@ -28,13 +28,12 @@ uses its correctly rounded reciprocal and two fma corrections (`_quotient`), and
 integers round with one `cvt.rni` whose NaN -> 0 and saturation the integer clamp
 finishes. The interpreter has no fused multiply-add, so it keeps `div_rn`.
 
-int4 takes a layout of its own by default (`write_rows.py`, `_int4_defaults`;
-`write_kv_launch(int4_lanes=N)`): whole rows over N lanes, the clamp in front of the division, one
+int4 takes a layout of its own by default (`write_rows.py`; `WritePlan.lanes` = N): whole rows over N lanes, the clamp in front of the division, one
 fma correction where the scale has at most 11 significant bits, word loads and stores, and for
-per-token fp16 scales bf16x2 row reductions (`int4_packed`). Same bytes; on the tile below, int4's
+per-token fp16 scales bf16x2 row reductions (`WritePlan.packed`). Same bytes; on the tile below, int4's
 per-row reductions and scale arithmetic cost more instructions than its few bytes can hide (78% of
 copy bandwidth against 88-96%). The int8 and fp8 per-token formats take the same rows from bf16 input with
-fp16 scales on the GPU (`byte_rows`, `BYTE_ROWS`): int8 87% -> 94% of copy, asymmetric 80% -> 92%; fp8
+fp16 scales on the GPU (`WritePlan.lanes` with `packed`): int8 87% -> 94% of copy, asymmetric 80% -> 92%; fp8
 (the tile's own quotient and conversion a value, in the rows' layout) from the tile's 78-83%.
 
 Negative slots are skipped (padding tokens), as in vLLM.
@@ -42,24 +41,12 @@ Negative slots are skipped (padding tokens), as in vLLM.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..kv_cache import LayerCache
+from . import codes
 from .exact_round import _clamp_round, _fp8_byte, _quotient, _reciprocal, _rne
-from .formats import (
-    FP8_HARDWARE,
-    FP8_NONE,
-    KIND_INT4,
-    KIND_INT8,
-    SCALE_NONE,
-    SCALE_TOKEN,
-    check_device,
-    kernel_format,
-    scale_tensors,
-)
 from .write_rows import _rows_load, _rows_store, _rows_store_fp8_words, _rows_store_words, _rows_words
 
 
@@ -79,7 +66,7 @@ def _to_int(y, QMIN: tl.constexpr, QMAX: tl.constexpr, FAST: tl.constexpr):
 def _load_rows(x_ptr, t, mask_t, head, offs_d, stride_xt, stride_xh, HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
     """Rows [BLOCK_T, BLOCK_D] of x in fp32, and their mask; for int4 the even and odd columns."""
     row = x_ptr + t[:, None] * stride_xt + head * stride_xh
-    if KIND == 2:
+    if KIND == codes.INT4:
         # int4 packs columns 2j and 2j+1: load whole rows (contiguous, vectorized) and split them
         BLOCK_T: tl.constexpr = mask_t.shape[0]
         BLOCK_D: tl.constexpr = offs_d.shape[0]
@@ -101,7 +88,7 @@ def _store_rows(
     FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
     FULL_D: tl.constexpr, FAST: tl.constexpr,
 ):
-    if SCALE_MODE == 0:
+    if SCALE_MODE == codes.NO_SCALE:
         # unquantized: the launcher has already matched x's dtype to the cache's
         tl.store(cache_ptr + dst_base[:, None] + offs_d[None, :], xa.to(cache_ptr.dtype.element_ty), mask=m2)
     else:
@@ -116,7 +103,7 @@ def _quantize_rows(
     FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr,
     FULL_D: tl.constexpr, FAST: tl.constexpr,
 ):
-    if SCALE_MODE == 3:
+    if SCALE_MODE == codes.PER_TOKEN:
         if ASYM:
             # int4's two column halves are combined before reducing: one cross-thread reduction
             # (shuffles) instead of two (xa is xb for the other kinds)
@@ -138,12 +125,12 @@ def _quantize_rows(
             tl.store(zero_ptr + meta_off, z.to(zero_ptr.dtype.element_ty), mask=mask_t)
             xa = xa - z[:, None]
             xb = xb - z[:, None]
-        s, y, k = _reciprocal(s, SCALE_DT != 0)
+        s, y, k = _reciprocal(s, SCALE_DT != codes.SCALE_FP16)
         s, y = s[:, None], y[:, None]
-        if SCALE_DT != 0:
+        if SCALE_DT != codes.SCALE_FP16:
             k = k[:, None]
     else:
-        if SCALE_MODE == 2:
+        if SCALE_MODE == codes.PER_HEAD:
             s = tl.load(scale_ptr + head)
         else:
             s = tl.load(scale_ptr)
@@ -156,7 +143,7 @@ def _quantize_rows(
 def _halves(xa, xb, KIND: tl.constexpr, MAX: tl.constexpr):
     """int4's two column halves combined elementwise (max or min) for one row reduction; the
     other kinds have one half (xa is xb)."""
-    if KIND != 2:
+    if KIND != codes.INT4:
         out = xa
     elif MAX:
         out = tl.maximum(xa, xb)
@@ -170,9 +157,9 @@ def _encode(xa, xb, s, y, k, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.con
             QMAX: tl.constexpr, FAST: tl.constexpr):
     """Values (zero point already subtracted) / s -> the stored bytes (int4: xa low nibble, xb high)."""
     ya = _quotient(xa, s, y, k, FAST)
-    if KIND == 0:
+    if KIND == codes.FLOAT:
         out = _fp8_byte(ya, FP8, QMIN, QMAX)
-    elif KIND == 1:
+    elif KIND == codes.INT8:
         if ASYM:
             out = _to_int(ya, QMIN, QMAX, FAST).to(tl.uint8)
         else:
@@ -213,7 +200,7 @@ def _write_kv_kernel(
         C: tl.constexpr = HEAD_DIM // (8 * LANES)
         kw = _rows_words(K, t, mask_t, head, stride_kt, stride_kh, C, LANES)
         vw = _rows_words(V, t, mask_t, head, stride_vt, stride_vh, C, LANES)
-        if KIND == 0:
+        if KIND == codes.FLOAT:
             _rows_store_fp8_words(kw, KC, KS, mask_t, dst, meta, FP8, QMIN, QMAX)
             _rows_store_fp8_words(vw, VC, VS, mask_t, dst, meta, FP8, QMIN, QMAX)
         else:
@@ -236,104 +223,3 @@ def _write_kv_kernel(
                     KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
         _store_rows(va, vb, m2, VC, VS, VZ, mask_t, dst, meta, head, offs_d,
                     KIND, SCALE_MODE, ASYM, FP8, QMIN, QMAX, SCALE_DT, FULL_D, FAST)
-
-
-def write_kv_launch(
-    cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-    block_t: int | None = None, num_warps: int | None = None, fast: bool | None = None,
-    int4_lanes: int | None = None, int4_packed: bool | None = None, byte_rows: int | None = None,
-) -> None:
-    """Validate, then launch one program per (BLOCK_T tokens, KV head).
-
-    fast: the GPU's exact shortcuts (hardware fp8 conversion, division through the
-    reciprocal, `cvt.rni` rounding; same bytes); default on CUDA, impossible in the interpreter.
-    int4_lanes: int4 only (other formats ignore it), 2/4/8: whole rows over that many lanes, the
-    clamp before the division and 32-bit word stores (`_rows_load`, `_rows_store`; same bytes);
-    0, or a head_dim that is not a power of two >= 8 * int4_lanes: the [tokens, head_dim] tile.
-    int4_packed: with int4_lanes, fast, bf16 k / v and per-token fp16 scales (else ignored): the row
-    min / max and the symmetric clamp on bf16 pairs (`_rows_store_words`; same bytes).
-    byte_rows: int8 and fp8 per-token formats with fp16 scales, fast, bf16 k / v (else ignored), 2/4/8:
-    int4_packed's rows over that many lanes, stored as bytes (`_rows_bytes_store`, `_rows_store_fp8_words`;
-    same bytes); 0: the tile.
-    Options left at None take the measured best (`_int4_defaults`, BYTE_ROWS; the tile path: 2 warps)."""
-    kf = kernel_format(cache)
-    check_device(cache.k, k, v, slot_mapping)
-    nb, heads, bs, _ = cache.k.shape
-    if k.dim() != 3 or k.shape != v.shape or k.shape[1] != heads or k.shape[2] != kf.head_dim:
-        raise ValueError(
-            f"k and v must both be [tokens, {heads}, {kf.head_dim}] for this cache, "
-            f"got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if k.dtype not in (torch.float16, torch.bfloat16, torch.float32) or v.dtype != k.dtype:
-        raise ValueError(f"k and v must share a float dtype (fp16/bf16/fp32), got {k.dtype} and {v.dtype}")
-    num_tokens = k.shape[0]
-    if num_tokens == 0:
-        return
-    if kf.scale_mode == SCALE_NONE and k.dtype != cache.k.dtype:
-        # A float->float cast is torch's job (the interpreter truncates bf16 casts).
-        k, v = k.to(cache.k.dtype), v.to(cache.k.dtype)
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    slot_mapping = slot_mapping.contiguous()
-    # fp8 pages are written as bytes by the integer encoder.
-    kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if kf.fp8 != FP8_NONE else (cache.k, cache.v)
-    ks, vs, kz, vz = scale_tensors(cache, kc)
-    stored = cache.k.shape[-1]
-    fast = cache.k.device.type == "cuda" if fast is None else fast
-    # on the GPU the hardware conversion (one instruction per two values) replaces the encoder
-    fp8 = FP8_HARDWARE[kf.fp8] if kf.fp8 != FP8_NONE and fast else kf.fp8
-    if block_t is None:
-        block_t = 16 if num_tokens >= 16 * heads else 4
-    default_lanes, default_packed = _int4_defaults(kf)
-    int4_lanes = default_lanes if int4_lanes is None else int4_lanes
-    int4_packed = default_packed if int4_packed is None else int4_packed
-    if int4_lanes not in (0, 2, 4, 8, 16):
-        raise ValueError(f"int4_lanes must be 0, 2, 4, 8 or 16, got {int4_lanes}")
-    # rows over N lanes need head_dim a power of two of >= 8 columns a lane
-    rows_fit = lambda n: kf.head_dim & (kf.head_dim - 1) == 0 and kf.head_dim >= 8 * n  # noqa: E731
-    lanes = int4_lanes if kf.kind == KIND_INT4 and rows_fit(int4_lanes) else 0
-    words_ok = fast and k.dtype == torch.bfloat16 and kf.scale_mode == SCALE_TOKEN and kf.scale_dtype == 0
-    packed = bool(int4_packed and lanes and words_ok)
-    byte_rows = BYTE_ROWS if byte_rows is None else byte_rows
-    if byte_rows not in (0, 2, 4, 8):
-        raise ValueError(f"byte_rows must be 0, 2, 4 or 8, got {byte_rows}")
-    if (kf.kind == KIND_INT8 or kf.fp8 != FP8_NONE) and byte_rows and words_ok and rows_fit(byte_rows):
-        lanes, packed = byte_rows, True
-    if num_warps is None:  # a row per `lanes` threads: 8 lanes x 16 tokens fill 4 warps; fewer tokens, fewer warps
-        num_warps = max(1, min(4 if lanes == 8 else 2, lanes * block_t // 32)) if lanes else 2
-    grid = (triton.cdiv(num_tokens, block_t), heads)
-    _write_kv_kernel[grid](
-        k, v, kc, vc, ks, vs, kz, vz, slot_mapping,
-        num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        heads * bs, bs,
-        BLOCK_SIZE=bs, HEAD_DIM=kf.head_dim, BLOCK_D=triton.next_power_of_2(stored), BLOCK_T=block_t,
-        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, FP8=fp8,
-        QMIN=kf.qmin, QMAX=kf.qmax, SCALE_DT=kf.scale_dtype,
-        FULL_D=triton.next_power_of_2(stored) == stored, FAST=fast, LANES=lanes, PACKED=packed,
-        num_warps=num_warps,
-    )
-
-
-# int8 and fp8 per-token (fp16 scales, bf16 input, GPU): rows over this many lanes (`write_kv_launch(byte_rows=)`).
-# H200, 16 x 32768 written (`results/write_variants_round16_int8_rows.jsonl`): % of copy, tile / 2 / 4 / 8
-# lanes: int8 symmetric 87 / 56 / 94 / 94, asymmetric 80 / 63 / 92 / 91 (32 tokens x 4 warps at 4 lanes: the same)
-BYTE_ROWS = 4
-
-
-def _int4_defaults(kf) -> tuple[int, bool]:
-    """(int4_lanes, int4_packed) measured fastest on the H200, 16 x 32768 written, % of the same run's
-    copy (`results/write_variants_round14.jsonl`): static scales 8 lanes x 16 tokens x 4 warps, 78 -> 88%;
-    per-token 4 lanes, packed, 68 -> 96% (asymmetric 58 -> 93%). Other formats: the tile path."""
-    if kf.kind != KIND_INT4:
-        return 0, False
-    return (4, True) if kf.scale_mode == SCALE_TOKEN else (8, False)
-
-
-def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Quantize k, v [T, kv_heads, head_dim] (after RoPE) into `cache` at `slot_mapping` [T] int64."""
-    write_kv_launch(cache, k, v, slot_mapping)
-

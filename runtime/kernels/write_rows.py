@@ -1,5 +1,5 @@
-"""Quantize-on-write with whole rows over a few lanes: int4 (`write_kv_launch(int4_lanes=N)`), and int8 and
-fp8 per-token from bf16 rows (`write_kv_launch(byte_rows=N)`, through `_rows_store_words`).
+"""Quantize-on-write with whole rows over a few lanes: int4 (`WritePlan.lanes` = N), and int8 and
+fp8 per-token from bf16 rows (`lanes` with `packed`, through `_rows_store_words`).
 
 The tile path of `write_kv.py` spreads a [tokens, head_dim] tile over the warps as the compiler
 likes, so every per-token reduction is a chain of shuffles over 4 rows and the per-row scale
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import codes
 from .exact_round import _clamp_round, _corrected, _fp8_byte, _quotient, _reciprocal, _rne
 
 
@@ -207,7 +208,7 @@ def _rows_store(
     needed), and a NaN stays NaN until `cvt.rni` (FAST) or the where (interpreter) makes it 0.
     The power-of-two scaling k of `_reciprocal` is applied to the values before the clamp (the
     bound is computed from the scaled scale), as `_quotient` applies it."""
-    if SCALE_MODE == 3:
+    if SCALE_MODE == codes.PER_TOKEN:
         if ASYM:
             lo = _rows_reduce(xe, xo, False)
             hi = _rows_reduce(xe, xo, True)
@@ -218,14 +219,14 @@ def _rows_store(
         if ASYM:
             xe = xe - z
             xo = xo - z
-        if SCALE_DT == 0:  # fp16 scales lie in [2**-14, 65504]: no scaling
+        if SCALE_DT == codes.SCALE_FP16:  # fp16 scales lie in [2**-14, 65504]: no scaling
             y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         else:
             s, y, k = _reciprocal(s, True, True)
             xe = xe * k
             xo = xo * k
     else:
-        if SCALE_MODE == 2:
+        if SCALE_MODE == codes.PER_HEAD:
             s = tl.load(scale_ptr + head)
         else:
             s = tl.load(scale_ptr)
@@ -233,7 +234,7 @@ def _rows_store(
         xe = xe * k
         xo = xo * k
     b = s * QMAX
-    ONE_FMA: tl.constexpr = SCALE_MODE == 3 and SCALE_DT != 2
+    ONE_FMA: tl.constexpr = SCALE_MODE == codes.PER_TOKEN and SCALE_DT != codes.SCALE_FP32
     ne = _rows_int(xe, s, y, b, ASYM, FAST, ONE_FMA)
     no = _rows_int(xo, s, y, b, ASYM, FAST, ONE_FMA)
     _rows_pack_store(ne, no, cache_ptr, dst_base, mask_t, ASYM)
@@ -297,7 +298,7 @@ def _rows_store_words(
         w = _bf16x2_clamp(w, hi_w | -2147450880, hi_w)  # -2147450880 = 0x80008000: the sign bits
         ne = _rows_int(_widen_lo(w), s, y, b, ASYM, True, True, True)
         no = _rows_int(_widen_hi(w), s, y, b, ASYM, True, True, True)
-    if KIND == 2:
+    if KIND == codes.INT4:
         _rows_pack_store(ne, no, cache_ptr, dst_base, mask_t, ASYM)
     else:
         _rows_bytes_store(ne, no, cache_ptr, dst_base, mask_t)

@@ -1,0 +1,312 @@
+"""Kernel plans: everything a launch decides before it runs, made once per (format, shape, device) and run many times.
+
+A plan is a frozen dataclass (`DecodePlan`, `WritePlan`, `PrefillPlan`) made by one function each (`decode_plan`,
+`write_plan`, `prefill_plan`) from the KV format, the batch's shape and the device; the public ops
+(`launch.py`) take `plan=` or make the default one. Benchmarks and tests vary a plan with `dataclasses.replace`.
+The per-format choices come from the device's tuned file (tuned/<device>.json, written by benchmarks/tune.py; the
+H200's serves every other device and the interpreter), the shape-dependent rules from `tuning.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Literal
+
+import torch
+import triton
+from pydantic import BaseModel, ConfigDict
+
+from ..kv_format import KVFormat
+from . import codes, decode_gluon, tuning
+from .formats import format_codes
+from .split_k import choose_num_splits
+
+KERNELS = ("gluon", "warps", "tiles")  # decode_gluon.py, decode_warps.py, decode_tiles.py
+
+
+@dataclass(frozen=True)
+class Device:
+    """What a plan needs to know about the GPU: its tuned file's name, SMs, major compute capability; `cuda`: the
+    tensors are CUDA tensors; `interpret`: the Triton interpreter runs the kernels (no Gluon, no PTX)."""
+
+    name: str
+    sms: int
+    capability: int
+    cuda: bool = True
+    interpret: bool = False
+
+
+DEVICE_H200 = Device("NVIDIA H200", 132, 9)
+
+
+def device_of(device: torch.device | str) -> Device:
+    from triton import knobs
+
+    device = torch.device(device)
+    interpret = bool(knobs.runtime.interpret)
+    if device.type != "cuda":
+        return Device("interpreter", 4, 0, cuda=False, interpret=interpret)  # any small SM count exercises the rules
+    props = torch.cuda.get_device_properties(device)
+    return Device(props.name, props.multi_processor_count, torch.cuda.get_device_capability(device)[0],
+                  interpret=interpret)
+
+
+class _Tuned(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DecodeTuned(_Tuned):
+    """A format's decode choices (`DecodePlan` says what each means): the Gluon kernel's, then the Triton kernels'."""
+
+    gluon: bool
+    registers: int  # the Gluon kernel's register cap from registers (0: none) ...
+    ring_registers: int  # ... and through the int4 ring
+    k_chains: Literal[1, 2]
+    skip_rescale: bool
+    offsets32: bool
+    block_n: int
+    num_stages: int
+    dot_fp16: bool
+    p_scale: bool
+    tile_registers: int  # the Triton kernels' register cap (0: none)
+    resident_per_sm: int  # their programs an SM holds, for the split rule
+    warps: bool
+    heads_n: bool
+    int8_asm: bool
+    pages_ahead: bool
+    warp_page: bool
+
+
+class WriteTuned(_Tuned):
+    lanes: Literal[0, 2, 4, 8, 16]
+    packed: bool
+
+
+class FormatTuned(_Tuned):
+    decode: DecodeTuned
+    write: WriteTuned
+
+
+class PrefillTuned(_Tuned):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+class TunedFile(_Tuned):
+    """tuned/<device>.json: per KV format name (`KVFormat.name`), and the prefill tile per q dtype class."""
+
+    device: str
+    formats: dict[str, FormatTuned]
+    prefill: dict[Literal["16bit", "fp32"], PrefillTuned]
+
+
+TUNED_FALLBACK = "nvidia_h200"
+
+
+def tuned_file_name(device_name: str) -> str:
+    return device_name.lower().replace(" ", "_").replace("-", "_")
+
+
+@functools.cache
+def _load_tuned(stem: str) -> TunedFile:
+    text = (resources.files(__package__) / "tuned" / f"{stem}.json").read_text()
+    return TunedFile.model_validate(json.loads(text))
+
+
+@functools.cache
+def tuned_for_device(device: Device) -> TunedFile:
+    """The device's tuned file, else the H200's (looked up once a device: plans are made on every launch)."""
+    stem = tuned_file_name(device.name)
+    has = (resources.files(__package__) / "tuned" / f"{stem}.json").is_file()
+    return _load_tuned(stem if has else TUNED_FALLBACK)
+
+
+def _format_tuned(fmt: KVFormat, device: Device) -> FormatTuned:
+    tuned = tuned_for_device(device)
+    if fmt.name not in tuned.formats:
+        raise KeyError(f"tuned/{tuned_file_name(tuned.device)}.json has no entry for KV format {fmt.name!r}; "
+                       f"add one with benchmarks/tune.py")
+    return tuned.formats[fmt.name]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How `decode_attention` runs. kernel: "gluon" (decode_gluon.py: one warp a program, hand-placed layouts; CUDA,
+    head_dim 128, <= 8 query heads per KV head, pages of 16k tokens, quantized formats, fp16 / bf16 q), "warps"
+    (decode_warps.py: one softmax state per warp; quantized formats) or "tiles" (decode_tiles.py: query heads x tokens;
+    unquantized formats). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
+    (None: none; GPU only).
+
+    Gluon kernel: stages: int4 tiles through a shared-memory ring of this many stages (0: registers a step ahead);
+    pairs: the ring's tiles two a step (stages >= 4); tma: the TMA unit fills the ring (sm_90); k_chains: a tile's
+    scores as 1 or 2 independent mma chains; skip_rescale: skip the softmax rescale of tiles that raise no max;
+    offsets32: int32 page offsets where the cache holds < 2^31 words.
+
+    Triton kernels: block_n: tokens a tile (warps: 16 a warp); num_warps, num_stages: Triton's; dot_fp16: dots in fp16
+    whatever q's dtype (exact for raw 8-/4-bit values); p_scale: per-token V scales multiply p, V stays raw;
+    widen_ptx: int8 / int4 widened by the PTX of `widen_ptx.widen_asm`; heads_n (warps): query heads on the mma N
+    dimension; pages_ahead (warps): block-table entries a tile ahead; warp_page (warps): one block-table read per
+    warp, its tokens sharing a page.
+    """
+
+    kernel: Literal["gluon", "warps", "tiles"]
+    splits: int
+    registers: int | None = None
+    stages: int = 0
+    pairs: bool = False
+    tma: bool = False
+    k_chains: int = 1
+    skip_rescale: bool = False
+    offsets32: bool = False
+    block_n: int = 16
+    num_warps: int = 1
+    num_stages: int = 2
+    dot_fp16: bool = False
+    p_scale: bool = False
+    widen_ptx: bool = False
+    heads_n: bool = False
+    pages_ahead: bool = True
+    warp_page: bool = True
+
+
+def dot_mode(q_dtype: torch.dtype, device: Device) -> int:
+    if q_dtype == torch.float32:
+        return codes.DOT_IEEE
+    if q_dtype == torch.bfloat16 and device.interpret:
+        return codes.DOT_UPCAST
+    return codes.DOT_NATIVE
+
+
+def gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size: int, group: int,
+                 head_dim: int) -> bool:
+    """Whether the Gluon kernel can run this launch (`decode_gluon.serves`, on CUDA outside the interpreter, with
+    fp16 / bf16 q)."""
+    return (device.cuda and not device.interpret and q_dtype in (torch.float16, torch.bfloat16)
+            and decode_gluon.serves(format_codes(fmt, head_dim), block_size, group))
+
+
+def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens: int,
+                device: Device | torch.device | str = DEVICE_H200, *, head_dim: int = 128, block_size: int = 16,
+                q_dtype: torch.dtype = torch.bfloat16,
+                kernel: Literal["gluon", "triton"] | None = None) -> DecodePlan:
+    """The default plan for `batch` sequences of up to `max_tokens` (the block table's width in tokens), `heads` query
+    heads over `kv_heads` KV heads of `head_dim`, pages of `block_size` tokens, on `device`. kernel: the plan of that
+    kernel family instead of the default choice ("triton": the format's Triton kernel, warps or tiles), for tests
+    and benchmarks that compare kernels."""
+    device = device if isinstance(device, Device) else device_of(device)
+    kf = format_codes(fmt, head_dim)
+    tuned = _format_tuned(fmt, device).decode
+    group = heads // kv_heads
+    one_warp = tuned.warps and tuned.block_n == 16
+    gluon, block_n, resident = tuned.gluon, tuned.block_n, tuned.resident_per_sm
+    if (one_warp or gluon) and tuning.one_warp_too_few(batch * kv_heads, max_tokens):
+        gluon = gluon and tuning.gluon_for_few_programs(kf)
+        if one_warp:  # the format's 4-warp tile: 4 x 16 tokens, 3 programs per SM
+            block_n, resident = 64, 3
+    if kernel is not None:
+        gluon = kernel == "gluon"
+    if kernel == "gluon" or (gluon and gluon_serves(fmt, device, q_dtype, block_size, group, head_dim)):
+        tma = tuning.gluon_tma_for(kf, device.capability)
+        cap, splits, stages, pairs = tuning.gluon_plan(kf, batch, kv_heads, max_tokens, device.sms, group, tma,
+                                                       tuned.registers, tuned.ring_registers)
+        return DecodePlan("gluon", splits, cap, stages, pairs, tma and stages > 0, tuned.k_chains, tuned.skip_rescale,
+                          tuned.offsets32)
+    dot = dot_mode(q_dtype, device)
+    stored = fmt.stored_head_dim(head_dim)
+    block_d = max(16, triton.next_power_of_2(stored))
+    # why: the PTX widening is validated on the GPU for tiles of >= 64 tokens x >= 64 stored columns only (16-token
+    # tiles of the heads x tokens kernel, or head_dim 16, gave wrong int8 / int4 results on the H200); the per-warp
+    # kernel's warps always hold 16-token tiles; measured: benchmarks/results/kernel_variants.jsonl (rule=tuned_for)
+    fast_tile = (block_n >= 64 or tuned.warps) and block_d >= 64
+    dot_fp16 = tuned.dot_fp16 and dot == codes.DOT_NATIVE  # fp16 dots need native tensor-core dots
+    widen = dot == codes.DOT_NATIVE and device.cuda and fast_tile and (
+        kf.kind == codes.INT4 or (kf.kind == codes.INT8 and tuned.int8_asm and dot_fp16))
+    num_warps = min(4, block_n // 16) if tuned.warps else 4
+    one_warp_splits = {"max_splits": tuning.ONE_WARP_MAX_SPLITS} if tuned.warps and num_warps == 1 else {}
+    splits = choose_num_splits(batch, kv_heads, max_tokens, block_n, device.sms, resident, **one_warp_splits)
+    return DecodePlan(
+        "warps" if tuned.warps else "tiles", splits, tuned.tile_registers or None, block_n=block_n,
+        num_warps=num_warps, num_stages=tuned.num_stages, dot_fp16=dot_fp16,
+        p_scale=tuned.p_scale and kf.scale_mode == codes.PER_TOKEN, widen_ptx=widen, heads_n=tuned.heads_n,
+        pages_ahead=tuned.pages_ahead,
+        warp_page=tuned.warp_page and warp_page_fits(block_n, num_warps, block_size))
+
+
+def warp_page_fits(block_n: int, num_warps: int, block_size: int) -> bool:
+    """Whether a warp's tokens of a tile share one page (`DecodePlan.warp_page`): they start at multiples of their
+    count, which divides the page size."""
+    return block_n % num_warps == 0 and block_size % (block_n // num_warps) == 0
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """How `write_kv` runs. block_t: tokens a program; num_warps: Triton's; fast: the GPU's exact shortcuts (the
+    hardware fp8 conversion, division through the reciprocal, `cvt.rni` rounding; same bytes; not in the
+    interpreter); lanes: whole rows over this many lanes (2 / 4 / 8 / 16; 0: the [tokens, head_dim] tile);
+    packed: with lanes, the rows' reductions on bf16 pairs / bytes stored from words (bf16 k / v, fp16 per-token
+    scales, fast)."""
+
+    block_t: int
+    num_warps: int
+    fast: bool
+    lanes: int = 0
+    packed: bool = False
+
+
+def rows_fit(head_dim: int, lanes: int) -> bool:
+    """Whether rows over `lanes` lanes fit head_dim: a power of two of >= 8 columns a lane."""
+    return head_dim & (head_dim - 1) == 0 and head_dim >= 8 * lanes
+
+
+def write_plan(fmt: KVFormat, tokens: int, kv_heads: int, device: Device | torch.device | str = DEVICE_H200, *,
+               head_dim: int = 128, k_dtype: torch.dtype = torch.bfloat16) -> WritePlan:
+    """The default plan for writing `tokens` tokens of `kv_heads` KV heads."""
+    device = device if isinstance(device, Device) else device_of(device)
+    kf = format_codes(fmt, head_dim)
+    tuned = _format_tuned(fmt, device).write
+    fast = device.cuda and not device.interpret
+    block_t = 16 if tokens >= 16 * kv_heads else 4
+    words = fast and k_dtype == torch.bfloat16 and kf.scale_mode == codes.PER_TOKEN and kf.scale_dtype == 0
+    if kf.kind == codes.INT4:
+        lanes = tuned.lanes if rows_fit(head_dim, tuned.lanes) else 0
+        packed = bool(tuned.packed and lanes and words)
+    else:  # int8 / fp8 rows store bytes from bf16 words: only there
+        lanes = tuned.lanes if tuned.lanes and words and rows_fit(head_dim, tuned.lanes) else 0
+        packed = bool(lanes)
+    return WritePlan(block_t, write_warps(lanes, block_t), fast, lanes, packed)
+
+
+def write_warps(lanes: int, block_t: int) -> int:
+    """The write kernel's warps: a row per `lanes` threads, so 8 lanes x 16 tokens fill 4 warps, fewer tokens fewer
+    warps; the tile (lanes 0) takes 2."""
+    return max(1, min(4 if lanes == 8 else 2, lanes * block_t // 32)) if lanes else 2
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How `prefill_context_attention` runs. block_m: rows a program, chunk tokens x the GQA group (a power of two
+    >= 16, raised to the group's); block_n: tokens a K/V tile (a power of two >= 16); num_warps, num_stages: Triton's;
+    p_scale: per-token V scales multiply p so the p . V dot runs on raw V (symmetric per-token formats, bf16 q)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    p_scale: bool = False
+
+
+def prefill_plan(fmt: KVFormat, device: Device | torch.device | str = DEVICE_H200, *,
+                 q_dtype: torch.dtype = torch.bfloat16) -> PrefillPlan:
+    """The default plan for a chunked prefill with q of `q_dtype`.
+    why: p_scale ran 4-7% faster for int8 per-token at every context and chunk; never asymmetric (two large terms
+    cancel: int4 per-token asym's error grew to 0.26 at 128k), fp16 q (p s can leave fp16's range) or fp32 q (parity
+    runs); measured: benchmarks/results/prefill_context.jsonl (rule=p_scale)"""
+    device = device if isinstance(device, Device) else device_of(device)
+    tile = tuned_for_device(device).prefill["fp32" if q_dtype == torch.float32 else "16bit"]
+    p_scale = fmt.dynamic and fmt.symmetric and q_dtype == torch.bfloat16
+    return PrefillPlan(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages, p_scale)
