@@ -172,7 +172,7 @@ class RoundedReference:
     """The reference decode attention with its probabilities rounded as the kernel rounds them.
 
     The kernel multiplies p by V on tensor cores, so p is rounded to fp16/bf16 first
-    (runtime.kernels.tuning.probability_dtype); the reference keeps fp32. A
+    (runtime.kernels.plan.probability_dtype); the reference keeps fp32. A
     kernel that matches this reference where it misses the plain one differs by that
     rounding, not by a bug. (Per-token formats also scale p by s/max(s) before rounding;
     this emulation rounds p alone.)
@@ -180,7 +180,7 @@ class RoundedReference:
 
     def __enter__(self):
         import runtime.attention
-        from runtime.kernels.tuning import probability_dtype
+        from runtime.kernels.plan import probability_dtype
 
         self._mod, self._orig = runtime.attention, runtime.attention.decode_attention
         orig = self._orig

@@ -175,7 +175,7 @@ def run_case(case: Case, name: str, tiles: list, rows: list, sink, p_scale: bool
 
 
 def markdown(env: dict, rows: list[dict]) -> str:
-    from gpu_timing import env_line
+    from benchmarks.gpu_timing import env_line
 
     lines = [
         "# Chunked-prefill context attention: kernel vs reference",

@@ -111,7 +111,7 @@ def tune_write(case: kb.Case, fmt, entry: dict, margin: float) -> dict:
 
 
 def write_atomically(path: Path, data: dict) -> None:
-    TunedFile.model_validate(data)  # what is written must load
+    TunedFile.from_dict(data)  # what is written must load
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)
@@ -135,7 +135,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("measuring the tuned data needs a GPU; --print checks and prints it anywhere")
-    data = json.loads(current.model_dump_json())
+    data = current.to_dict()
     data["device"] = device.name
     batch, ctx = (int(x) for x in args.shape.split("x"))
     case = kb.Case(args.model, batch, ctx)
@@ -149,7 +149,7 @@ def main() -> None:
         del cache
         torch.cuda.empty_cache()
     write_atomically(Path(args.out), data)
-    print_table(TunedFile.model_validate(data))
+    print_table(TunedFile.from_dict(data))
 
 
 if __name__ == "__main__":

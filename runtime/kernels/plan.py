@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+import typing
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from importlib import resources
 from typing import Literal
 
 import torch
 import triton
-from pydantic import BaseModel, ConfigDict
 
 from ..kv_format import KVFormat
 from . import codes, decode_gluon, tuning
-from .formats import format_codes
+from .formats import format_codes, kernel_format
 from .split_k import choose_num_splits
 
 KERNELS = ("gluon", "warps", "tiles")  # decode_gluon.py, decode_warps.py, decode_tiles.py
@@ -54,11 +54,36 @@ def device_of(device: torch.device | str) -> Device:
                   interpret=interpret)
 
 
-class _Tuned(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+def _checked(tp, value, where: str):
+    """`value` read from JSON as type `tp`: dataclasses field by field (no unknown or missing field), dicts, Literal
+    choices, bool / int / str exactly (a bool is no int here).
+    why: the tuned file is data a tuning run writes and a person may edit; a misspelt field must fail when it loads,
+    not leave a default in force (and runtime stays free of pydantic: it runs with torch, triton, numpy only)."""
+    if is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected an object, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        names = [f.name for f in fields(tp)]
+        unknown, missing = sorted(set(value) - set(names)), [n for n in names if n not in value]
+        if unknown or missing:
+            raise ValueError(f"{where}: unknown fields {unknown}, missing fields {missing} (fields: {', '.join(names)})")
+        return tp(**{n: _checked(hints[n], value[n], f"{where}.{n}") for n in names})
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected an object, got {value!r}")
+        return {_checked(args[0], k, f"{where} key"): _checked(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if origin is Literal:
+        if value not in args or isinstance(value, bool) != isinstance(args[0], bool):
+            raise ValueError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
 
 
-class DecodeTuned(_Tuned):
+@dataclass(frozen=True)
+class DecodeTuned:
     """A format's decode choices (`DecodePlan` says what each means): the Gluon kernel's, then the Triton kernels'."""
 
     gluon: bool
@@ -80,29 +105,41 @@ class DecodeTuned(_Tuned):
     warp_page: bool
 
 
-class WriteTuned(_Tuned):
+@dataclass(frozen=True)
+class WriteTuned:
     lanes: Literal[0, 2, 4, 8, 16]
     packed: bool
 
 
-class FormatTuned(_Tuned):
+@dataclass(frozen=True)
+class FormatTuned:
     decode: DecodeTuned
     write: WriteTuned
 
 
-class PrefillTuned(_Tuned):
+@dataclass(frozen=True)
+class PrefillTuned:
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
 
 
-class TunedFile(_Tuned):
+@dataclass(frozen=True)
+class TunedFile:
     """tuned/<device>.json: per KV format name (`KVFormat.name`), and the prefill tile per q dtype class."""
 
     device: str
     formats: dict[str, FormatTuned]
     prefill: dict[Literal["16bit", "fp32"], PrefillTuned]
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "tuned file") -> TunedFile:
+        """Checked field by field; a ValueError names the first field that is wrong."""
+        return _checked(cls, data, where)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 TUNED_FALLBACK = "nvidia_h200"
@@ -115,7 +152,7 @@ def tuned_file_name(device_name: str) -> str:
 @functools.cache
 def _load_tuned(stem: str) -> TunedFile:
     text = (resources.files(__package__) / "tuned" / f"{stem}.json").read_text()
-    return TunedFile.model_validate(json.loads(text))
+    return TunedFile.from_dict(json.loads(text), f"tuned/{stem}.json")
 
 
 @functools.cache
@@ -310,3 +347,13 @@ def prefill_plan(fmt: KVFormat, device: Device | torch.device | str = DEVICE_H20
     tile = tuned_for_device(device).prefill["fp32" if q_dtype == torch.float32 else "16bit"]
     p_scale = fmt.dynamic and fmt.symmetric and q_dtype == torch.bfloat16
     return PrefillPlan(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages, p_scale)
+
+
+def probability_dtype(cache, q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the default decode launch rounds softmax probabilities to before p . V on the GPU (fp16 in the Gluon
+    kernel, which serves head_dim 128 and pages of 16k tokens, and in the Triton kernels' fp16 dots), for reference
+    runs that mimic it."""
+    kf = kernel_format(cache)
+    tuned = tuned_for_device(DEVICE_H200).formats[cache.fmt.name].decode
+    gluon = tuned.gluon and decode_gluon.serves(kf, cache.block_size, 1)  # the GQA group is not known here
+    return torch.float16 if tuned.dot_fp16 or gluon else q_dtype

@@ -5,8 +5,6 @@ ring, the register caps' exceptions. The per-format choices are data (tuned/*.js
 
 from __future__ import annotations
 
-import torch
-
 from . import codes, decode_gluon
 from .formats import KernelFormat
 from .split_k import MIN_TOKENS_PER_SPLIT, choose_num_splits, split_tokens
@@ -138,16 +136,3 @@ def _long_splits(batch: int, kv_heads: int, max_tokens: int) -> int | None:
     the registers won; measured: benchmarks/results/kernel_variants.jsonl (rule=_long_splits)"""
     splits = max_tokens // RING_MIN_TOKENS
     return splits if kv_heads > 1 and splits > 1 and batch * kv_heads * splits >= ONE_WARP_PROGRAMS else None
-
-
-def probability_dtype(cache, q_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the default decode launch rounds softmax probabilities to before p . V on the GPU (fp16 in the Gluon
-    kernel, which serves head_dim 128 and pages of 16k tokens, and in the Triton kernels' fp16 dots), for reference
-    runs that mimic it."""
-    from .formats import kernel_format
-    from .plan import DEVICE_H200, tuned_for_device
-
-    kf = kernel_format(cache)
-    tuned = tuned_for_device(DEVICE_H200).formats[cache.fmt.name].decode
-    gluon = tuned.gluon and decode_gluon.serves(kf, cache.block_size, 1)  # the GQA group is not known here
-    return torch.float16 if tuned.dot_fp16 or gluon else q_dtype
