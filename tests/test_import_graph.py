@@ -126,3 +126,38 @@ def test_benchmarks_import_as_a_package():
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 wrong += [f"{name}: bare import of {n}, line {node.lineno}" for n in names if n.split(".")[0] in siblings]
     assert not wrong, "\n".join(wrong)
+
+
+# design.md: runtime runs on the GPU machine with only these (and the standard library) installed
+RUNTIME_THIRD_PARTY = {"torch", "triton", "numpy", "safetensors"}
+
+
+def test_runtime_needs_only_torch_triton_numpy_safetensors():
+    """An import in runtime/ of anything but the standard library, our own runtime and the four packages the GPU
+    machine has fails here (pydantic or yaml would break `import runtime` there), unless it sits in a
+    `try: ... except ImportError` that does without it."""
+    import sys
+
+    def optional(tree: ast.AST) -> set[int]:
+        """ids of import nodes inside a try whose handlers catch ImportError."""
+        out = set()
+        for t in ast.walk(tree):
+            if isinstance(t, ast.Try) and any(
+                    isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+                    for h in t.handlers):
+                out |= {id(n) for stmt in t.body for n in ast.walk(stmt)}
+        return out
+
+    bad = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        skip = optional(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for top in {n.split(".")[0] for n in names if n}:
+                if top not in sys.stdlib_module_names and top != "runtime" and top not in RUNTIME_THIRD_PARTY:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {top}")
+    assert not bad, bad
