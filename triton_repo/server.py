@@ -9,7 +9,10 @@ sit inside the backend directory, so we assemble a private backend directory
 per server (pytriton does the same), which also keeps concurrent servers apart.
 
 The server runs in its own process group: stopping it (SIGTERM, then SIGKILL
-for anything left in that group) leaves no stub process behind.
+for anything left in that group) leaves no stub process behind. Its python
+backend's shared-memory regions carry a prefix recorded as its own
+(shm_regions.py): they are removed when it stops, and by the next start if it
+was killed.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from pathlib import Path
 
 from runtime.errors import ExternalToolMissing, InputError, ServerError
 
+from . import shm_regions
+
 EXIT_TIMEOUT_S = 10
+CRASH_LINES = 40
 # Log lines that say why a model did not load (Triton's error lines and the
 # UNAVAILABLE rows of its model status table).
 _FAILURE_LINE = re.compile(r"^E\d{4}|UNAVAILABLE|failed to load|Traceback|Error|error:", re.IGNORECASE)
@@ -106,6 +112,8 @@ class TritonServer:
     process: subprocess.Popen
     log_path: Path
     workdir: Path
+    shm_prefix: str = ""
+    ready_offset: int = 0  # log bytes written before the server became ready
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -130,6 +138,21 @@ class TritonServer:
         lines = [ln for ln in self.log_text().splitlines() if _FAILURE_LINE.search(ln)]
         return lines[-limit:]
 
+    def last_lines(self, limit: int = CRASH_LINES) -> list[str]:
+        """The server's last words: the log written since it became ready (its tail, at most `limit`
+        lines), so a crash is explained by what the server said then, not by lines from its start-up."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.ready_offset)
+                text = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return []
+        return [ln for ln in text.splitlines() if ln.strip()][-limit:]
+
+    def crash_report(self) -> str:
+        lines = self.last_lines()
+        return "\n".join(lines) if lines else f"(the server wrote nothing after becoming ready; log: {self.log_path})"
+
     def is_ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as r:
@@ -149,6 +172,7 @@ class TritonServer:
                     f"Fix the model named above and start again (full log: {self.log_path})."
                 )
             if self.is_ready():
+                self.ready_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
                 return
             time.sleep(0.25)
         why = "\n".join(self.failure_lines()) or "(no error lines in the log)"
@@ -177,6 +201,8 @@ class TritonServer:
             pass
         if self.process.poll() is None:
             self.process.wait(timeout=10)
+        if self.shm_prefix:  # a clean exit removed them already; a crash of the server did not
+            shm_regions.release(self.shm_prefix)
         shutil.rmtree(self.workdir / "backends", ignore_errors=True)
         return self.process.returncode
 
@@ -206,6 +232,8 @@ def start_server(
             "create one with `kvq deploy`."
         )
     binary = tritonserver_binary()
+    shm_regions.clean_stale()  # what killed servers of ours left in /dev/shm
+    shm_prefix = shm_regions.new_prefix()
     workdir = Path(tempfile.mkdtemp(prefix="kvq-triton-", dir=log_dir))
     backends = _assemble_backends(workdir)
     http_port = http_port or free_port()
@@ -228,8 +256,8 @@ def start_server(
         "--disable-auto-complete-config",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         f"--log-verbose={log_verbose}",
-        # One shared-memory namespace per server: other servers on the machine must not collide.
-        f"--backend-config=python,shm-region-prefix-name=kvq{os.getpid()}_{http_port}_",
+        # One shared-memory namespace per server, recorded as ours once the process exists.
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -240,7 +268,8 @@ def start_server(
             env=server_env(),
             start_new_session=True,
         )
-    server = TritonServer(repo, http_port, grpc_port, metrics_port, process, log_path, workdir)
+    shm_regions.record(shm_prefix, process.pid)
+    server = TritonServer(repo, http_port, grpc_port, metrics_port, process, log_path, workdir, shm_prefix)
     try:
         server.wait_ready(ready_timeout_s)
     except BaseException:
