@@ -1,0 +1,285 @@
+"""The OpenAI-compatible endpoint: the real `openai` client against `kvq serve --openai-port`.
+
+One real deployment (SmolLM2, FP8 per-token KV, the real tritonserver) serves
+the whole module. Expected texts come from our engine called directly, one
+prompt at a time, greedy; never from the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from click.testing import CliRunner
+
+from builder.cli import cli
+from triton_repo import client, protocol
+from triton_repo.server import free_port
+
+pytestmark = pytest.mark.slow
+
+ENGINE_JSON = {
+    "max_batch_size": 8,
+    "max_input_len": 64,
+    "max_seq_len": 128,
+    "block_size": 16,
+    "gpu_memory_fraction": 0.9,
+}
+FP8_PER_TOKEN = {"dtype": "fp8_e4m3", "granularity": "per_token", "symmetric": True, "scale_dtype": "float16"}
+MODEL = "smollm2-fp8"
+CHAT_PROMPT = "What is the capital of France?"
+TEXT_PROMPT = "The three primary colors are"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> Path:
+    from builder.convert import convert_source
+
+    d = tmp_path_factory.mktemp("smollm2-openai")
+    convert_source("smollm2-135m", None, d, "float32")
+    (d / "kv_format.json").write_text(json.dumps(FP8_PER_TOKEN))
+    (d / "engine.json").write_text(json.dumps(ENGINE_JSON))
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(engine_dir):
+    """Greedy outputs of the engine itself, one request at a time, with the prompt ids it was given."""
+    from runtime.engine import Engine
+
+    engine = Engine.from_dir(engine_dir, device="cpu")
+    try:
+        tok = engine.tokenizer
+        chat_ids = protocol.encode_prompt(tok, CHAT_PROMPT, chat=True)
+        text_ids = protocol.encode_prompt(tok, TEXT_PROMPT, chat=False)
+        chat = engine.generate([chat_ids], max_tokens=MAX_TOKENS)[0]
+        text = engine.generate([text_ids], max_tokens=MAX_TOKENS)[0]
+    finally:
+        engine.shutdown()
+    return {"chat": chat, "chat_ids": chat_ids, "text": text, "text_ids": text_ids, "tokenizer": tok}
+
+
+@pytest.fixture(scope="module")
+def served(engine_dir, reference, tmp_path_factory):
+    """`kvq serve REPO --openai-port N` in a subprocess, stopped with SIGTERM at the end."""
+    out = tmp_path_factory.mktemp("deploy") / "repo"
+    r = CliRunner().invoke(cli, ["deploy", str(engine_dir), "--out", str(out), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    ports = {k: free_port() for k in ("http", "grpc", "metrics", "openai")}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "kvq"), "serve", str(out), "--log-dir", str(out.parent),
+         "--openai-model", MODEL]
+        + [a for k in ("http", "grpc", "metrics", "openai") for a in (f"--{k}-port", str(ports[k]))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVQ_STATE_DIR": str(out.parent / "state")},
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any(ln.startswith("openai:") for ln in lines):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("kvq serve --openai-port did not become ready:\n" + "".join(lines))
+        time.sleep(0.5)
+    server_pid = int(re.search(r"tritonserver pid (\d+)", "".join(lines)).group(1))
+    base = f"http://127.0.0.1:{ports['openai']}/v1"
+    yield {
+        "base": base,
+        "client": openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120),
+        "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
+        "grpc": f"127.0.0.1:{ports['grpc']}",
+        "lines": lines,
+    }
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, "".join(lines)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server_pid, 0)
+
+
+def _greedy(**kw):
+    return {"model": MODEL, "temperature": 0.0, "max_tokens": MAX_TOKENS, **kw}
+
+
+# ------------------------------------------------------------------ outputs
+def test_models_lists_the_served_model(served):
+    assert [m.id for m in served["client"].models.list()] == [MODEL]
+    assert served["client"].models.retrieve(MODEL).owned_by == "kvq"
+
+
+def test_completion_equals_the_engine_with_usage(served, reference):
+    ref = reference["text"]
+    r = served["client"].completions.create(prompt=TEXT_PROMPT, **_greedy())
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length" and len(ref.token_ids) == MAX_TOKENS
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(reference["text_ids"]), MAX_TOKENS)
+    # token ids as the prompt give the same answer
+    r2 = served["client"].completions.create(prompt=reference["text_ids"], **_greedy())
+    assert r2.choices[0].text == ref.text
+
+
+def test_completion_stream_delivers_the_same_text_in_pieces_then_usage(served, reference):
+    chunks = list(
+        served["client"].completions.create(
+            prompt=TEXT_PROMPT, stream=True, stream_options={"include_usage": True}, **_greedy()
+        )
+    )
+    pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert len(pieces) >= 3 and "".join(pieces) == reference["text"].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_equals_the_engine_with_its_chat_template(served, reference):
+    ref = reference["chat"]
+    r = served["client"].chat.completions.create(messages=[{"role": "user", "content": CHAT_PROMPT}], **_greedy())
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert "Paris" in ref.text
+    assert r.usage.prompt_tokens == len(reference["chat_ids"]) and r.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat_stream_equals_the_non_streamed_answer(served, reference):
+    chunks = list(
+        served["client"].chat.completions.create(
+            messages=[{"role": "user", "content": CHAT_PROMPT}], stream=True, **_greedy()
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) >= 3 and "".join(pieces) == reference["chat"].text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_string_ends_the_answer_before_it(served, reference):
+    full = reference["chat"].text  # "The capital of France is Paris..."
+    want = full[: full.index(" France")]
+    msgs = [{"role": "user", "content": CHAT_PROMPT}]
+    r = served["client"].chat.completions.create(messages=msgs, stop=[" France", "zzz"], **_greedy())
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    chunks = list(served["client"].chat.completions.create(messages=msgs, stop=" France", stream=True, **_greedy()))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats_and_multi_turn_chat_runs(served):
+    msgs = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+    ]
+    kw = {"model": MODEL, "messages": msgs, "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 1234}
+    a = served["client"].chat.completions.create(**kw).choices[0].message.content
+    b = served["client"].chat.completions.create(**kw).choices[0].message.content
+    assert a == b and a
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"temperature": 5.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1000}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"logit_bias": {"1": 5.0}}, "logit_bias"),
+        ({"extra_body": {"colour": "red"}}, "colour"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": " ".join(["word"] * 80)}]}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_field(served, kw, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        served["client"].chat.completions.create(**body)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error", e.value.body
+    assert param in e.value.body["message"] or param == "messages", e.value.body
+
+
+def test_bad_completion_prompts_are_400(served):
+    for prompt, match in [([10**9], "outside"), ([], "empty"), (["a", "b"], "one prompt"), ("x" * 70000, "bytes")]:
+        with pytest.raises(openai.BadRequestError, match=match) as e:
+            served["client"].completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert e.value.body["param"] == "prompt"
+
+
+def test_unknown_model_is_404_and_raw_bad_json_is_400(served):
+    with pytest.raises(openai.NotFoundError) as e:
+        served["client"].completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert e.value.body["param"] == "model" and MODEL in e.value.body["message"]
+    r = httpx.post(f"{served['base']}/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_triton_unreachable_is_503(served, reference):
+    """The frontend in front of a Triton address nobody listens on."""
+    from fastapi.testclient import TestClient
+
+    from triton_repo.openai_api.app import Served, create_app
+    from triton_repo.openai_api.triton_stream import TritonStreams, discover
+
+    model = discover(served["grpc"])
+    gone = Served(model, reference["tokenizer"], MODEL, TritonStreams(f"127.0.0.1:{free_port()}", model), 0)
+    with TestClient(create_app(lambda: gone)) as tc:
+        r = tc.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "triton_unavailable", r.text
+
+
+def _wait_idle(metrics_url: str, timeout_s: float = 120) -> dict:
+    last = client.engine_metrics(metrics_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = client.engine_metrics(metrics_url)
+        if now["generated_tokens"] == last["generated_tokens"]:
+            return now
+        last = now
+    pytest.fail("the engine kept generating: a request is wedged")
+
+
+def test_client_disconnect_cancels_the_engine_request(served):
+    before = _wait_idle(served["metrics"])
+    body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 100, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{served['base']}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = r.iter_lines()
+        got = [next(events) for _ in range(4)]  # a few tokens arrive, then the client hangs up
+    assert any(g.startswith("data: ") for g in got)
+    deadline = time.monotonic() + 30
+    while client.engine_metrics(served["metrics"])["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, "the engine never heard that the client left"
+        time.sleep(0.2)
+    after = _wait_idle(served["metrics"])
+    assert after["generated_tokens"] - before["generated_tokens"] < 100
+
+
+# --------------------------------------------------------------------- bench
+def test_kvq_bench_drives_the_openai_endpoint(served, tmp_path):
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(
+        cli,
+        ["bench", "--openai", served["base"], "--concurrency", "2", "--requests", "4", "--max-tokens", "6",
+         "--json", str(out)],
+    )
+    assert r.exit_code == 0, r.output
+    s = json.loads(out.read_text())["summary"]
+    assert s["completed"] == 4 and s["errors"] == 0 and s["output_tokens"] > 4
+    assert 0 < s["ttft_ms_p50"] <= s["ttft_ms_p99"] and 0 < s["itl_ms_p50"]
