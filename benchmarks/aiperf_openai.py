@@ -92,10 +92,13 @@ def run_aiperf(exe: Path, base: str, model: str, tokenizer: Path, concurrency: i
 
 
 def _table(console: str) -> str:
-    """aiperf's console summary: the box-drawn table(s) it prints at the end."""
+    """aiperf's main summary table ("NVIDIA AIPerf | LLM Metrics"), as it printed it."""
     lines = console.splitlines()
-    keep = [ln for ln in lines if ln.strip().startswith(("┏", "┃", "┡", "│", "└", "━", "┗")) or "Metric" in ln]
-    return "\n".join(keep) if keep else console[-3000:]
+    start = next((i for i, ln in enumerate(lines) if ln.strip().endswith("NVIDIA AIPerf | LLM Metrics")), None)
+    if start is None:
+        return console[-3000:]
+    end = next((i for i in range(start, len(lines)) if lines[i].lstrip().startswith("└")), len(lines) - 1)
+    return "\n".join(ln.rstrip() for ln in lines[start : end + 1])
 
 
 def main() -> None:
@@ -144,7 +147,9 @@ def main() -> None:
             f"Streamed chat completions, {args.requests} requests per level, {args.isl} prompt tokens "
             f"(synthetic), {args.osl} output tokens; host {platform.node()} ({os.cpu_count()} CPUs, "
             "shared with other work). Command: `python benchmarks/aiperf_openai.py "
-            f"--concurrency {args.concurrency} --requests {args.requests}`.\n\n")
+            f"--concurrency {args.concurrency} --requests {args.requests}`. aiperf's input length is the "
+            "user message; the server's `usage` counts it after the chat template, which adds SmolLM2's "
+            "default system turn (aiperf's token-count warning).\n\n")
     _atomic_write(args.out.with_suffix(".md"), head + "\n".join(sections))
 
 
@@ -158,6 +163,7 @@ def _atomic_write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
