@@ -29,7 +29,7 @@ from .errors import InputError, KvqError, RequestError
 from .kv_format import KVFormat
 from .model import LlamaModel
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, select_tokens
 from .scheduler import Scheduler, Sequence, TokenCallback
 from .weights import open_weights
 
@@ -40,6 +40,7 @@ class Generation:
     token_ids: list[int]
     prompt_len: int
     finish_reason: str
+    logprobs: list[float] | None = None  # per token of token_ids, when sampling.logprobs
 
 
 @dataclass
@@ -143,8 +144,14 @@ class Engine:
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise RequestError("the prompt is empty; send at least one token.")
-        if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
-            raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size}); check the tokenizer.")
+        vocab = self.cfg.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab}); check the tokenizer.")
+        for name, seqs in (("stop_token_ids", [sp.stop_token_ids]), ("bad_words", sp.bad_words),
+                           ("stop_sequences", sp.stop_sequences)):
+            bad = [t for s in seqs for t in s if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} holds token id(s) {bad[:4]} outside [0, {vocab}); fix the request field.")
         if len(ids) > self.max_input_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens, the engine accepts at most {self.max_input_len} "
@@ -153,8 +160,9 @@ class Engine:
         total = len(ids) + sp.max_tokens
         if total > self.max_seq_len:
             raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) = {total} exceeds max_seq_len "
-                f"{self.max_seq_len}; shorten the prompt or lower max_tokens."
+                f"max_tokens must be in [1, {self.max_seq_len - len(ids)}] for a {len(ids)}-token prompt: "
+                f"prompt + max_tokens ({sp.max_tokens}) = {total} exceeds max_seq_len {self.max_seq_len}; "
+                "shorten the prompt or lower max_tokens."
             )
         if self.blocks.blocks_for(total) > self.blocks.num_blocks:
             raise RequestError(
@@ -254,27 +262,59 @@ class Engine:
         step = self.scheduler.schedule()
         if not step:
             return
-        logits = self.runner.run(step)
+        try:
+            logits = self.runner.run(step)
+        except Exception as e:  # noqa: BLE001 - the forward is shared: fail this step's requests only
+            self._fail(list(step.decode) + list(step.prefill), e)
+            return
         seqs = step.sampled  # a prefill chunk that is not its prompt's last gets no token
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs]) if seqs else []
+        eos = () if self.cfg.eos_token_id is None else (self.cfg.eos_token_id,)
+        picks = select_tokens(logits, seqs, eos)
         st = self.stats
         st.step_batch_sizes.append(len(step.decode) + len(step.prefill))
         st.step_num_tokens.append(step.num_tokens)
         st.preemptions = self.scheduler.num_preemptions
         st.prompt_tokens += sum(len(s.prompt_ids) for s in step.completed_prefill if not s.preemptions)
         st.generated_tokens += len(seqs)
-        for seq, tok in zip(seqs, tokens):
-            seq.output_ids.append(tok)
-            reason = self._finish_reason(seq, tok)
+        for seq, pick in zip(seqs, picks):
+            # Whatever goes wrong with one request (its logits, sampling, stop checks) ends that request
+            # alone: its blocks are freed and every other sequence keeps its step.
+            try:
+                if pick.error is not None:
+                    raise pick.error
+                seq.output_ids.append(pick.token)
+                if seq.sampling.logprobs:
+                    seq.logprobs.append(pick.logprob)
+                reason = self._finish_reason(seq, pick.token)
+            except Exception as e:  # noqa: BLE001
+                self._fail([seq], e)
+                continue
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            self._emit(seq, tok, reason)
+            self._emit(seq, pick.token, reason)
+
+    def _fail(self, seqs: list[Sequence], e: Exception) -> None:
+        err = e
+        if not isinstance(e, KvqError):
+            err = KvqError(f"the engine failed on this request ({e!r}); other requests are unaffected. "
+                           "This is a kvq bug, please report it.")
+            err.__cause__ = e  # keep the original traceback for KVQ_DEBUG
+        logging.getLogger("kvq.engine").warning("request(s) %s failed: %r", [s.request_id for s in seqs], e)
+        for seq in seqs:
+            if seq.finished:
+                continue
+            seq.error = err
+            self.scheduler.finish(seq, "error")
+            self._emit(seq, None, "error")
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         sp = seq.sampling
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.cfg.eos_token_id):
             return "stop"
-        if len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.max_seq_len:
+        out = seq.output_ids
+        if any(len(out) >= len(s) and tuple(out[-len(s):]) == s for s in sp.stop_sequences):
+            return "stop"
+        if len(out) >= sp.max_tokens or seq.num_tokens >= self.max_seq_len:
             return "length"
         return None
 
@@ -285,7 +325,10 @@ class Engine:
         if seq.on_token is None:
             return
         try:
-            seq.on_token(tok, reason is not None, reason)
+            if seq.sampling.logprobs:  # callers that ask for log-probs take them as a 4th argument
+                seq.on_token(tok, reason is not None, reason, seq.logprobs[-1] if tok is not None else None)
+            else:
+                seq.on_token(tok, reason is not None, reason)
         except Exception:  # noqa: BLE001 - a broken callback cancels its own request, never the loop
             if reason is None:
                 self.cancel(seq.request_id)
@@ -309,7 +352,8 @@ class Engine:
             if seq.finish_reason == "error":
                 raise seq.error or KvqError("generation failed in the engine step loop.")
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
-            out.append(Generation(text, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason))
+            out.append(Generation(text, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason,
+                                  list(seq.logprobs) if sp.logprobs else None))
         return out
 
     async def stream(self, prompt: list[int] | str, sampling: SamplingParams | None = None,

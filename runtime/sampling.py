@@ -1,52 +1,177 @@
 """Sampling parameters and next-token selection over a step's logits.
 
-Greedy (temperature 0) is one argmax over the whole batch, deterministic.
-Sampled rows apply temperature, then top-k, then top-p (nucleus), and draw
-from a per-request `torch.Generator` on the CPU, so a seeded request gives the
-same tokens whatever else shares its batch and whichever device runs the model.
+Greedy (temperature 0, or below GREEDY_TEMPERATURE) is one argmax over the
+whole batch, deterministic. Requests with extras (repetition / presence /
+frequency penalties, min_tokens, bad words) get their logits adjusted in one
+batched pass over only their rows, so a batch without extras runs exactly the
+argmax it always did. Sampled rows apply temperature, then top-k, then top-p
+(nucleus), and draw from a per-request `torch.Generator` on the CPU, so a
+seeded request gives the same tokens whatever else shares its batch and
+whichever device runs the model.
+
+Penalties follow vLLM / the OpenAI API: repetition_penalty (HF/CTRL style:
+positive logits divided, negative multiplied) over prompt and output tokens;
+presence_penalty and frequency_penalty subtracted per output token seen.
+Log-probabilities are those of the model's own distribution (log-softmax of
+the raw logits, before penalties, temperature and filtering).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from .errors import RequestError
+from .errors import NumericsError, RequestError
+
+# Temperatures below this are greedy: dividing logits by ~1e-40 overflows fp32 to inf/NaN
+# (the floor vLLM uses for the same reason).
+GREEDY_TEMPERATURE = 1e-5
+# Fault injection for tests of per-request failure isolation: a request whose seed equals this
+# value fails inside sampling (set by the test that starts the server; unset in production).
+FAULT_SEED_ENV = "KVQ_FAULT_INJECT_SEED"
+
+TokenSeqs = tuple[tuple[int, ...], ...]
+
+
+def _seqs(value) -> TokenSeqs:
+    return tuple(tuple(int(t) for t in s) for s in value if len(s))
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or < GREEDY_TEMPERATURE) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens are generated
+    bad_words: TokenSeqs = ()  # token sequences never generated
+    stop_sequences: TokenSeqs = ()  # generation stops once the output ends with one of these
+    logprobs: bool = False  # record each generated token's log-probability
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "bad_words", _seqs(self.bad_words))
+        object.__setattr__(self, "stop_sequences", _seqs(self.stop_sequences))
+
+        def real(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        def integer(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}"),
+            ("max_tokens", integer(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", real(self.temperature) and self.temperature >= 0,
+             f"a finite number >= 0 (0 = greedy; below {GREEDY_TEMPERATURE:g} counts as greedy)"),
+            ("top_k", integer(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", real(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("seed", self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**64),
+             "an integer in [0, 2**64) or unset"),
+            ("repetition_penalty", real(self.repetition_penalty) and self.repetition_penalty > 0,
+             "a finite number > 0 (1 = off)"),
+            ("presence_penalty", real(self.presence_penalty), "a finite number (0 = off)"),
+            ("frequency_penalty", real(self.frequency_penalty), "a finite number (0 = off)"),
+            ("min_tokens", integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"an integer in [0, max_tokens={self.max_tokens}]"),
         ]
-        for ok, msg in checks:
+        for name, ok, allowed in checks:
             if not ok:
-                raise RequestError(msg + "; fix the request field.")
+                raise RequestError(f"{name} must be {allowed}, got {getattr(self, name)!r}; fix the request field.")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+            or self.min_tokens or self.bad_words
+        )
 
     def make_generator(self) -> torch.Generator:
         g = torch.Generator(device="cpu")
         g.manual_seed(self.seed if self.seed is not None else random.SystemRandom().randrange(2**63))
         return g
+
+
+class Row(Protocol):
+    """What sampling reads of a sequence (runtime.scheduler.Sequence)."""
+
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class Pick:
+    token: int | None = None
+    logprob: float | None = None
+    error: Exception | None = None  # this row failed; the others are unaffected
+
+
+def _fault_seed() -> int | None:
+    value = os.environ.get(FAULT_SEED_ENV)
+    return int(value) if value else None
+
+
+def _banned(row: Row, eos_ids: tuple[int, ...]) -> list[int]:
+    """Token ids this row may not produce next: min_tokens' end tokens and completed bad words."""
+    p = row.sampling
+    banned = []
+    if len(row.output_ids) < p.min_tokens:
+        banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+    if p.bad_words:
+        history = row.prompt_ids + row.output_ids
+        for word in p.bad_words:
+            head = list(word[:-1])
+            if not head or history[len(history) - len(head):] == head:
+                banned.append(word[-1])
+    return banned
+
+
+def _adjust(logits: torch.Tensor, rows: list[Row], eos_ids: tuple[int, ...]) -> torch.Tensor:
+    """Penalties and bans for `rows` (their logits [n, vocab] fp32) in one batched pass."""
+    n, vocab = logits.shape
+    dev = logits.device
+    x = logits.clone()
+    ps = [r.sampling for r in rows]
+    # vLLM's order: the repetition penalty scales the raw logits, then presence/frequency subtract.
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        seen = torch.zeros(n, vocab, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            seen[i, r.prompt_ids + r.output_ids] = True
+        seen = seen.to(dev)
+        rp = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    if any(p.presence_penalty or p.frequency_penalty for p in ps):
+        width = max(1, max(len(r.output_ids) for r in rows))
+        ids = torch.zeros(n, width, dtype=torch.int64)
+        ones = torch.zeros(n, width)
+        for i, r in enumerate(rows):
+            ids[i, : len(r.output_ids)] = torch.tensor(r.output_ids, dtype=torch.int64)
+            ones[i, : len(r.output_ids)] = 1.0
+        counts = torch.zeros(n, vocab, device=dev).scatter_add_(1, ids.to(dev), ones.to(dev))
+        freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
+        x -= freq * counts + pres * (counts > 0)
+    bans = [(i, t) for i, r in enumerate(rows) for t in _banned(r, eos_ids)]
+    if bans:
+        rows_i, toks = zip(*bans)
+        x[torch.tensor(rows_i, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
+    return x
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -65,11 +190,71 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [B, vocab] fp32 -> one token id per row."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, g) in enumerate(zip(params, generators)):
+def _select(logits: torch.Tensor, rows: list[Row], eos_ids: tuple[int, ...]) -> list[Pick]:
+    """One pick per row; raises if anything fails (the caller then isolates the failing rows)."""
+    fault = _fault_seed()
+    if fault is not None and any(r.sampling.seed == fault for r in rows):
+        raise RuntimeError(f"fault injected into sampling ({FAULT_SEED_ENV}={fault})")
+    extra = [i for i, r in enumerate(rows) if r.sampling.adjusts_logits]
+    x = logits
+    if extra:
+        x = logits.clone()
+        x[extra] = _adjust(logits[extra], [rows[i] for i in extra], eos_ids)
+    # One host transfer for every row's argmax and whether the model gave finite logits.
+    head = torch.stack([x.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()]).tolist()
+    picks = []
+    for i, r in enumerate(rows):
+        p = r.sampling
+        if not head[1][i]:
+            picks.append(Pick(error=NumericsError(
+                "the model produced NaN/Inf logits for this request; its output is unusable. "
+                "Check the engine's KV scales and weights (kvq eval).")))
+            continue
+        token = head[0][i]
         if not p.greedy:
-            probs = _filter(logits[row].to("cpu", torch.float32), p)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=g).item())
-    return tokens
+            probs = _filter(x[i].to("cpu", torch.float32), p)
+            token = int(torch.multinomial(probs, 1, generator=r.generator).item())
+        picks.append(Pick(token))
+    wants = [i for i, r in enumerate(rows) if r.sampling.logprobs and picks[i].error is None]
+    if wants:
+        lp = torch.log_softmax(logits[wants].float(), dim=-1)
+        chosen = torch.tensor([picks[i].token for i in wants], device=lp.device)
+        for i, v in zip(wants, lp.gather(1, chosen[:, None])[:, 0].tolist()):
+            picks[i].logprob = v
+    return picks
+
+
+def select_tokens(logits: torch.Tensor, rows: list[Row], eos_ids: tuple[int, ...] = ()) -> list[Pick]:
+    """logits [B, vocab] fp32 -> one Pick per row. A row whose processing raises gets a Pick with
+    `error` set and the rows beside it are picked exactly as if it were not there."""
+    if not rows:
+        return []
+    try:
+        return _select(logits, rows, eos_ids)
+    except Exception:  # noqa: BLE001 - find the failing rows one by one; the batch goes on
+        picks = []
+        for i, r in enumerate(rows):
+            try:
+                picks += _select(logits[i : i + 1], [r], eos_ids)
+            except Exception as e:  # noqa: BLE001
+                picks.append(Pick(error=e))
+        return picks
+
+
+@dataclass
+class _Fresh:
+    """A row with no history (for `sample`)."""
+
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """logits [B, vocab] fp32 -> one token id per row, for rows with no history; raises on any failure."""
+    picks = _select(logits, [_Fresh(p, g) for p, g in zip(params, generators)], ())
+    for pick in picks:
+        if pick.error is not None:
+            raise pick.error
+    return [pick.token for pick in picks]

@@ -47,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     error: Exception | None = None  # why the engine failed this request (finish_reason "error")
+    logprobs: list[float] = field(default_factory=list)  # per output token, when sampling.logprobs
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     prefill_target: int = 0  # tokens to prefill (set at admission); decoding once num_computed reaches it
 

@@ -20,6 +20,7 @@ from runtime.errors import InputError, StageError
 from tests.helpers_convert import write_tiny_tokenizer
 from triton_repo import protocol
 from triton_repo.pbtxt import ModelSpec, TensorSpec, load, render, validate_repository, validate_text
+from triton_repo.repo_common import TRTLLM_FIELDS
 from triton_repo.repo_torch import write_repository
 from triton_repo.repo_trtllm import write_trtllm_repository
 
@@ -122,7 +123,7 @@ def test_torch_repository_layout_and_values(engine_dir, tmp_path):
         engine_dir, out, {"instance_count": 2, "max_queue_delay_us": 250, "device": "cpu"}
     )
     configs = validate_repository(out)
-    assert set(configs) == {"preprocessing", "kvq_engine", "postprocessing", "ensemble"}
+    assert set(configs) == {"preprocessing", "kvq_engine", "postprocessing", "ensemble", "tensorrt_llm_bls"}
     for name in ("preprocessing", "kvq_engine", "postprocessing"):
         assert (out / name / "1" / "model.py").read_text() == (
             Path(protocol.__file__).parent / "models" / f"{name}.py"
@@ -132,17 +133,21 @@ def test_torch_repository_layout_and_values(engine_dir, tmp_path):
     assert eng.instance_group[0].count == 2
     assert eng.dynamic_batching.max_queue_delay_microseconds == 250
     assert eng.max_batch_size == ENGINE_JSON["max_batch_size"]  # from engine.json
-    assert _params(eng) == {"engine_dir": str(engine_dir.resolve()), "device": "cpu"}
+    assert _params(eng) == {
+        "engine_dir": str(engine_dir.resolve()),
+        "device": "cpu",
+        "exclude_input_in_output": "true",
+    }
     ens = configs["ensemble"]
     assert [t.name for t in ens.input] == list(protocol.ENSEMBLE_FIELDS)
     assert [t.name for t in ens.input if not t.optional] == ["text_input", "max_tokens"]
-    assert [t.name for t in ens.output] == ["text_output"]
+    assert [t.name for t in ens.output] == ["text_output"] + [o[0] for o in protocol.ENSEMBLE_OUTPUTS]
     assert [s.model_name for s in ens.ensemble_scheduling.step] == [
         "preprocessing",
         "kvq_engine",
         "postprocessing",
     ]
-    assert facts["models"] == ["preprocessing", "kvq_engine", "postprocessing", "ensemble"]
+    assert facts["models"] == ["preprocessing", "kvq_engine", "postprocessing", "ensemble", "tensorrt_llm_bls"]
     assert facts["limits"] == {"max_input_len": 100, "max_seq_len": 160}
 
 
@@ -249,7 +254,7 @@ def test_trtllm_repository_contract(engine_dir, tmp_path):
     assert list(inputs["stop_words_list"].dims) == [2, -1]
     assert {t.name for t in trt.output} == {"output_ids", "sequence_length"}
     ens = configs["ensemble"]
-    assert [t.name for t in ens.input] == list(protocol.ENSEMBLE_FIELDS)
+    assert [t.name for t in ens.input] == [n for n in protocol.ENSEMBLE_FIELDS if n in TRTLLM_FIELDS]
     engine_step = ens.ensemble_scheduling.step[1]
     assert engine_step.model_name == "tensorrt_llm"
     assert dict(engine_step.input_map)["request_output_len"] == "max_tokens"
@@ -307,17 +312,16 @@ def test_stop_words_tensor_uses_trtllm_layout_and_round_trips(engine_dir):
     assert t.tolist() == [[5, 6, 7], [2, 3, -1]]
     assert protocol.stop_sequences(t) == [(5, 6), (7,)]
     assert protocol.stop_sequences(protocol.stop_words_tensor(tok, [])) == []
-    assert protocol.ends_with_stop([9, 5, 6], [(5, 6)]) and not protocol.ends_with_stop([6], [(5, 6)])
 
 
 @pytest.mark.parametrize(
     "prompt_len, max_tokens, match",
     [
-        (0, 4, "empty"),
-        (101, 4, "max_input_len 100"),
-        (10, 0, "at least 1"),
-        (10, -3, "at least 1"),
-        (100, 61, "at most 60"),
+        (0, 4, "text_input is empty"),
+        (101, 4, r"text_input has 101 tokens; this engine takes 1 to max_input_len=100"),
+        (10, 0, r"max_tokens must be in \[1, 150\] .*got 0"),
+        (10, -3, r"max_tokens must be in \[1, 150\] .*got -3"),
+        (100, 61, r"max_tokens must be in \[1, 60\]"),
     ],
 )
 def test_engine_limits(prompt_len, max_tokens, match):

@@ -21,6 +21,7 @@ from runtime.errors import StageError
 # Triton data types by the short names used in the TensorRT-LLM docs.
 DTYPES = {
     "BOOL": mc.TYPE_BOOL,
+    "UINT8": mc.TYPE_UINT8,
     "INT32": mc.TYPE_INT32,
     "INT64": mc.TYPE_INT64,
     "UINT64": mc.TYPE_UINT64,

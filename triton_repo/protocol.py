@@ -22,29 +22,154 @@ ENGINE_MODEL = "kvq_engine"
 TRTLLM_MODEL = "tensorrt_llm"
 POSTPROCESSING = "postprocessing"
 
-# Ensemble request fields: (name, dtype, dims, optional). The step input each feeds is set per engine model.
-ENSEMBLE_INPUTS = (
-    ("text_input", "STRING", (1,), False),
-    ("max_tokens", "INT32", (1,), False),
-    ("temperature", "FP32", (1,), True),
-    ("top_k", "INT32", (1,), True),
-    ("top_p", "FP32", (1,), True),
-    ("random_seed", "UINT64", (1,), True),
-    ("end_id", "INT32", (1,), True),
-    ("stop_words", "STRING", (-1,), True),
-    ("stream", "BOOL", (1,), True),
-    ("apply_chat_template", "BOOL", (1,), True),
+@dataclass(frozen=True)
+class Field:
+    """One request field of the ensemble: its wire type and the step input it feeds.
+
+    `step` is "pre" (preprocessing, upper-case inputs) or "engine" (the engine model, whose inputs
+    keep tensorrt_llm's names). `inert` says why a field has no meaning on this engine: it is then
+    accepted only absent, empty or at its default (0 / false / ""), and otherwise refused by name.
+    """
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    to: str
+    step: str = "engine"
+    optional: bool = True
+    inert: str = ""
+
+
+_LORA = "LoRA adapters are not supported by kvq engines"
+_PTUNING = "prompt tables (p-tuning) are not supported by kvq engines"
+_ENC_DEC = "kvq engines are decoder-only"
+_GUIDED = "guided decoding is not supported by kvq engines"
+_LOGITS = "kvq engines do not return logits; use return_log_probs"
+_MEDIA = "kvq engines are text-only"
+_DRAFT = "kvq engines do not run speculative decoding"
+
+# tensorrtllm_backend's `ensemble` request, field for field (tests/data/trtllm_ensemble_contract.json
+# holds the upstream list this must match), then kvq's own apply_chat_template.
+ENSEMBLE_REQUEST = (
+    Field("text_input", "STRING", (1,), "QUERY", "pre", optional=False),
+    Field("decoder_text_input", "STRING", (1,), "DECODER_QUERY", "pre", inert=_ENC_DEC),
+    Field("max_tokens", "INT32", (1,), "request_output_len", optional=False),
+    Field("num_return_sequences", "INT32", (1,), "num_return_sequences"),
+    Field("bad_words", "STRING", (-1,), "BAD_WORDS_DICT", "pre"),
+    Field("stop_words", "STRING", (-1,), "STOP_WORDS_DICT", "pre"),
+    Field("exclude_input_in_output", "BOOL", (1,), "exclude_input_in_output"),
+    Field("end_id", "INT32", (1,), "end_id"),
+    Field("pad_id", "INT32", (1,), "pad_id"),
+    Field("top_k", "INT32", (1,), "runtime_top_k"),
+    Field("top_p", "FP32", (1,), "runtime_top_p"),
+    Field("temperature", "FP32", (1,), "temperature"),
+    Field("length_penalty", "FP32", (1,), "len_penalty"),
+    Field("repetition_penalty", "FP32", (1,), "repetition_penalty"),
+    Field("min_length", "INT32", (1,), "min_length"),
+    Field("presence_penalty", "FP32", (1,), "presence_penalty"),
+    Field("frequency_penalty", "FP32", (1,), "frequency_penalty"),
+    Field("random_seed", "UINT64", (1,), "random_seed"),
+    Field("return_log_probs", "BOOL", (1,), "return_log_probs"),
+    Field("return_context_logits", "BOOL", (1,), "return_context_logits", inert=_LOGITS),
+    Field("return_generation_logits", "BOOL", (1,), "return_generation_logits", inert=_LOGITS),
+    Field("return_perf_metrics", "BOOL", (1,), "return_perf_metrics",
+          inert="kvq engines report their metrics through Triton's /metrics"),
+    Field("beam_width", "INT32", (1,), "beam_width"),
+    Field("stream", "BOOL", (1,), "streaming"),
+    Field("prompt_embedding_table", "FP16", (-1, -1), "prompt_embedding_table", inert=_PTUNING),
+    Field("prompt_table_extra_id", "UINT64", (1,), "PROMPT_TABLE_EXTRA_ID", "pre", inert=_PTUNING),
+    Field("prompt_vocab_size", "INT32", (1,), "prompt_vocab_size", inert=_PTUNING),
+    Field("embedding_bias_words", "STRING", (-1,), "EMBEDDING_BIAS_WORDS", "pre",
+          inert="embedding bias is not supported by kvq engines; use bad_words to ban words"),
+    Field("embedding_bias_weights", "FP32", (-1,), "EMBEDDING_BIAS_WEIGHTS", "pre",
+          inert="embedding bias is not supported by kvq engines; use bad_words to ban words"),
+    Field("lora_task_id", "UINT64", (1,), "lora_task_id", inert=_LORA),
+    Field("lora_weights", "FP16", (-1, -1), "lora_weights", inert=_LORA),
+    Field("lora_config", "INT32", (-1, 3), "lora_config", inert=_LORA),
+    Field("guided_decoding_guide_type", "STRING", (1,), "guided_decoding_guide_type", inert=_GUIDED),
+    Field("guided_decoding_guide", "STRING", (1,), "guided_decoding_guide", inert=_GUIDED),
+    Field("apply_chat_template", "BOOL", (1,), "APPLY_CHAT_TEMPLATE", "pre"),
 )
-ENSEMBLE_FIELDS = tuple(f[0] for f in ENSEMBLE_INPUTS)
+# tensorrt_llm_bls takes the ensemble's fields plus these (multimodal and draft-model inputs).
+BLS_EXTRA = (
+    Field("image_input", "FP16", (-1, 3, -1, -1), "image_input", inert=_MEDIA),
+    Field("image_bytes_input", "UINT8", (-1, -1, -1, -1), "image_bytes_input", inert=_MEDIA),
+    Field("image_url_input", "STRING", (1,), "image_url_input", inert=_MEDIA),
+    Field("video_bytes_input", "UINT8", (-1, -1, -1, -1), "video_bytes_input", inert=_MEDIA),
+    Field("num_draft_tokens", "INT32", (1,), "num_draft_tokens", inert=_DRAFT),
+    Field("use_draft_logits", "BOOL", (1,), "use_draft_logits", inert=_DRAFT),
+)
+BLS = "tensorrt_llm_bls"
+# Engine-model outputs the ensemble passes through under the same names (tensorrt_llm's).
+ENSEMBLE_OUTPUTS = (
+    ("cum_log_probs", "FP32", (-1,)),
+    ("output_log_probs", "FP32", (-1, -1)),
+    ("context_logits", "FP32", (-1, -1)),
+    ("generation_logits", "FP32", (-1, -1, -1)),
+    ("batch_index", "INT32", (1,)),
+    ("sequence_index", "INT32", (1,)),
+    ("kv_cache_alloc_new_blocks", "INT32", (1,)),
+    ("kv_cache_reused_blocks", "INT32", (1,)),
+    ("kv_cache_alloc_total_blocks", "INT32", (1,)),
+    ("arrival_time_ns", "INT64", (1,)),
+    ("first_scheduled_time_ns", "INT64", (1,)),
+    ("first_token_time_ns", "INT64", (1,)),
+    ("last_token_time_ns", "INT64", (1,)),
+    ("acceptance_rate", "FP32", (1,)),
+    ("total_accepted_draft_tokens", "INT32", (1,)),
+    ("total_draft_tokens", "INT32", (1,)),
+)
+ENSEMBLE_FIELDS = tuple(f.name for f in ENSEMBLE_REQUEST)
+# Request fields whose SamplingParams name differs (validation messages use the request's name).
+SAMPLING_NAMES = {"seed": "random_seed", "min_tokens": "min_length"}
 
 
-def check_no_extra_fields(parameters_json: str) -> None:
+def is_default(values: np.ndarray) -> bool:
+    """Absent-equivalent: no elements, or only zeros / false / empty strings."""
+    flat = np.asarray(values).reshape(-1)
+    if flat.dtype == object or flat.dtype.kind in "SU":
+        return all(len(v) == 0 for v in flat)
+    return not np.any(flat)
+
+
+def refuse_inert(field: Field) -> RequestError:
+    return RequestError(
+        f"{field.name} is not supported here ({field.inert}); leave it out or send it empty/default."
+    )
+
+
+def check_no_extra_fields(parameters_json: str, fields: tuple[str, ...] = ENSEMBLE_FIELDS) -> None:
     """The HTTP generate endpoint turns JSON keys that are not inputs into request parameters, which
     would be silently ignored; the ensemble has no parameters, so any is an unknown field."""
     extra = sorted(json.loads(parameters_json or "{}"))
     if extra:
+        raise RequestError(f"unknown request field(s) {extra}; the ensemble takes {', '.join(fields)}.")
+
+
+def decode_text(raw, field: str) -> str:
+    """A STRING tensor element as text; bytes that are not UTF-8 are the client's error, named."""
+    if not isinstance(raw, bytes):
+        return str(raw)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise RequestError(
-            f"unknown request field(s) {extra}; the ensemble takes {', '.join(ENSEMBLE_FIELDS)}."
+            f"{field} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); send UTF-8 text."
+        ) from None
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """Bytes of the longest vocabulary entry: no text of N tokens is longer than N times this."""
+    return max(len(tokenizer.convert_tokens_to_string([t]).encode("utf-8")) for t in tokenizer.get_vocab())
+
+
+def check_prompt_bytes(num_bytes: int, max_input_len: int, token_bytes: int) -> None:
+    """Refuse, before tokenizing, a prompt too long in bytes to fit max_input_len tokens."""
+    limit = max_input_len * token_bytes
+    if num_bytes > limit:
+        raise RequestError(
+            f"text_input has {num_bytes} bytes; this engine takes at most max_input_len={max_input_len} "
+            f"tokens, which no text over {limit} bytes fits in; shorten the prompt."
         )
 
 
@@ -66,7 +191,7 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 # --------------------------------------------------------------- stop words
 def stop_words_tensor(tokenizer, words: list[str]) -> np.ndarray:
-    """TensorRT-LLM's `stop_words_list` layout: [2, N] int32, row 0 the concatenated ids, row 1 the
+    """TensorRT-LLM's `stop_words_list` / `bad_words_list` layout: [2, N] int32, row 0 the concatenated ids, row 1 the
     end offset of each word, padded with -1. No words -> [[0], [-1]]."""
     ids: list[int] = []
     offsets: list[int] = []
@@ -96,10 +221,6 @@ def stop_sequences(tensor: np.ndarray | None) -> list[tuple[int, ...]]:
     return seqs
 
 
-def ends_with_stop(generated: list[int], stops: list[tuple[int, ...]]) -> bool:
-    return any(len(generated) >= len(s) and tuple(generated[-len(s) :]) == s for s in stops)
-
-
 # ------------------------------------------------------------------ limits
 @dataclass(frozen=True)
 class EngineLimits:
@@ -123,19 +244,17 @@ class EngineLimits:
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Raise RequestError for a request the engine cannot serve."""
         if prompt_len == 0:
-            raise RequestError("the prompt is empty; send at least one token of text_input.")
+            raise RequestError("text_input is empty; send at least one token of text.")
         if prompt_len > self.max_input_len:
             raise RequestError(
-                f"the prompt has {prompt_len} tokens, above this engine's max_input_len "
+                f"text_input has {prompt_len} tokens; this engine takes 1 to max_input_len="
                 f"{self.max_input_len}; shorten it."
             )
-        if max_tokens <= 0:
-            raise RequestError(f"max_tokens must be at least 1, got {max_tokens}.")
         room = self.max_seq_len - prompt_len
-        if max_tokens > room:
+        if not 1 <= max_tokens <= room:
             raise RequestError(
-                f"max_tokens {max_tokens} + {prompt_len} prompt tokens exceeds this engine's max_seq_len "
-                f"{self.max_seq_len}; ask for at most {room} tokens."
+                f"max_tokens must be in [1, {room}] for this {prompt_len}-token prompt "
+                f"(max_seq_len {self.max_seq_len}), got {max_tokens}."
             )
 
 

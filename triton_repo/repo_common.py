@@ -19,16 +19,9 @@ from .pbtxt import EnsembleStep, ModelSpec, TensorSpec, render, validate_reposit
 MODELS_SOURCE = Path(__file__).parent / "models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
-# Ensemble field -> engine-model input (TensorRT-LLM's names; kvq_engine uses the same).
-ENGINE_INPUT_OF = {
-    "max_tokens": "request_output_len",
-    "temperature": "temperature",
-    "top_k": "runtime_top_k",
-    "top_p": "runtime_top_p",
-    "random_seed": "random_seed",
-    "end_id": "end_id",
-    "stream": "streaming",
-}
+# The fields a tensorrt_llm model written by repo_trtllm takes (its ensemble offers only these).
+TRTLLM_FIELDS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "random_seed", "end_id",
+                 "stop_words", "stream", "apply_chat_template")
 
 
 def check_tokenizer_dir(path: Path) -> Path:
@@ -40,22 +33,27 @@ def check_tokenizer_dir(path: Path) -> Path:
     return path
 
 
-def preprocessing_spec(tokenizer_dir: Path, max_batch_size: int, instance_count: int) -> ModelSpec:
+def preprocessing_spec(
+    tokenizer_dir: Path, max_batch_size: int, instance_count: int, max_input_len: int | None = None
+) -> ModelSpec:
+    """`max_input_len` (when known) bounds text_input in bytes before it is tokenized."""
+    inputs = [TensorSpec(f.to, f.dtype, f.dims, optional=f.optional)
+              for f in protocol.ENSEMBLE_REQUEST if f.step == "pre"]
+    params = {"tokenizer_dir": str(tokenizer_dir)}
+    if max_input_len is not None:
+        params["max_input_len"] = str(int(max_input_len))
     return ModelSpec(
         name=protocol.PREPROCESSING,
         backend="python",
         max_batch_size=max_batch_size,
-        inputs=(
-            TensorSpec("QUERY", "STRING", (1,)),
-            TensorSpec("STOP_WORDS", "STRING", (-1,), optional=True),
-            TensorSpec("APPLY_CHAT_TEMPLATE", "BOOL", (1,), optional=True),
-        ),
+        inputs=tuple(inputs),
         outputs=(
             TensorSpec("INPUT_ID", "INT32", (-1,)),
             TensorSpec("REQUEST_INPUT_LEN", "INT32", (1,)),
             TensorSpec("STOP_WORDS_IDS", "INT32", (2, -1)),
+            TensorSpec("BAD_WORDS_IDS", "INT32", (2, -1)),
         ),
-        parameters={"tokenizer_dir": str(tokenizer_dir)},
+        parameters=params,
         instance_count=instance_count,
     )
 
@@ -78,41 +76,55 @@ def postprocessing_spec(
     )
 
 
-def ensemble_spec(engine_model: str, max_batch_size: int, streaming: bool, cumulative: bool) -> ModelSpec:
-    fields = [f for f in protocol.ENSEMBLE_INPUTS if streaming or f[0] != "stream"]
-    engine_in = {ENGINE_INPUT_OF[n]: n for n, *_ in fields if n in ENGINE_INPUT_OF}
-    engine_in.update(
-        {
-            "input_ids": "_INPUT_ID",
-            "input_lengths": "_REQUEST_INPUT_LEN",
-            "stop_words_list": "_STOP_WORDS_IDS",
-        }
+def ensemble_spec(
+    engine_model: str,
+    max_batch_size: int,
+    streaming: bool,
+    cumulative: bool,
+    engine: ModelSpec | None = None,
+    name: str = protocol.ENSEMBLE,
+    fields: tuple[protocol.Field, ...] = protocol.ENSEMBLE_REQUEST,
+) -> ModelSpec:
+    """The ensemble over preprocessing -> `engine_model` -> postprocessing.
+
+    `engine` (the engine model's spec) decides which request fields and pass-through outputs the
+    ensemble offers: every field whose step input it has. Without it, the TensorRT-LLM field set.
+    """
+    if engine is None:
+        fields = tuple(f for f in fields if f.name in TRTLLM_FIELDS)
+        engine_ins, engine_outs = None, set()
+    else:
+        engine_ins = {t.name for t in engine.inputs}
+        engine_outs = {t.name for t in engine.outputs}
+    fields = tuple(
+        f for f in fields
+        if (streaming or f.name != "stream") and (f.step == "pre" or engine_ins is None or f.to in engine_ins)
     )
+    pre_in = {f.to: f.name for f in fields if f.step == "pre"}
+    pre_out = {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+               "STOP_WORDS_IDS": "_STOP_WORDS_IDS"}
+    engine_in = {f.to: f.name for f in fields if f.step == "engine"}
+    engine_in.update(
+        {"input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN", "stop_words_list": "_STOP_WORDS_IDS"}
+    )
+    if engine_ins is not None and "bad_words_list" in engine_ins:
+        pre_out["BAD_WORDS_IDS"] = "_BAD_WORDS_IDS"
+        engine_in["bad_words_list"] = "_BAD_WORDS_IDS"
+    passed = [o for o in protocol.ENSEMBLE_OUTPUTS if o[0] in engine_outs]
     engine_out = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
+    engine_out.update({o[0]: o[0] for o in passed})
     post_in = {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"}
     if cumulative:
         engine_out.update({"prev_length": "_PREV_LENGTH", "is_final": "_IS_FINAL"})
         post_in.update({"PREV_LENGTH": "_PREV_LENGTH", "IS_FINAL": "_IS_FINAL"})
     return ModelSpec(
-        name=protocol.ENSEMBLE,
+        name=name,
         platform="ensemble",
         max_batch_size=max_batch_size,
-        inputs=tuple(TensorSpec(n, dt, dims, optional=opt) for n, dt, dims, opt in fields),
-        outputs=(TensorSpec("text_output", "STRING", (-1,)),),
+        inputs=tuple(TensorSpec(f.name, f.dtype, f.dims, optional=f.optional) for f in fields),
+        outputs=(TensorSpec("text_output", "STRING", (-1,)),) + tuple(TensorSpec(*o) for o in passed),
         steps=(
-            EnsembleStep(
-                protocol.PREPROCESSING,
-                {
-                    "QUERY": "text_input",
-                    "STOP_WORDS": "stop_words",
-                    "APPLY_CHAT_TEMPLATE": "apply_chat_template",
-                },
-                {
-                    "INPUT_ID": "_INPUT_ID",
-                    "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
-                    "STOP_WORDS_IDS": "_STOP_WORDS_IDS",
-                },
-            ),
+            EnsembleStep(protocol.PREPROCESSING, pre_in, pre_out),
             EnsembleStep(engine_model, engine_in, engine_out),
             EnsembleStep(protocol.POSTPROCESSING, post_in, {"OUTPUT": "text_output"}),
         ),

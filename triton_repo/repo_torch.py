@@ -2,6 +2,11 @@
 
     preprocessing (python) -> kvq_engine (python, decoupled) -> postprocessing (python)
                         \\______________ ensemble ______________/
+                        \\__________ tensorrt_llm_bls __________/
+
+Both entry models take tensorrtllm_backend's request fields (protocol.ENSEMBLE_REQUEST; the
+second adds the BLS model's multimodal and draft-model fields), so clients of either
+upstream model work unchanged.
 
 kvq_engine is always decoupled: its responses come from the engine's step
 loop through each request's response sender, which is what lets one engine
@@ -55,30 +60,33 @@ def _settings(settings: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) -> ModelSpec:
-    opt = {"optional": True}
+    """kvq_engine's inputs and outputs carry tensorrt_llm's names, data types and dims."""
+    ragged = {"input_ids", "stop_words_list", "bad_words_list", "lora_weights", "lora_config"}
+    fields = [f for f in protocol.ENSEMBLE_REQUEST + protocol.BLS_EXTRA if f.step == "engine"]
+    inputs = [
+        TensorSpec("input_ids", "INT32", (-1,), allow_ragged_batch=True),
+        TensorSpec("input_lengths", "INT32", (1,)),
+        TensorSpec("stop_words_list", "INT32", (2, -1), optional=True, allow_ragged_batch=True),
+        TensorSpec("bad_words_list", "INT32", (2, -1), optional=True, allow_ragged_batch=True),
+    ] + [TensorSpec(f.to, f.dtype, f.dims, optional=f.optional, allow_ragged_batch=f.to in ragged) for f in fields]
+    outputs = [
+        TensorSpec("output_ids", "INT32", (-1, -1)),
+        TensorSpec("sequence_length", "INT32", (-1,)),
+        TensorSpec("prev_length", "INT32", (1,)),
+        TensorSpec("is_final", "BOOL", (1,)),
+    ] + [TensorSpec(*o) for o in protocol.ENSEMBLE_OUTPUTS]
     return ModelSpec(
         name=protocol.ENGINE_MODEL,
         backend="python",
         max_batch_size=max_batch_size,
-        inputs=(
-            TensorSpec("input_ids", "INT32", (-1,), allow_ragged_batch=True),
-            TensorSpec("input_lengths", "INT32", (1,)),
-            TensorSpec("request_output_len", "INT32", (1,)),
-            TensorSpec("end_id", "INT32", (1,), **opt),
-            TensorSpec("runtime_top_k", "INT32", (1,), **opt),
-            TensorSpec("runtime_top_p", "FP32", (1,), **opt),
-            TensorSpec("temperature", "FP32", (1,), **opt),
-            TensorSpec("random_seed", "UINT64", (1,), **opt),
-            TensorSpec("stop_words_list", "INT32", (2, -1), allow_ragged_batch=True, **opt),
-            TensorSpec("streaming", "BOOL", (1,), **opt),
-        ),
-        outputs=(
-            TensorSpec("output_ids", "INT32", (-1, -1)),
-            TensorSpec("sequence_length", "INT32", (-1,)),
-            TensorSpec("prev_length", "INT32", (1,)),
-            TensorSpec("is_final", "BOOL", (1,)),
-        ),
-        parameters={"engine_dir": str(engine_dir), "device": s["device"] or "auto"},
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        parameters={
+            "engine_dir": str(engine_dir),
+            "device": s["device"] or "auto",
+            # tensorrt_llm's model-level default, which a request's exclude_input_in_output overrides
+            "exclude_input_in_output": "true",
+        },
         decoupled=True,
         instance_count=int(s["instance_count"]),
         max_queue_delay_us=int(s["max_queue_delay_us"]),
@@ -103,12 +111,18 @@ def write_repository(
         raise InputError(f"deploy max_batch_size must be >= 1, got {max_batch}.")
     streaming = bool(s["streaming"])
     pre_post = int(s["pre_post_instance_count"])
-    specs = [
-        (preprocessing_spec(engine_dir, max_batch, pre_post), "preprocessing"),
-        (engine_model_spec(engine_dir, max_batch, s), "kvq_engine"),
-        (postprocessing_spec(engine_dir, max_batch, pre_post, cumulative=True), "postprocessing"),
-        (ensemble_spec(protocol.ENGINE_MODEL, max_batch, streaming, cumulative=True), None),
+    engine = engine_model_spec(engine_dir, max_batch, s)
+    ensembles = [
+        ensemble_spec(protocol.ENGINE_MODEL, max_batch, streaming, cumulative=True, engine=engine, name=name,
+                      fields=fields)
+        for name, fields in ((protocol.ENSEMBLE, protocol.ENSEMBLE_REQUEST),
+                             (protocol.BLS, protocol.ENSEMBLE_REQUEST + protocol.BLS_EXTRA))
     ]
+    specs = [
+        (preprocessing_spec(engine_dir, max_batch, pre_post, limits.max_input_len), "preprocessing"),
+        (engine, "kvq_engine"),
+        (postprocessing_spec(engine_dir, max_batch, pre_post, cumulative=True), "postprocessing"),
+    ] + [(e, None) for e in ensembles]
     files = write_models(out_dir, specs)
     return {
         "backend": "torch",

@@ -14,6 +14,7 @@ composing models: behind the ensemble an orphaned request runs to max_tokens.)
 """
 
 import json
+import math
 import queue
 import threading
 from collections import Counter
@@ -27,7 +28,14 @@ from runtime.sampling import SamplingParams
 from triton_repo import protocol
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ENGINE_FIELDS = {f.to: f for f in protocol.ENSEMBLE_REQUEST + protocol.BLS_EXTRA if f.step == "engine"}
+FIELD_OF = {to: f.name for to, f in ENGINE_FIELDS.items()}  # engine input -> request field
 CANCEL_POLL_S = 0.1
+
+
+def _array(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
 
 
 def _scalar(request, name, default):
@@ -36,17 +44,25 @@ def _scalar(request, name, default):
         return default
     a = t.as_numpy().reshape(-1)
     if a.size != 1:
-        raise RequestError(f"{name} must hold exactly one value, got {a.size}.")
+        raise RequestError(f"{FIELD_OF.get(name, name)} must hold exactly one value, got {a.size}.")
     return a[0].item()
+
+
+def _error(e):
+    code = pb_utils.TritonError.INVALID_ARG if isinstance(e, RequestError) else pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), code))
 
 
 class _Request:
     """One client request: its sender, what it has generated, and whether it is closed."""
 
-    def __init__(self, model, sender, stream, stops):
+    def __init__(self, model, sender, stream, prefix, logprobs):
         self.model, self.sender = model, sender
-        self.stream, self.stops = stream, stops
+        self.stream = stream
+        self.prefix = prefix  # prompt ids a non-streamed response starts with (exclude_input_in_output false)
+        self.want_logprobs = logprobs
         self.ids = []
+        self.logprobs = []
         self.shown = 0
         self.done = False
         self.lock = threading.Lock()
@@ -54,15 +70,30 @@ class _Request:
         self.cancel_pending = False
 
     def _response(self, final):
-        m = self.model
-        lead = (1,) if m.max_batch else ()
-        n = len(self.ids)
+        """tensorrt_llm's response tensors ([batch, beam, ...] with max_batch_size, else [beam, ...])."""
+        lead = (1,) if self.model.max_batch else ()
+        ids = self.ids if self.stream else self.prefix + self.ids
+        shown = self.shown if self.stream else 0
+        n = len(ids)
+
+        def tensor(name, values, dtype, shape):
+            return pb_utils.Tensor(name, np.array(values, dtype=dtype).reshape(lead + shape))
+
         tensors = [
-            pb_utils.Tensor("output_ids", np.array(self.ids, dtype=np.int32).reshape(lead + (1, n))),
-            pb_utils.Tensor("sequence_length", np.array([n], dtype=np.int32).reshape(lead + (1,))),
-            pb_utils.Tensor("prev_length", np.array([self.shown], dtype=np.int32).reshape(lead + (1,))),
-            pb_utils.Tensor("is_final", np.array([final], dtype=bool).reshape(lead + (1,))),
+            tensor("output_ids", ids, np.int32, (1, n)),
+            tensor("sequence_length", [n], np.int32, (1,)),
+            tensor("prev_length", [shown], np.int32, (1,)),
+            tensor("is_final", [final], bool, (1,)),
+            tensor("batch_index", [0], np.int32, (1,)),
+            tensor("sequence_index", [0], np.int32, (1,)),
         ]
+        if self.want_logprobs:
+            # Streamed responses carry the new tokens' log-probs, the last one all of them (as tensorrt_llm).
+            new = self.logprobs[self.shown :] if self.stream else self.logprobs
+            tensors += [
+                tensor("cum_log_probs", [sum(self.logprobs)], np.float32, (1,)),
+                tensor("output_log_probs", new, np.float32, (1, len(new))),
+            ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _send(self, final, new_token):
@@ -72,22 +103,24 @@ class _Request:
             self.sender.send(self._response(final=final), flags=FINAL if final else 0)
             self.shown = len(self.ids)
 
-    def on_token(self, token_id, finished, finish_reason):
+    def on_token(self, token_id, finished, finish_reason, logprob=None):
         """Called from the engine's step loop: keep it short and never raise into it."""
-        engine_finished = finished
         with self.lock:
             if self.done:
                 return
-            stop_hit = False
             if token_id is not None:
                 self.ids.append(int(token_id))
-                stop_hit = protocol.ends_with_stop(self.ids, self.stops)
-            final = finished or stop_hit
-            if not (final or self.stream):
+                if self.want_logprobs:
+                    self.logprobs.append(float(logprob))
+            if not (finished or self.stream):
                 return
+            final = finished
             try:
                 if finish_reason == "error" and token_id is None:
-                    err = pb_utils.TritonError("the engine failed on this request; see the server log.")
+                    err = pb_utils.TritonError(
+                        "the engine failed on this request (requests beside it are unaffected); "
+                        "see the server log."
+                    )
                     self.sender.send(pb_utils.InferenceResponse(error=err), flags=FINAL)
                 else:
                     self._send(final, token_id is not None)
@@ -95,8 +128,8 @@ class _Request:
                 final = True
             self.done = final
         if self.done:
-            # After a stop word or a vanished client the engine would go on: cancel it there.
-            self.model.forget(self, cancel_engine=not engine_finished)
+            # After a vanished client the engine would go on: cancel it there.
+            self.model.forget(self, cancel_engine=not finished)
 
     def close_cancelled(self):
         with self.lock:
@@ -117,6 +150,7 @@ class TritonPythonModel:
         engine_dir = params["engine_dir"]
         self.max_batch = cfg.get("max_batch_size", 0) > 0
         self.limits = protocol.EngineLimits.from_engine_dir(engine_dir)
+        self.exclude_input = params.get("exclude_input_in_output", "true") == "true"
         device = params.get("device", "auto")
         self.engine = Engine.from_dir(engine_dir, device=None if device in ("", "auto") else device)
         self.active = {}  # engine request id -> _Request still streaming
@@ -129,6 +163,10 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------- requests
     def _parse(self, request):
+        for name, f in ENGINE_FIELDS.items():
+            t = pb_utils.get_input_tensor_by_name(request, name) if f.inert else None
+            if t is not None and not protocol.is_default(t.as_numpy()):
+                raise protocol.refuse_inert(f)
         ids = (
             pb_utils.get_input_tensor_by_name(request, "input_ids")
             .as_numpy()
@@ -138,41 +176,59 @@ class TritonPythonModel:
         )
         max_tokens = int(_scalar(request, "request_output_len", 0))
         self.limits.check(len(ids), max_tokens)
-        temperature = float(_scalar(request, "temperature", 0.0))
-        top_k = int(_scalar(request, "runtime_top_k", 0))
-        top_p = float(_scalar(request, "runtime_top_p", 1.0))
-        if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
+        for name, field in (("beam_width", "beam_width"), ("num_return_sequences", "num_return_sequences")):
+            value = int(_scalar(request, name, 1))
+            if value != 1:
+                raise RequestError(f"{field} must be 1 (kvq engines decode one sequence per request), got {value}.")
+        length_penalty = float(_scalar(request, "len_penalty", 1.0))
+        if not math.isfinite(length_penalty):
             raise RequestError(
-                f"temperature {temperature} must be >= 0, top_k {top_k} >= 0 and top_p {top_p} in (0, 1]."
+                f"length_penalty must be a finite number (no effect at beam_width 1), got {length_penalty}."
             )
         end_id = _scalar(request, "end_id", None)
         seed = _scalar(request, "random_seed", None)
-        sw = pb_utils.get_input_tensor_by_name(request, "stop_words_list")
-        stops = protocol.stop_sequences(sw.as_numpy() if sw is not None else None)
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=None if seed is None else int(seed),
-            stop_token_ids=() if end_id is None else (int(end_id),),
-        )
-        return ids, sampling, stops, bool(_scalar(request, "streaming", False))
+        logprobs = bool(_scalar(request, "return_log_probs", False))
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=float(_scalar(request, "temperature", 0.0)),
+                top_k=int(_scalar(request, "runtime_top_k", 0)),
+                top_p=float(_scalar(request, "runtime_top_p", 1.0)),
+                seed=None if seed is None else int(seed),
+                # end_id replaces the model's EOS as the end token, as in tensorrt_llm
+                stop_token_ids=() if end_id is None else (int(end_id),),
+                ignore_eos=end_id is not None,
+                repetition_penalty=float(_scalar(request, "repetition_penalty", 1.0)),
+                presence_penalty=float(_scalar(request, "presence_penalty", 0.0)),
+                frequency_penalty=float(_scalar(request, "frequency_penalty", 0.0)),
+                min_tokens=int(_scalar(request, "min_length", 0)),
+                bad_words=protocol.stop_sequences(_array(request, "bad_words_list")),
+                stop_sequences=protocol.stop_sequences(_array(request, "stop_words_list")),
+                logprobs=logprobs,
+            )
+        except RequestError as e:  # name the request's field, not the engine's
+            msg = str(e)
+            for engine_name, field in protocol.SAMPLING_NAMES.items():
+                if msg.startswith(engine_name + " "):
+                    msg = field + msg[len(engine_name) :]
+            raise RequestError(msg) from None
+        exclude = bool(_scalar(request, "exclude_input_in_output", self.exclude_input))
+        stream = bool(_scalar(request, "streaming", False))
+        return ids, sampling, stream, [] if exclude else ids, logprobs
 
     def _submit(self, request):
         sender = request.get_response_sender()
         try:
-            ids, sampling, stops, stream = self._parse(request)
+            ids, sampling, stream, prefix, logprobs = self._parse(request)
         except Exception as e:  # a bad request gets its error; the model stays up
-            msg = str(e) if isinstance(e, KvqError) else f"bad request: {e}"
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)), flags=FINAL)
+            sender.send(_error(e if isinstance(e, KvqError) else RequestError(f"bad request: {e}")), flags=FINAL)
             return
-        req = _Request(self, sender, stream, stops)
+        req = _Request(self, sender, stream, prefix, logprobs)
         try:
             # No lock is held across submit: the engine may call back from its own thread meanwhile.
             engine_id = self.engine.submit(ids, sampling, req.on_token)
         except KvqError as e:  # e.g. more KV blocks than the pool has
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
+            sender.send(_error(e), flags=FINAL)
             return
         with req.lock:
             req.engine_id = engine_id
