@@ -1,5 +1,6 @@
 """`kvq serve` after a crash: shared-memory regions it can prove are its own are cleaned, others are
-left alone, and the crash is explained by the server's last lines, not by older ones."""
+left alone, and the crash is explained by the server's last lines, not by older ones. Model code in
+the server imports the same kvq source tree as the process that started it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
+        import runtime
+
+        print("kvq-test: model code imports runtime from", runtime.__file__, flush=True)
         # A harmless line that looks like an error, written while loading: a crash later must not
         # be blamed on it.
         print("kvq-test: Error: an old warning during load", flush=True)
@@ -122,7 +126,11 @@ def test_kvq_serve_reports_the_crashed_servers_last_lines(state, tmp_path):
         time.sleep(0.2)
     pid = int(re.search(r"tritonserver pid (\d+)", "".join(lines)).group(1))
     log = Path(re.search(r"log (\S+)\)", "".join(lines)).group(1))
+    import runtime
+
     assert "an old warning during load" in log.read_text()
+    # the stub imports this process's kvq (its source tree), not whatever the venv has installed
+    assert f"imports runtime from {runtime.__file__}" in log.read_text()
     os.kill(pid, signal.SIGSEGV)  # tritonserver's handler writes its last words, then it dies
     assert proc.wait(timeout=60) == 9
     reader.join(timeout=5)

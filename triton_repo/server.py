@@ -2,8 +2,9 @@
 
 Why the setup below: the python backend runs model code in a separate stub
 process that embeds Python in isolated mode, so PYTHONPATH is ignored. The stub
-finds its interpreter's prefix through PATH, so the virtual environment's `bin`
-goes first on PATH; the stub itself and tritonserver need the wheel's bundled
+finds its interpreter's prefix through PATH, so a private environment's `bin`
+goes first on PATH (_stub_environment: it imports what this process imports);
+the stub itself and tritonserver need the wheel's bundled
 libraries and the matching libpython on LD_LIBRARY_PATH. The stub binary must
 sit inside the backend directory, so we assemble a private backend directory
 per server (pytriton does the same), which also keeps concurrent servers apart.
@@ -89,9 +90,38 @@ def _assemble_backends(workdir: Path) -> Path:
     return backends
 
 
-def server_env() -> dict[str, str]:
+def _stub_environment(workdir: Path) -> Path:
+    """A tiny virtual environment for the python backend's stub; returns its bin directory.
+
+    The stub embeds Python in isolated mode (no PYTHONPATH) and takes its prefix from the
+    first python on PATH. Its site-packages holds one .pth file naming this process's own
+    source tree first, then every directory on this process's sys.path: model code imports
+    the same kvq (a worktree, a checkout carried to another machine) and the same packages
+    (a venv, wheels unpacked with --target) as the process that starts the server.
+    """
+    import runtime
+
+    env = workdir / "stub-env"
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = env / "lib" / version / "site-packages"
+    site.mkdir(parents=True)
+    base = Path(getattr(sys, "_base_executable", sys.executable) or sys.executable)
+    (env / "pyvenv.cfg").write_text(
+        f"home = {base.parent}\ninclude-system-site-packages = false\nversion = {sys.version.split()[0]}\n"
+    )
+    bin_dir = env / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3", version):
+        (bin_dir / name).symlink_to(base)
+    source_root = Path(runtime.__file__).resolve().parents[1]
+    entries = [str(source_root)] + [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != source_root]
+    (site / "kvq_stub_paths.pth").write_text("\n".join(dict.fromkeys(entries)) + "\n")
+    return bin_dir
+
+
+def server_env(stub_bin: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env_bin = Path(sys.prefix) / "bin"
+    env_bin = stub_bin or Path(sys.prefix) / "bin"
     env["PATH"] = f"{env_bin}{os.pathsep}{env.get('PATH', '')}"
     libs = [str(_pytriton_dir().parent / "nvidia_pytriton.libs"), str(sysconfig.get_config_var("LIBDIR"))]
     if env.get("LD_LIBRARY_PATH"):
@@ -204,6 +234,7 @@ class TritonServer:
         if self.shm_prefix:  # a clean exit removed them already; a crash of the server did not
             shm_regions.release(self.shm_prefix)
         shutil.rmtree(self.workdir / "backends", ignore_errors=True)
+        shutil.rmtree(self.workdir / "stub-env", ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> TritonServer:
@@ -265,7 +296,7 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(),
+            env=server_env(_stub_environment(workdir)),
             start_new_session=True,
         )
     shm_regions.record(shm_prefix, process.pid)
