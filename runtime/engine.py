@@ -344,7 +344,7 @@ class Engine:
             prompts = [prompts]
         encoded = [self.encode(p) for p in prompts]
         done = [threading.Event() for _ in encoded]
-        seqs = self._submit([(ids, lambda tok, fin, why, ev=ev: fin and ev.set()) for ids, ev in zip(encoded, done)], sp)
+        seqs = self._submit([(ids, lambda tok, fin, why, *logprob, ev=ev: fin and ev.set()) for ids, ev in zip(encoded, done)], sp)
         for ev in done:
             ev.wait()
         out = []
