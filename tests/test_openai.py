@@ -64,10 +64,12 @@ def reference(engine_dir):
         chat_ids = protocol.encode_prompt(tok, CHAT_PROMPT, chat=True)
         text_ids = protocol.encode_prompt(tok, TEXT_PROMPT, chat=False)
         chat = engine.generate([chat_ids], max_tokens=MAX_TOKENS)[0]
-        text = engine.generate([text_ids], max_tokens=MAX_TOKENS)[0]
+        text = engine.generate([text_ids], max_tokens=MAX_TOKENS, logprobs=True)[0]
+        chat_to_eos = engine.generate([chat_ids], max_tokens=48)[0]
     finally:
         engine.shutdown()
-    return {"chat": chat, "chat_ids": chat_ids, "text": text, "text_ids": text_ids, "tokenizer": tok}
+    return {"chat": chat, "chat_ids": chat_ids, "text": text, "text_ids": text_ids, "tokenizer": tok,
+            "chat_to_eos": chat_to_eos}
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +189,43 @@ def test_seeded_sampling_repeats_and_multi_turn_chat_runs(served):
     assert a == b and a
 
 
+def test_logprobs_are_the_engines_for_completions_and_chat(served, reference):
+    ref = reference["text"]
+    r = served["client"].completions.create(prompt=TEXT_PROMPT, logprobs=0, **_greedy())
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == MAX_TOKENS
+    assert "".join(lp.tokens) == ref.text
+    assert lp.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    # streamed chat: one logprob entry per generated token, in order
+    chunks = list(
+        served["client"].chat.completions.create(
+            messages=[{"role": "user", "content": CHAT_PROMPT}], logprobs=True, stream=True, **_greedy()
+        )
+    )
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    whole = served["client"].chat.completions.create(
+        messages=[{"role": "user", "content": CHAT_PROMPT}], logprobs=True, **_greedy()
+    )
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in whole.choices[0].logprobs.content])
+    assert len(entries) == whole.usage.completion_tokens
+
+
+def test_penalties_and_min_tokens_reach_the_engine(served, reference):
+    # min_tokens past the EOS the greedy answer ends with: the engine keeps going
+    ref = reference["chat_to_eos"]
+    assert ref.finish_reason == "stop"  # the premise: unconstrained, it ends early
+    msgs = [{"role": "user", "content": CHAT_PROMPT}]
+    n = len(ref.token_ids) + 4
+    r = served["client"].chat.completions.create(
+        messages=msgs, model=MODEL, temperature=0.0, max_tokens=n, extra_body={"min_tokens": n}
+    )
+    assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+    r = served["client"].chat.completions.create(messages=msgs, presence_penalty=2.0, frequency_penalty=1.0,
+                                                 **_greedy())
+    assert r.choices[0].message.content
+
+
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize(
     "kw, param",
@@ -198,6 +237,8 @@ def test_seeded_sampling_repeats_and_multi_turn_chat_runs(served):
         ({"n": 2}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"logit_bias": {"1": 5.0}}, "logit_bias"),
+        ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"extra_body": {"colour": "red"}}, "colour"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": " ".join(["word"] * 80)}]}, "messages"),

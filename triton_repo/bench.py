@@ -155,6 +155,7 @@ def run_bench(
     model: str = ENSEMBLE,
     timeout_s: float = 300.0,
     openai: bool = False,
+    keep_token_times: bool = False,
     **request_fields: Any,
 ) -> dict[str, Any]:
     """Returns {"summary": {...}, "requests": [per-request dicts]}. With `openai`, `url` is the
@@ -187,6 +188,7 @@ def run_bench(
     wall = time.perf_counter() - t0
     done = [r for r in results if r is not None]
     rows = [{**asdict(r), "ttft_s": r.ttft_s, "num_tokens": len(r.token_times)} for r in done]
-    for row in rows:
-        del row["token_times"]
+    if not keep_token_times:
+        for row in rows:
+            del row["token_times"]
     return {"summary": summarize(done, wall, concurrency), "requests": rows}

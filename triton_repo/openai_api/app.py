@@ -31,6 +31,12 @@ from .triton_stream import EngineModel, EngineRequest, TokenStep, TritonStreams,
 # (tokenizing megabytes blocks for seconds); byte-level BPE tokens of real text are far shorter.
 MAX_PROMPT_BYTES_PER_TOKEN = 32
 DISCONNECT_POLL_S = 0.2
+_ENGINE_FIELDS = {
+    "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "min_tokens": ("min_length", 0),
+}
 
 
 @dataclass
@@ -88,12 +94,13 @@ def engine_request(served: Served, req, ids: list[int], max_tokens: int | None, 
             param = "max_tokens" if "max_tokens" in str(e) else ("messages" if hasattr(req, "messages") else "prompt")
             raise OpenAIError(400, str(e), param) from e
     extra: dict[str, Any] = {}
-    for name in ("presence_penalty", "frequency_penalty"):
+    # OpenAI/vLLM field -> (tensorrt_llm input, neutral value)
+    for name, (engine_name, neutral) in _ENGINE_FIELDS.items():
         value = getattr(req, name)
-        if value:
-            if not served.model.supports(name):
-                raise OpenAIError(400, f"{name} is not supported by this deployment's engine; send 0.", name)
-            extra[name] = value
+        if value != neutral:
+            if not served.model.supports(engine_name):
+                raise OpenAIError(400, f"{name} is not supported by this deployment's engine; send {neutral}.", name)
+            extra[engine_name] = value
     if logprobs and not served.model.supports("return_log_probs"):
         raise OpenAIError(
             400, "this deployment's engine model returns no log probabilities; redeploy it with `kvq deploy`.",

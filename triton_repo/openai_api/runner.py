@@ -65,3 +65,29 @@ def start_openai_frontend(
             raise ServerError(f"the OpenAI frontend did not start within {ready_timeout_s:.0f} s on {host}:{port}.")
         time.sleep(0.05)
     return OpenAIFrontend(host, port, model_name, server, thread)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m triton_repo.openai_api.runner --grpc-url HOST:PORT --port N --model NAME`: the frontend
+    alone, in front of a Triton server that is already running; stops on SIGTERM or Ctrl-C."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--grpc-url", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model", required=True)
+    args = ap.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with start_openai_frontend(args.grpc_url, args.port, args.model) as fe:
+        print(f"openai: {fe.base_url}  (model {fe.model_name!r})", flush=True)
+        try:
+            while not stop.wait(0.5) and fe._thread.is_alive():
+                pass
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -45,6 +45,8 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # not in the OpenAI API; vLLM and SGLang accept it
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension (benchmarks use it to fix the output length)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
