@@ -74,9 +74,11 @@ def make_engine_dir(root: Path, name: str, args) -> Path:
     (d / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
     (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
     (d / "kv_format.json").write_text(json.dumps(FORMATS[name]))
+    # max_input_len twice the prompt: the ensemble bounds text in bytes (4 per token) before it tokenizes,
+    # and a word of this tokenizer ("w128000 ") is up to 8
     (d / "engine.json").write_text(json.dumps({
-        "max_batch_size": args.concurrency, "max_input_len": args.prompt_len,
-        "max_seq_len": args.prompt_len + args.output_len, "block_size": args.block_size,
+        "max_batch_size": args.concurrency, "max_input_len": 2 * args.prompt_len,
+        "max_seq_len": 2 * args.prompt_len + args.output_len, "block_size": args.block_size,
         # half the GPU each: the served and the in-process engine never overlap, but equal pools
         "gpu_memory_fraction": 0.5,
     }))
@@ -135,6 +137,7 @@ def run_inprocess(engine_dir: Path, ids: list[list[int]], warm: list[list[int]],
     engine = Engine.from_dir(engine_dir, device=args.device)
     try:
         run_closed_loop(engine, warm, SamplingParams(max_tokens=4), args.concurrency)
+        run_closed_loop(engine, ids, SamplingParams(max_tokens=4), args.concurrency)
         before = len(engine.stats.step_batch_sizes)
         cpu0, t0 = time.process_time(), time.perf_counter()
         res = run_closed_loop(engine, ids, SamplingParams(max_tokens=args.output_len), args.concurrency,
@@ -189,6 +192,7 @@ def measure_served(name, server, ids, warm, args, frontend_url=None) -> dict:
         return [(r["start"], r["token_times"]) for r in res["requests"]] if keep else None
 
     go(warm, 4, False)
+    go(ids, 4, False)  # the measured prompts' prefill shapes, once
     before = client.engine_metrics(server.metrics_url)
     cpu0, t0 = time.process_time(), time.perf_counter()
     runs = go(ids, args.output_len, True)
