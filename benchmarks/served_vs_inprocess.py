@@ -177,7 +177,7 @@ async def _engine_streams(grpc_url: str, ids: list[list[int]], max_tokens: int, 
         await streams.close()
 
 
-def measure_served(name, server, ids, warm, args, frontend_url=None) -> dict:
+def measure_served(name, server, ids, warm, args, frontend_url=None, first=False) -> dict:
     from triton_repo import client
     from triton_repo.bench import run_bench
 
@@ -191,8 +191,9 @@ def measure_served(name, server, ids, warm, args, frontend_url=None) -> dict:
             raise SystemExit(f"{name}: {res['summary']['error_messages']}")
         return [(r["start"], r["token_times"]) for r in res["requests"]] if keep else None
 
-    go(warm, 4, False)
-    go(ids, 4, False)  # the measured prompts' prefill shapes, once
+    go(warm, 4, False)  # this path's client and the engine's batch shapes
+    if first:
+        go(ids, 4, False)  # the measured prompts' prefill shapes, once per server
     before = client.engine_metrics(server.metrics_url)
     cpu0, t0 = time.process_time(), time.perf_counter()
     runs = go(ids, args.output_len, True)
@@ -236,8 +237,8 @@ def run_format(name: str, work: Path, args) -> list[dict]:
                 if path == "openai":
                     port = free_port()
                     fe = start_frontend(server.grpc_url, port)
-                rows.append(measure_served(path, server, ids, warm, args, f"http://127.0.0.1:{port}/v1"
-                                           if fe else None))
+                url = f"http://127.0.0.1:{port}/v1" if fe else None
+                rows.append(measure_served(path, server, ids, warm, args, url, first=path == "engine"))
             finally:
                 if fe is not None:
                     fe.terminate()
