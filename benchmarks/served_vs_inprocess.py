@@ -74,8 +74,8 @@ def make_engine_dir(root: Path, name: str, args) -> Path:
     (d / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
     (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
     (d / "kv_format.json").write_text(json.dumps(FORMATS[name]))
-    # max_input_len twice the prompt: the ensemble bounds text in bytes (4 per token) before it tokenizes,
-    # and a word of this tokenizer ("w128000 ") is up to 8
+    # max_input_len twice the prompt: the ensemble bounds text in bytes (max_input_len x the longest token)
+    # before it tokenizes, and the spaces between this tokenizer's words count too
     (d / "engine.json").write_text(json.dumps({
         "max_batch_size": args.concurrency, "max_input_len": 2 * args.prompt_len,
         "max_seq_len": 2 * args.prompt_len + args.output_len, "block_size": args.block_size,

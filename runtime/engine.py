@@ -344,7 +344,7 @@ class Engine:
             prompts = [prompts]
         encoded = [self.encode(p) for p in prompts]
         done = [threading.Event() for _ in encoded]
-        seqs = self._submit([(ids, lambda tok, fin, why, *logprob, ev=ev: fin and ev.set()) for ids, ev in zip(encoded, done)], sp)
+        seqs = self._submit([(ids, lambda tok, fin, *_, ev=ev: fin and ev.set()) for ids, ev in zip(encoded, done)], sp)
         for ev in done:
             ev.wait()
         out = []
@@ -366,7 +366,7 @@ class Engine:
         finished = False
         try:
             while not finished:
-                tok, finished, reason = await queue.get()
+                tok, finished, reason, *_ = await queue.get()
                 if reason == "error":
                     raise seq.error or KvqError("generation failed in the engine step loop.")
                 if tok is not None:

@@ -142,36 +142,43 @@ def _banned(row: Row, eos_ids: tuple[int, ...]) -> list[int]:
     return banned
 
 
-def _adjust(logits: torch.Tensor, rows: list[Row], eos_ids: tuple[int, ...]) -> torch.Tensor:
-    """Penalties and bans for `rows` (their logits [n, vocab] fp32) in one batched pass."""
-    n, vocab = logits.shape
-    dev = logits.device
-    x = logits.clone()
-    ps = [r.sampling for r in rows]
-    # vLLM's order: the repetition penalty scales the raw logits, then presence/frequency subtract.
-    if any(p.repetition_penalty != 1.0 for p in ps):
-        seen = torch.zeros(n, vocab, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            seen[i, r.prompt_ids + r.output_ids] = True
-        seen = seen.to(dev)
-        rp = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
-    if any(p.presence_penalty or p.frequency_penalty for p in ps):
-        width = max(1, max(len(r.output_ids) for r in rows))
-        ids = torch.zeros(n, width, dtype=torch.int64)
-        ones = torch.zeros(n, width)
-        for i, r in enumerate(rows):
-            ids[i, : len(r.output_ids)] = torch.tensor(r.output_ids, dtype=torch.int64)
-            ones[i, : len(r.output_ids)] = 1.0
-        counts = torch.zeros(n, vocab, device=dev).scatter_add_(1, ids.to(dev), ones.to(dev))
-        freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
-        x -= freq * counts + pres * (counts > 0)
-    bans = [(i, t) for i, r in enumerate(rows) for t in _banned(r, eos_ids)]
+def _sparse_update(x: torch.Tensor, rows: list[int], tokens: list[torch.Tensor], fn) -> None:
+    """x[row, token] = fn(x[row, token], per-entry row position) for each row's (unique) tokens."""
+    if not rows:
+        return
+    lens = torch.tensor([len(t) for t in tokens])
+    r = torch.repeat_interleave(torch.tensor(rows), lens).to(x.device)
+    t = torch.cat(tokens).to(x.device)
+    pos = torch.repeat_interleave(torch.arange(len(rows)), lens).to(x.device)
+    x[r, t] = fn(x[r, t], pos)
+
+
+def _adjust(x: torch.Tensor, batch_rows: list[int], rows: list[Row], eos_ids: tuple[int, ...]) -> None:
+    """Penalties and bans, in place on the logits x [B, vocab] fp32 at `batch_rows` (one per row).
+
+    Only the tokens a row has seen are touched (gathered, changed, scattered back), so the cost
+    follows the sequences' lengths, not the vocabulary. vLLM's order: the repetition penalty
+    scales the raw logits, then presence and frequency penalties subtract.
+    """
+    dev = x.device
+    rep = [(b, r) for b, r in zip(batch_rows, rows) if r.sampling.repetition_penalty != 1.0]
+    rp = torch.tensor([r.sampling.repetition_penalty for _, r in rep], device=dev)
+    _sparse_update(
+        x, [b for b, _ in rep],
+        [torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.int64).unique() for _, r in rep],
+        lambda v, i: torch.where(v > 0, v / rp[i], v * rp[i]),
+    )
+    pf = [(b, r) for b, r in zip(batch_rows, rows)
+          if (r.sampling.presence_penalty or r.sampling.frequency_penalty) and r.output_ids]
+    seen = [torch.tensor(r.output_ids, dtype=torch.int64).unique(return_counts=True) for _, r in pf]
+    counts = torch.cat([c for _, c in seen]).to(dev, torch.float32) if seen else None
+    pres = torch.tensor([r.sampling.presence_penalty for _, r in pf], device=dev)
+    freq = torch.tensor([r.sampling.frequency_penalty for _, r in pf], device=dev)
+    _sparse_update(x, [b for b, _ in pf], [t for t, _ in seen], lambda v, i: v - freq[i] * counts - pres[i])
+    bans = [(b, t) for b, r in zip(batch_rows, rows) for t in _banned(r, eos_ids)]
     if bans:
         rows_i, toks = zip(*bans)
         x[torch.tensor(rows_i, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
-    return x
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -198,10 +205,12 @@ def _select(logits: torch.Tensor, rows: list[Row], eos_ids: tuple[int, ...]) -> 
     extra = [i for i, r in enumerate(rows) if r.sampling.adjusts_logits]
     x = logits
     if extra:
-        x = logits.clone()
-        x[extra] = _adjust(logits[extra], [rows[i] for i in extra], eos_ids)
-    # One host transfer for every row's argmax and whether the model gave finite logits.
-    head = torch.stack([x.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()]).tolist()
+        x = logits.clone()  # the raw logits stay for log-probs
+        _adjust(x, extra, [rows[i] for i in extra], eos_ids)
+    # One host transfer for every row's argmax and whether its logits are usable: argmax lands on a
+    # NaN where there is one, so the chosen value alone is non-finite for NaN, +inf, or all tokens banned.
+    best = x.argmax(dim=-1)
+    head = torch.stack([best, torch.isfinite(x.gather(1, best[:, None])[:, 0]).long()]).tolist()
     picks = []
     for i, r in enumerate(rows):
         p = r.sampling

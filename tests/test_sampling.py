@@ -54,7 +54,8 @@ def test_penalties_match_an_fp64_reference():
     rows = [_Row(sp, prompt, output) for sp in sps]
     from runtime.sampling import _adjust
 
-    got = _adjust(logits, rows, eos_ids=())
+    got = logits.clone()
+    _adjust(got, [0, 1, 2], rows, eos_ids=())
     ref = logits.double().clone()
     for i, sp in enumerate(sps):
         for t in range(50):
@@ -177,7 +178,7 @@ def test_a_failing_request_fails_alone_and_frees_its_blocks(engine, monkeypatch,
         run = engine.runner.run
 
         def poisoned(step):
-            logits = run(step)
+            logits = run(step).clone()  # an inference-mode tensor: poison a copy
             for i, s in enumerate(step.sampled):
                 if s.sampling.seed == 4242 and len(s.output_ids) == 3:
                     logits[i] = float("nan")

@@ -8,16 +8,12 @@ directly, one prompt at a time (sequential greedy), never from the server.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
+import helpers_triton
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -30,109 +26,22 @@ from triton_repo.server import free_port, start_server
 
 pytestmark = pytest.mark.slow
 
-ENGINE_JSON = {
-    "max_batch_size": 8,
-    "max_input_len": 64,
-    "max_seq_len": 128,
-    "block_size": 16,
-    "gpu_memory_fraction": 0.9,
-}
-FP8_PER_TOKEN = {"dtype": "fp8_e4m3", "granularity": "per_token", "symmetric": True, "scale_dtype": "float16"}
-PROMPTS = [
-    "What is the capital of France?",
-    "Name a primary color.",
-    "What is 2 plus 2?",
-    "Say hello in Spanish.",
-    "What animal says moo?",
-    "Name a planet.",
-    "What is water made of?",
-    "Give me a fruit.",
-]
-MAX_TOKENS = 12
+ENGINE_JSON, PROMPTS, MAX_TOKENS = helpers_triton.ENGINE_JSON, helpers_triton.PROMPTS, helpers_triton.MAX_TOKENS
 
 
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory) -> Path:
-    """SmolLM2 converted by kvq's builtin converter, plus the build stage's two files (docs/interfaces.md)."""
-    from builder.convert import convert_source
-
-    d = tmp_path_factory.mktemp("smollm2-fp8kv")
-    convert_source("smollm2-135m", None, d, "float32")
-    (d / "kv_format.json").write_text(json.dumps(FP8_PER_TOKEN))
-    (d / "engine.json").write_text(json.dumps(ENGINE_JSON))
-    return d
+@pytest.fixture
+def engine_dir(triton_engine_dir):
+    return triton_engine_dir
 
 
-@pytest.fixture(scope="module")
-def reference(engine_dir):
-    """Sequential greedy outputs of the engine itself (one request at a time), and its tokenizer."""
-    from runtime.engine import Engine
-
-    engine = Engine.from_dir(engine_dir, device="cpu")
-    try:
-        ids = [protocol.encode_prompt(engine.tokenizer, p, chat=True) for p in PROMPTS]
-        texts = [engine.generate([i], max_tokens=MAX_TOKENS)[0].text for i in ids]
-        assert max(engine.stats.step_batch_sizes) == 1  # really sequential
-    finally:
-        engine.shutdown()
-    return {"texts": dict(zip(PROMPTS, texts, strict=True)), "tokenizer": engine.tokenizer}
+@pytest.fixture
+def reference(triton_reference):
+    return triton_reference
 
 
-@pytest.fixture(scope="module")
-def repo(engine_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("deploy") / "repo"
-    r = CliRunner().invoke(
-        cli, ["deploy", str(engine_dir), "--out", str(out), "--device", "cpu", "--max-queue-delay-us", "500"]
-    )
-    assert r.exit_code == 0, r.output
-    return out
-
-
-@pytest.fixture(scope="module")
-def served(repo, reference):
-    """`kvq serve REPO` in a subprocess; teardown sends SIGTERM and checks that nothing is left running."""
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "kvq"),
-            "serve",
-            str(repo),
-            "--http-port",
-            str(ports["http"]),
-            "--grpc-port",
-            str(ports["grpc"]),
-            "--metrics-port",
-            str(ports["metrics"]),
-            "--log-dir",
-            str(repo.parent),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 300
-    while not any(ln.startswith("ready:") for ln in lines):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("kvq serve did not become ready:\n" + "".join(lines))
-        time.sleep(0.5)
-    server_pid = int(re.search(r"tritonserver pid (\d+)", "".join(lines)).group(1))
-    yield {
-        "http": f"127.0.0.1:{ports['http']}",
-        "grpc": f"127.0.0.1:{ports['grpc']}",
-        "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
-        "lines": lines,
-    }
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, "".join(lines)
-    reader.join(timeout=5)
-    assert "tritonserver stopped" in "".join(lines)
-    with pytest.raises(ProcessLookupError):  # neither the server nor a stub of its group is left
-        os.killpg(server_pid, 0)
+@pytest.fixture
+def served(triton_served):
+    return triton_served
 
 
 def _ready(url: str) -> bool:
@@ -199,10 +108,10 @@ LONG_PROMPT = " ".join(["word"] * 80)  # > max_input_len 64 tokens
         ({"max_tokens": 4}, "missing required input"),
         ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
         ({"text_input": "   ", "max_tokens": 4}, "text_input is empty"),
-        ({"text_input": "hi", "max_tokens": 0}, "at least 1"),
-        ({"text_input": "hi", "max_tokens": -5}, "at least 1"),
+        ({"text_input": "hi", "max_tokens": 0}, r"max_tokens must be in \[1, \d+\]"),
+        ({"text_input": "hi", "max_tokens": -5}, r"max_tokens must be in \[1, \d+\]"),
         ({"text_input": "hi", "max_tokens": 1000}, "max_seq_len 128"),
-        ({"text_input": LONG_PROMPT, "max_tokens": 4}, "max_input_len 64"),
+        ({"text_input": LONG_PROMPT, "max_tokens": 4}, "max_input_len=64"),
         ({"text_input": "hi", "max_tokens": "four"}, "Unable to parse"),
         ({"text_input": "hi", "max_tokens": 4, "temperature": "hot"}, "Unable to parse"),
         ({"text_input": "hi", "max_tokens": 4, "colour": "red"}, "unknown request field"),

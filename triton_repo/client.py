@@ -1,8 +1,8 @@
 """Clients for a kvq (or TensorRT-LLM) ensemble: HTTP /generate and gRPC streaming.
 
 The request fields are TensorRT-LLM's ensemble fields (text_input, max_tokens,
-temperature, top_k, top_p, random_seed, end_id, stop_words, stream), so these
-calls work against either repository. Server-side errors come back as
+temperature, top_k, top_p, random_seed, end_id, stop_words, bad_words, penalties,
+return_log_probs, stream, ...), so these calls work against either repository. Server-side errors come back as
 RequestError with the server's message; connection problems as ServerError.
 """
 
@@ -22,22 +22,20 @@ import numpy as np
 
 from runtime.errors import RequestError, ServerError
 
-from .protocol import ENSEMBLE
+from .protocol import ENSEMBLE, ENSEMBLE_REQUEST
 
-_FIELD_TYPES = {  # ensemble field -> (numpy dtype, Triton dtype)
-    "max_tokens": (np.int32, "INT32"),
-    "temperature": (np.float32, "FP32"),
-    "top_k": (np.int32, "INT32"),
-    "top_p": (np.float32, "FP32"),
-    "random_seed": (np.uint64, "UINT64"),
-    "end_id": (np.int32, "INT32"),
-    "stream": (bool, "BOOL"),
-    "apply_chat_template": (bool, "BOOL"),
+_FIELD_TYPES = {  # ensemble field -> (numpy dtype, Triton dtype), from protocol.ENSEMBLE_REQUEST
+    f.name: ({"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": bool}[f.dtype], f.dtype)
+    for f in ENSEMBLE_REQUEST
+    if f.dtype in ("INT32", "UINT64", "FP32", "BOOL") and f.dims == (1,)
 }
+_STRING_FIELDS = ("text_input", "stop_words", "bad_words")
 
 
 @dataclass
 class GenerateRequest:
+    """A request in tensorrtllm_backend's field names; None / empty fields are not sent."""
+
     prompt: str
     max_tokens: int = 32
     temperature: float | None = None
@@ -45,16 +43,27 @@ class GenerateRequest:
     top_p: float | None = None
     random_seed: int | None = None
     end_id: int | None = None
+    pad_id: int | None = None
     stop_words: list[str] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
+    min_length: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    return_log_probs: bool | None = None
+    exclude_input_in_output: bool | None = None  # None: the deployment's default (kvq: true)
     apply_chat_template: bool = False
 
     def fields(self) -> dict[str, Any]:
-        d = {"text_input": self.prompt, "max_tokens": self.max_tokens}
-        for k in ("temperature", "top_k", "top_p", "random_seed", "end_id"):
+        d: dict[str, Any] = {"text_input": self.prompt, "max_tokens": self.max_tokens}
+        for k in ("temperature", "top_k", "top_p", "random_seed", "end_id", "pad_id", "min_length",
+                  "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs",
+                  "exclude_input_in_output"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
-        if self.stop_words:
-            d["stop_words"] = list(self.stop_words)
+        for k in ("stop_words", "bad_words"):
+            if getattr(self, k):
+                d[k] = list(getattr(self, k))
         if self.apply_chat_template:
             d["apply_chat_template"] = True
         return d
@@ -97,7 +106,7 @@ def grpc_inputs(request: GenerateRequest, stream: bool) -> list:
 
     inputs = []
     for name, value in {**request.fields(), "stream": stream}.items():
-        if name in ("text_input", "stop_words"):
+        if name in _STRING_FIELDS:
             values = [value] if isinstance(value, str) else value
             arr = np.array([[v.encode("utf-8") for v in values]], dtype=object)
             dtype = "BYTES"
@@ -116,6 +125,8 @@ class StreamEvent:
     t: float  # time.perf_counter() at arrival
     final: bool
     has_output: bool  # False for the empty closing response of a stream whose last token came earlier
+    output_log_probs: list[float] | None = None  # this response's tokens, with return_log_probs
+    cum_log_prob: float | None = None  # all tokens so far, with return_log_probs
 
 
 def stream(
@@ -161,7 +172,12 @@ def stream(
                 if out is None
                 else "".join(x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in out.reshape(-1))
             )
-            yield StreamEvent(text, t, final, out is not None)
+            lps, cum = result.as_numpy("output_log_probs"), result.as_numpy("cum_log_probs")
+            yield StreamEvent(
+                text, t, final, out is not None,
+                None if lps is None else lps.reshape(-1).tolist(),
+                None if cum is None else float(cum.reshape(-1)[0]),
+            )
             if final:
                 return
     except InferenceServerException as e:

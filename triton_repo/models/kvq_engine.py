@@ -119,7 +119,8 @@ class _Request:
                 if finish_reason == "error" and token_id is None:
                     err = pb_utils.TritonError(
                         "the engine failed on this request (requests beside it are unaffected); "
-                        "see the server log."
+                        "see the server log.",
+                        pb_utils.TritonError.INTERNAL,
                     )
                     self.sender.send(pb_utils.InferenceResponse(error=err), flags=FINAL)
                 else:
@@ -176,16 +177,19 @@ class TritonPythonModel:
         )
         max_tokens = int(_scalar(request, "request_output_len", 0))
         self.limits.check(len(ids), max_tokens)
-        for name, field in (("beam_width", "beam_width"), ("num_return_sequences", "num_return_sequences")):
+        for name in ("beam_width", "num_return_sequences"):
             value = int(_scalar(request, name, 1))
             if value != 1:
-                raise RequestError(f"{field} must be 1 (kvq engines decode one sequence per request), got {value}.")
+                raise RequestError(f"{name} must be 1 (kvq engines decode one sequence per request), got {value}.")
         length_penalty = float(_scalar(request, "len_penalty", 1.0))
         if not math.isfinite(length_penalty):
             raise RequestError(
                 f"length_penalty must be a finite number (no effect at beam_width 1), got {length_penalty}."
             )
         end_id = _scalar(request, "end_id", None)
+        vocab = self.engine.cfg.vocab_size
+        if end_id is not None and not 0 <= int(end_id) < vocab:
+            raise RequestError(f"end_id must be a token id in [0, {vocab}), got {end_id}.")
         seed = _scalar(request, "random_seed", None)
         logprobs = bool(_scalar(request, "return_log_probs", False))
         try:
