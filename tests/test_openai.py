@@ -1,26 +1,21 @@
 """The OpenAI-compatible endpoint: the real `openai` client against `kvq serve --openai-port`.
 
-One real deployment (SmolLM2, FP8 per-token KV, the real tritonserver) serves
-the whole module. Expected texts come from our engine called directly, one
-prompt at a time, greedy; never from the server.
+The session's one real deployment (tests/helpers_triton.py: SmolLM2, FP8
+per-token KV, the real tritonserver, started by `kvq serve --openai-port`)
+serves these tests too. Expected texts come from our engine called directly,
+one prompt at a time, greedy; never from the server.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from click.testing import CliRunner
+from helpers_triton import FAULT_SEED, OPENAI_MODEL, PROMPTS
 
 from builder.cli import cli
 from triton_repo import client, protocol
@@ -28,37 +23,18 @@ from triton_repo.server import free_port
 
 pytestmark = pytest.mark.slow
 
-ENGINE_JSON = {
-    "max_batch_size": 8,
-    "max_input_len": 64,
-    "max_seq_len": 128,
-    "block_size": 16,
-    "gpu_memory_fraction": 0.9,
-}
-FP8_PER_TOKEN = {"dtype": "fp8_e4m3", "granularity": "per_token", "symmetric": True, "scale_dtype": "float16"}
-MODEL = "smollm2-fp8"
-CHAT_PROMPT = "What is the capital of France?"
+MODEL = OPENAI_MODEL
+CHAT_PROMPT = PROMPTS[0]  # "What is the capital of France?"
 TEXT_PROMPT = "The three primary colors are"
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory) -> Path:
-    from builder.convert import convert_source
-
-    d = tmp_path_factory.mktemp("smollm2-openai")
-    convert_source("smollm2-135m", None, d, "float32")
-    (d / "kv_format.json").write_text(json.dumps(FP8_PER_TOKEN))
-    (d / "engine.json").write_text(json.dumps(ENGINE_JSON))
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference(engine_dir):
+def reference(triton_engine_dir):
     """Greedy outputs of the engine itself, one request at a time, with the prompt ids it was given."""
     from runtime.engine import Engine
 
-    engine = Engine.from_dir(engine_dir, device="cpu")
+    engine = Engine.from_dir(triton_engine_dir, device="cpu")
     try:
         tok = engine.tokenizer
         chat_ids = protocol.encode_prompt(tok, CHAT_PROMPT, chat=True)
@@ -73,43 +49,11 @@ def reference(engine_dir):
 
 
 @pytest.fixture(scope="module")
-def served(engine_dir, reference, tmp_path_factory):
-    """`kvq serve REPO --openai-port N` in a subprocess, stopped with SIGTERM at the end."""
-    out = tmp_path_factory.mktemp("deploy") / "repo"
-    r = CliRunner().invoke(cli, ["deploy", str(engine_dir), "--out", str(out), "--device", "cpu"])
-    assert r.exit_code == 0, r.output
-    ports = {k: free_port() for k in ("http", "grpc", "metrics", "openai")}
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "kvq"), "serve", str(out), "--log-dir", str(out.parent),
-         "--openai-model", MODEL]
-        + [a for k in ("http", "grpc", "metrics", "openai") for a in (f"--{k}-port", str(ports[k]))],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVQ_STATE_DIR": str(out.parent / "state")},
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 300
-    while not any(ln.startswith("openai:") for ln in lines):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("kvq serve --openai-port did not become ready:\n" + "".join(lines))
-        time.sleep(0.5)
-    server_pid = int(re.search(r"tritonserver pid (\d+)", "".join(lines)).group(1))
-    base = f"http://127.0.0.1:{ports['openai']}/v1"
-    yield {
-        "base": base,
-        "client": openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120),
-        "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
-        "grpc": f"127.0.0.1:{ports['grpc']}",
-        "lines": lines,
-    }
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, "".join(lines)
-    with pytest.raises(ProcessLookupError):
-        os.killpg(server_pid, 0)
+def served(triton_served):
+    """The session's deployment (tests/helpers_triton.py: `kvq serve REPO --openai-port N`)."""
+    base = triton_served["openai"]
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as api:
+        yield {**triton_served, "base": base, "client": api}
 
 
 def _greedy(**kw):
@@ -268,6 +212,16 @@ def test_unknown_model_is_404_and_raw_bad_json_is_400(served):
     assert e.value.body["param"] == "model" and MODEL in e.value.body["message"]
     r = httpx.post(f"{served['base']}/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_engine_failure_is_500_and_the_next_request_is_served(served, reference):
+    """The deployment fails a request with FAULT_SEED inside sampling (tests/helpers_triton.py)."""
+    msgs = [{"role": "user", "content": CHAT_PROMPT}]
+    with pytest.raises(openai.InternalServerError) as e:
+        served["client"].chat.completions.create(messages=msgs, model=MODEL, max_tokens=4, seed=FAULT_SEED)
+    assert e.value.status_code == 500 and e.value.body["code"] == "engine_error", e.value.body
+    r = served["client"].chat.completions.create(messages=msgs, **_greedy())
+    assert r.choices[0].message.content == reference["chat"].text
 
 
 def test_triton_unreachable_is_503(served, reference):
