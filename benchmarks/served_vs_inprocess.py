@@ -1,9 +1,16 @@
 """Served vs in-process: one synthetic engine through the real tritonserver and called directly, in one run.
 
 GPU (H200; Llama-3-8B geometry as in recipes synthetic-8b-fp16kv / -fp8kv, BF16 and FP8 per-token KV,
-256 concurrent requests = the recipes' max_batch_size), about 4-5 minutes:
+256 concurrent requests = the recipes' max_batch_size), about 4-5 minutes. The GPU machine has torch,
+transformers and numpy; tritonserver, tritonclient/grpcio and the OpenAI stack travel in .whl/serve
+(wheels plus pytriton-slim-*.tar.xz, benchmarks/pack_pytriton.py):
 
+    pip install -q --no-index --no-deps --target /tmp/site .whl/serve/*.whl
+    tar -xJf .whl/serve/pytriton-slim-0.7.0-py312.tar.xz -C /tmp/site
     PYTHONPATH=/tmp/site:. python3 benchmarks/served_vs_inprocess.py --out $OUT
+
+The python backend's stub imports what this process imports (triton_repo/server.py gives it the
+same sys.path), so nothing needs installing into the machine's own environment.
 
 CPU proof (tiny model, seconds of generation):
 
