@@ -278,3 +278,25 @@ def test_kvq_bench_drives_the_openai_endpoint(served, tmp_path):
     s = json.loads(out.read_text())["summary"]
     assert s["completed"] == 4 and s["errors"] == 0 and s["output_tokens"] > 4
     assert 0 < s["ttft_ms_p50"] <= s["ttft_ms_p99"] and 0 < s["itl_ms_p50"]
+
+
+# ------------------------------------------------------------- stop strings
+@pytest.mark.parametrize("stops", [[" brûlée"], ["é 😀"], ["zzz", "5€"], ["never there"]])
+def test_streamed_text_holds_back_what_may_become_a_stop_string(reference, stops):
+    """Fed one token at a time, the pieces join to the text before the first stop string, and no
+    piece ever shows a character that the stop string later removes."""
+    from triton_repo.openai_api.text import ChoiceText
+
+    tok = reference["tokenizer"]
+    text = "Crème brûlée 😀 costs 5€ — naïve façade"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    hits = [text.find(s) for s in stops if s in text]
+    want = text[: min(hits)] if hits else text
+    choice, pieces = ChoiceText(tok, stops), []
+    for n, t in enumerate(ids):
+        pieces.append(choice.add([t], None, final=n == len(ids) - 1))
+        assert want.startswith("".join(pieces)), pieces
+        if choice.stopped:
+            break
+    assert "".join(pieces) == want == choice.text
+    assert choice.stopped == bool(hits)
