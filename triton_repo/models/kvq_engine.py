@@ -11,6 +11,8 @@ A client that goes away (request cancelled, or the sender refuses) cancels its
 engine request, so its blocks are freed and the batch goes on without it.
 (tritonserver 2.51 does not pass an ensemble request's cancellation on to its
 composing models: behind the ensemble an orphaned request runs to max_tokens.)
+Inputs and outputs carry tensorrt_llm's names and shapes ([batch, beam, ...]);
+fields with no meaning on this engine are refused by name unless empty/default.
 """
 
 import json
