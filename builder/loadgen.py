@@ -42,7 +42,8 @@ def random_prompts(n: int, length: int, vocab: int, seed: int, avoid: set[int] =
 
 
 def run_closed_loop(engine: Any, prompts: list[list[int]], sampling: Any, concurrency: int,
-                    timeout_s: float = 1800.0) -> dict[str, Any]:
+                    timeout_s: float = 1800.0, keep_traces: bool = False) -> dict[str, Any]:
+    """Summary of the run; with keep_traces also "traces": per request (submit time, token times)."""
     events: queue.Queue = queue.Queue()
     traces: dict[int, RequestTrace] = {}
     pending = list(range(len(prompts)))
@@ -83,7 +84,9 @@ def run_closed_loop(engine: Any, prompts: list[list[int]], sampling: Any, concur
     tokens = sum(len(tr.token_times) for tr in traces.values())
     batches = engine.stats.step_batch_sizes[steps_before:]
     errors = sum(1 for tr in traces.values() if tr.finish_reason not in ("length", "stop"))
+    kept = {"traces": [(traces[i].submitted, traces[i].token_times) for i in sorted(traces)]} if keep_traces else {}
     return {
+        **kept,
         "concurrency": concurrency,
         "requests": len(prompts),
         "generated_tokens": tokens,

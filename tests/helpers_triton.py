@@ -48,6 +48,7 @@ MAX_TOKENS = 12
 # The request of TensorRT-LLM's documentation (its prompt, plain text, 20 tokens).
 DOCS_PROMPT, DOCS_MAX_TOKENS = "What is machine learning?", 20
 FAULT_SEED = 4242
+OPENAI_MODEL = "smollm2-fp8"  # the name `kvq serve --openai-model` gives the OpenAI endpoint (test_openai.py)
 
 
 @pytest.fixture(scope="session")
@@ -101,9 +102,10 @@ def triton_repo_dir(triton_engine_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def triton_served(triton_repo_dir, triton_reference):
-    """`kvq serve REPO` in a subprocess; teardown sends SIGTERM and checks that nothing is left running."""
+    """`kvq serve REPO --openai-port N` in a subprocess; teardown sends SIGTERM and checks that nothing is
+    left running."""
     repo = triton_repo_dir
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "openai": free_port()}
     proc = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "kvq"),
@@ -115,6 +117,10 @@ def triton_served(triton_repo_dir, triton_reference):
             str(ports["grpc"]),
             "--metrics-port",
             str(ports["metrics"]),
+            "--openai-port",
+            str(ports["openai"]),
+            "--openai-model",
+            OPENAI_MODEL,
             "--log-dir",
             str(repo.parent),
         ],
@@ -127,7 +133,7 @@ def triton_served(triton_repo_dir, triton_reference):
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     deadline = time.monotonic() + 300
-    while not any(ln.startswith("ready:") for ln in lines):
+    while not any(ln.startswith("openai:") for ln in lines):  # printed after Triton's "ready:"
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail("kvq serve did not become ready:\n" + "".join(lines))
@@ -137,6 +143,7 @@ def triton_served(triton_repo_dir, triton_reference):
         "http": f"127.0.0.1:{ports['http']}",
         "grpc": f"127.0.0.1:{ports['grpc']}",
         "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
+        "openai": f"http://127.0.0.1:{ports['openai']}/v1",
         "lines": lines,
     }
     proc.send_signal(signal.SIGTERM)

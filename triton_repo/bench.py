@@ -1,6 +1,8 @@
-"""Load test against a running deployment: N concurrent gRPC streams, M requests in all.
+"""Load test against a running deployment: N concurrent streams, M requests in all.
 
-Each worker owns one gRPC client and sends its requests one after another, so
+The streams are gRPC streams to the ensemble, or (with `openai_model`) streamed
+chat completions from the OpenAI-compatible endpoint through the real `openai`
+client. Each worker owns one client and sends its requests one after another, so
 `concurrency` is the number of requests in flight. Per request we record the
 arrival time of every token response: time to first token (TTFT) from the
 send, inter-token latency (ITL) between consecutive tokens. Results are data
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import InputError, KvqError
+from runtime.errors import InputError, KvqError, ServerError
 
 from .client import GenerateRequest, stream
 from .protocol import ENSEMBLE
@@ -69,6 +71,55 @@ def one_request(
     return res
 
 
+def one_openai_request(
+    base_url: str, index: int, request: GenerateRequest, model: str, timeout_s: float
+) -> RequestResult:
+    """One streamed chat (or, without apply_chat_template, text) completion; a token time per content chunk."""
+    import openai
+
+    res = RequestResult(index, request.prompt, ok=False, start=time.perf_counter())
+    api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout_s)
+    kw = {"model": model, "max_tokens": request.max_tokens, "stream": True,
+          "temperature": 0.0 if request.temperature is None else request.temperature}
+    if request.top_p is not None:
+        kw["top_p"] = request.top_p
+    if request.random_seed is not None:
+        kw["seed"] = request.random_seed
+    try:
+        if request.apply_chat_template:
+            chunks = api.chat.completions.create(messages=[{"role": "user", "content": request.prompt}], **kw)
+            text_of = lambda c: c.choices[0].delta.content if c.choices else None  # noqa: E731
+        else:
+            chunks = api.completions.create(prompt=request.prompt, **kw)
+            text_of = lambda c: c.choices[0].text if c.choices else None  # noqa: E731
+        for chunk in chunks:
+            text = text_of(chunk)
+            if text:
+                res.token_times.append(time.perf_counter())
+                res.text += text
+        res.ok = True
+    except openai.APIError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    finally:
+        api.close()
+    res.end = time.perf_counter()
+    return res
+
+
+def openai_model_name(base_url: str, timeout_s: float = 10.0) -> str:
+    """The one model an OpenAI endpoint serves (GET /v1/models)."""
+    import openai
+
+    try:
+        with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout_s) as api:
+            names = [m.id for m in api.models.list()]
+    except openai.APIError as e:
+        raise ServerError(f"cannot list models at {base_url}: {e}; is `kvq serve --openai-port` running?") from e
+    if len(names) != 1:
+        raise InputError(f"{base_url} serves {names}; pick one with --model.")
+    return names[0]
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q) * 1000.0) if values else None
 
@@ -96,16 +147,19 @@ def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> 
 
 
 def run_bench(
-    grpc_url: str,
+    url: str,
     concurrency: int,
     num_requests: int,
     max_tokens: int = 16,
     prompts: tuple[str, ...] | list[str] = DEFAULT_PROMPTS,
     model: str = ENSEMBLE,
     timeout_s: float = 300.0,
+    openai: bool = False,
+    keep_token_times: bool = False,
     **request_fields: Any,
 ) -> dict[str, Any]:
-    """Returns {"summary": {...}, "requests": [per-request dicts]}."""
+    """Returns {"summary": {...}, "requests": [per-request dicts]}. With `openai`, `url` is the
+    endpoint's base URL (http://HOST:PORT/v1) and `model` the served model name."""
     if concurrency < 1 or num_requests < 1 or max_tokens < 1:
         raise InputError("concurrency, requests and max_tokens must each be at least 1.")
     if not prompts:
@@ -121,7 +175,7 @@ def run_bench(
             if i is None:
                 return
             req = GenerateRequest(prompts[i % len(prompts)], max_tokens=max_tokens, **request_fields)
-            results[i] = one_request(grpc_url, i, req, model, timeout_s)
+            results[i] = (one_openai_request if openai else one_request)(url, i, req, model, timeout_s)
 
     threads = [
         threading.Thread(target=worker, name=f"kvq-bench-{k}") for k in range(min(concurrency, num_requests))
@@ -134,6 +188,7 @@ def run_bench(
     wall = time.perf_counter() - t0
     done = [r for r in results if r is not None]
     rows = [{**asdict(r), "ttft_s": r.ttft_s, "num_tokens": len(r.token_times)} for r in done]
-    for row in rows:
-        del row["token_times"]
+    if not keep_token_times:
+        for row in rows:
+            del row["token_times"]
     return {"summary": summarize(done, wall, concurrency), "requests": rows}

@@ -2,14 +2,18 @@
 
 Why the setup below: the python backend runs model code in a separate stub
 process that embeds Python in isolated mode, so PYTHONPATH is ignored. The stub
-finds its interpreter's prefix through PATH, so the virtual environment's `bin`
-goes first on PATH; the stub itself and tritonserver need the wheel's bundled
+finds its interpreter's prefix through PATH, so a private environment's `bin`
+goes first on PATH (_stub_environment: it imports what this process imports);
+the stub itself and tritonserver need the wheel's bundled
 libraries and the matching libpython on LD_LIBRARY_PATH. The stub binary must
 sit inside the backend directory, so we assemble a private backend directory
 per server (pytriton does the same), which also keeps concurrent servers apart.
 
 The server runs in its own process group: stopping it (SIGTERM, then SIGKILL
-for anything left in that group) leaves no stub process behind.
+for anything left in that group) leaves no stub process behind. Its python
+backend's shared-memory regions carry a prefix recorded as its own
+(shm_regions.py): they are removed when it stops, and by the next start if it
+was killed.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from pathlib import Path
 
 from runtime.errors import ExternalToolMissing, InputError, ServerError
 
+from . import shm_regions
+
 EXIT_TIMEOUT_S = 10
+CRASH_LINES = 40
 # Log lines that say why a model did not load (Triton's error lines and the
 # UNAVAILABLE rows of its model status table).
 _FAILURE_LINE = re.compile(r"^E\d{4}|UNAVAILABLE|failed to load|Traceback|Error|error:", re.IGNORECASE)
@@ -83,9 +90,38 @@ def _assemble_backends(workdir: Path) -> Path:
     return backends
 
 
-def server_env() -> dict[str, str]:
+def _stub_environment(workdir: Path) -> Path:
+    """A tiny virtual environment for the python backend's stub; returns its bin directory.
+
+    The stub embeds Python in isolated mode (no PYTHONPATH) and takes its prefix from the
+    first python on PATH. Its site-packages holds one .pth file naming this process's own
+    source tree first, then every directory on this process's sys.path: model code imports
+    the same kvq (a worktree, a checkout carried to another machine) and the same packages
+    (a venv, wheels unpacked with --target) as the process that starts the server.
+    """
+    import runtime
+
+    env = workdir / "stub-env"
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = env / "lib" / version / "site-packages"
+    site.mkdir(parents=True)
+    base = Path(getattr(sys, "_base_executable", sys.executable) or sys.executable)
+    (env / "pyvenv.cfg").write_text(
+        f"home = {base.parent}\ninclude-system-site-packages = false\nversion = {sys.version.split()[0]}\n"
+    )
+    bin_dir = env / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3", version):
+        (bin_dir / name).symlink_to(base)
+    source_root = Path(runtime.__file__).resolve().parents[1]
+    entries = [str(source_root)] + [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != source_root]
+    (site / "kvq_stub_paths.pth").write_text("\n".join(dict.fromkeys(entries)) + "\n")
+    return bin_dir
+
+
+def server_env(stub_bin: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env_bin = Path(sys.prefix) / "bin"
+    env_bin = stub_bin or Path(sys.prefix) / "bin"
     env["PATH"] = f"{env_bin}{os.pathsep}{env.get('PATH', '')}"
     libs = [str(_pytriton_dir().parent / "nvidia_pytriton.libs"), str(sysconfig.get_config_var("LIBDIR"))]
     if env.get("LD_LIBRARY_PATH"):
@@ -106,6 +142,8 @@ class TritonServer:
     process: subprocess.Popen
     log_path: Path
     workdir: Path
+    shm_prefix: str = ""
+    ready_offset: int = 0  # log bytes written before the server became ready
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -130,6 +168,21 @@ class TritonServer:
         lines = [ln for ln in self.log_text().splitlines() if _FAILURE_LINE.search(ln)]
         return lines[-limit:]
 
+    def last_lines(self, limit: int = CRASH_LINES) -> list[str]:
+        """The server's last words: the log written since it became ready (its tail, at most `limit`
+        lines), so a crash is explained by what the server said then, not by lines from its start-up."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.ready_offset)
+                text = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return []
+        return [ln for ln in text.splitlines() if ln.strip()][-limit:]
+
+    def crash_report(self) -> str:
+        lines = self.last_lines()
+        return "\n".join(lines) if lines else f"(the server wrote nothing after becoming ready; log: {self.log_path})"
+
     def is_ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as r:
@@ -149,6 +202,7 @@ class TritonServer:
                     f"Fix the model named above and start again (full log: {self.log_path})."
                 )
             if self.is_ready():
+                self.ready_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
                 return
             time.sleep(0.25)
         why = "\n".join(self.failure_lines()) or "(no error lines in the log)"
@@ -177,7 +231,10 @@ class TritonServer:
             pass
         if self.process.poll() is None:
             self.process.wait(timeout=10)
+        if self.shm_prefix:  # a clean exit removed them already; a crash of the server did not
+            shm_regions.release(self.shm_prefix)
         shutil.rmtree(self.workdir / "backends", ignore_errors=True)
+        shutil.rmtree(self.workdir / "stub-env", ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> TritonServer:
@@ -206,6 +263,8 @@ def start_server(
             "create one with `kvq deploy`."
         )
     binary = tritonserver_binary()
+    shm_regions.clean_stale()  # what killed servers of ours left in /dev/shm
+    shm_prefix = shm_regions.new_prefix()
     workdir = Path(tempfile.mkdtemp(prefix="kvq-triton-", dir=log_dir))
     backends = _assemble_backends(workdir)
     http_port = http_port or free_port()
@@ -228,8 +287,8 @@ def start_server(
         "--disable-auto-complete-config",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         f"--log-verbose={log_verbose}",
-        # One shared-memory namespace per server: other servers on the machine must not collide.
-        f"--backend-config=python,shm-region-prefix-name=kvq{os.getpid()}_{http_port}_",
+        # One shared-memory namespace per server, recorded as ours once the process exists.
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -237,10 +296,11 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(),
+            env=server_env(_stub_environment(workdir)),
             start_new_session=True,
         )
-    server = TritonServer(repo, http_port, grpc_port, metrics_port, process, log_path, workdir)
+    shm_regions.record(shm_prefix, process.pid)
+    server = TritonServer(repo, http_port, grpc_port, metrics_port, process, log_path, workdir, shm_prefix)
     try:
         server.wait_ready(ready_timeout_s)
     except BaseException:

@@ -11,8 +11,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from runtime.errors import ServerError
-from triton_repo.bench import DEFAULT_PROMPTS, run_bench
+from runtime.errors import InputError, ServerError
+from triton_repo.bench import DEFAULT_PROMPTS, openai_model_name, run_bench
 
 _ROWS = (
     ("requests", "requests", "{:d}"),
@@ -39,13 +39,19 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 
 @click.command("bench")
-@click.option("--url", required=True, help="gRPC address of the server (kvq serve prints it).")
+@click.option("--url", default=None, help="gRPC address of the server (kvq serve prints it).")
+@click.option(
+    "--openai",
+    "openai_url",
+    default=None,
+    help="Drive the OpenAI endpoint instead: its base URL, e.g. http://127.0.0.1:9000/v1 (kvq serve --openai-port).",
+)
 @click.option("--concurrency", type=int, default=4, show_default=True, help="Requests in flight.")
 @click.option("--requests", "num_requests", type=int, default=16, show_default=True, help="Requests in all.")
 @click.option("--max-tokens", type=int, default=16, show_default=True)
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable); default: a built-in set.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template.")
-@click.option("--model", default="ensemble", show_default=True)
+@click.option("--model", default=None, help="Default: ensemble (gRPC), the served model (--openai).")
 @click.option(
     "--json",
     "json_out",
@@ -54,19 +60,26 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     help="Also write the summary and per-request rows here.",
 )
 def command(
-    url: str,
+    url: str | None,
+    openai_url: str | None,
     concurrency: int,
     num_requests: int,
     max_tokens: int,
     prompts: tuple[str, ...],
     chat: bool,
-    model: str,
+    model: str | None,
     json_out: Path | None,
 ) -> None:
     """Throughput, time to first token and inter-token latency under N concurrent streams.
 
     Example: kvq bench --url 127.0.0.1:8001 --concurrency 8 --requests 32 --json bench.json
     """
+    if (url is None) == (openai_url is None):
+        raise InputError("pass exactly one of --url (gRPC) and --openai (the OpenAI endpoint's base URL).")
+    if openai_url is not None:
+        model = model or openai_model_name(openai_url)
+    url = url or openai_url
+    model = model or "ensemble"
     result = run_bench(
         url,
         concurrency,
@@ -75,6 +88,7 @@ def command(
         prompts=prompts or DEFAULT_PROMPTS,
         model=model,
         apply_chat_template=chat,
+        openai=openai_url is not None,
     )
     s = result["summary"]
     table = Table(title=f"kvq bench: {url} ({model})")

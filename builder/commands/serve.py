@@ -1,4 +1,8 @@
-"""`kvq serve`: run tritonserver on a model repository until Ctrl-C / SIGTERM."""
+"""`kvq serve`: run tritonserver on a model repository until Ctrl-C / SIGTERM.
+
+With --openai-port the same process also serves the OpenAI API (FastAPI) in
+front of Triton; both stop together.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,17 @@ def _raise_stop(signum, frame) -> None:
 @click.option(
     "--ready-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for readiness."
 )
+@click.option(
+    "--openai-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Also serve the OpenAI API (/v1/completions, /v1/chat/completions) on 127.0.0.1:PORT.",
+)
+@click.option(
+    "--openai-model",
+    default=None,
+    help="Model name the OpenAI API answers to (default: the repository directory's name).",
+)
 @click.option("--verbose", is_flag=True, help="Verbose server log (printed when loading fails).")
 @click.option(
     "--log-dir",
@@ -42,17 +57,19 @@ def command(
     grpc_port: int | None,
     metrics_port: int | None,
     ready_timeout: float,
+    openai_port: int | None,
+    openai_model: str | None,
     verbose: bool,
     log_dir: Path | None,
 ) -> None:
     """Start the Triton Inference Server on 127.0.0.1 for REPO; stop with Ctrl-C or SIGTERM.
 
-    Example: kvq serve repo --http-port 8000 --grpc-port 8001
+    Example: kvq serve repo --http-port 8000 --grpc-port 8001 --openai-port 9000
     """
     validate_repository(repo)
     # SIGTERM must unwind like Ctrl-C so the finally below stops the server and its stubs.
     signal.signal(signal.SIGTERM, _raise_stop)
-    server = None
+    server = frontend = None
     try:
         click.echo(f"starting tritonserver for {repo} ...")
         server = start_server(
@@ -68,16 +85,23 @@ def command(
             f"ready: http {server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}  "
             f"(tritonserver pid {server.process.pid}, log {server.log_path})",
         )
+        if openai_port is not None:
+            from triton_repo.openai_api.runner import start_openai_frontend
+
+            frontend = start_openai_frontend(server.grpc_url, openai_port, openai_model or repo.resolve().name)
+            click.echo(f"openai: {frontend.base_url}  (model {frontend.model_name!r})")
         click.echo(f'try: kvq generate --url {server.http_url} "What is the capital of France?"')
         while server.process.poll() is None:
             time.sleep(0.5)
         raise ServerError(
-            f"tritonserver exited on its own (code {server.process.returncode}):\n"
-            + "\n".join(server.failure_lines())
+            f"tritonserver exited on its own (code {server.process.returncode}); its last lines:\n"
+            f"{server.crash_report()}\nFull log: {server.log_path}"
         )
     except (_Stop, KeyboardInterrupt):
         click.echo("stopping tritonserver ...")
     finally:
+        if frontend is not None:
+            frontend.stop()
         if server is not None:
             code = server.stop()
             click.echo(f"tritonserver stopped (exit code {code})")

@@ -1,0 +1,318 @@
+"""Served vs in-process: one synthetic engine through the real tritonserver and called directly, in one run.
+
+GPU (H200; Llama-3-8B geometry as in recipes synthetic-8b-fp16kv / -fp8kv, BF16 and FP8 per-token KV,
+256 concurrent requests = the recipes' max_batch_size), about 4-5 minutes. The GPU machine has torch,
+transformers and numpy; tritonserver, tritonclient/grpcio and the OpenAI stack travel in .whl/serve
+(wheels plus pytriton-slim-*.tar.xz, benchmarks/pack_pytriton.py):
+
+    pip install -q --no-index --no-deps --target /tmp/site .whl/serve/*.whl
+    tar -xJf .whl/serve/pytriton-slim-0.7.0-py312.tar.xz -C /tmp/site
+    PYTHONPATH=/tmp/site:. python3 benchmarks/served_vs_inprocess.py --out $OUT
+
+The python backend's stub imports what this process imports (triton_repo/server.py gives it the
+same sys.path), so nothing needs installing into the machine's own environment.
+
+CPU proof (tiny model, seconds of generation):
+
+    PYTHONPATH=. python benchmarks/served_vs_inprocess.py --preset tiny-llama3 --device cpu \\
+        --concurrency 4 --prompt-len 16 --output-len 8 --out /tmp/svi
+
+For each KV format, the same engine directory (random weights from a seed, so every path computes
+the same tokens) is driven with the same prompts, all requests at once (one wave), greedy:
+  * served paths, through one tritonserver: `engine` = gRPC streams straight to kvq_engine with token
+    ids (grpc.aio, one client thread); `ensemble` = text through preprocessing -> kvq_engine ->
+    postprocessing, with `kvq bench`'s client (triton_repo.bench); `openai` = streamed completions
+    from the OpenAI frontend (its own process) with the real `openai` client;
+  * `inprocess` = the engine in this process (builder.loadgen, the `kvq compare` load loop),
+    after the server has exited and freed the GPU.
+Decode throughput is measured in the window where every request is decoding (after the last first
+token, before the first request ends); TTFT and inter-token latency per request. The gaps between
+paths say where throughput goes: inprocess -> engine is the python backend and one response per
+token; engine -> ensemble adds tokenization and per-token detokenization models; engine -> openai
+the HTTP frontend. Client CPU time per wall second is recorded so a saturated client shows.
+Rows: OUT/served_vs_inprocess.jsonl; table: OUT/served_vs_inprocess.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from runtime.config import PRESETS  # noqa: E402
+
+FORMATS = {
+    "bf16": {"dtype": "bf16", "granularity": "per_tensor", "symmetric": True, "scale_dtype": "float16"},
+    "fp8_e4m3-per_token": {"dtype": "fp8_e4m3", "granularity": "per_token", "symmetric": True,
+                           "scale_dtype": "float16"},
+}
+
+
+# ------------------------------------------------------------------ the engine
+def word_tokenizer(vocab_size: int, out: Path) -> None:
+    """A tokenizer with one word per id ("w0" .. "wN"): synthetic engines have none, the served
+    path needs one, and "w17 w42" must encode to exactly [17, 42] so every path sees the same ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(str(out))
+
+
+def make_engine_dir(root: Path, name: str, args) -> Path:
+    cfg = PRESETS[args.preset]
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
+    (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
+    (d / "kv_format.json").write_text(json.dumps(FORMATS[name]))
+    # max_input_len twice the prompt: the ensemble bounds text in bytes (max_input_len x the longest token)
+    # before it tokenizes, and the spaces between this tokenizer's words count too
+    (d / "engine.json").write_text(json.dumps({
+        "max_batch_size": args.concurrency, "max_input_len": 2 * args.prompt_len,
+        "max_seq_len": 2 * args.prompt_len + args.output_len, "block_size": args.block_size,
+        # half the GPU each: the served and the in-process engine never overlap, but equal pools
+        "gpu_memory_fraction": 0.5,
+    }))
+    word_tokenizer(cfg.vocab_size, d)
+    return d
+
+
+def prompts(args, vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, size=(n, length)).tolist()
+
+
+def as_text(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+# ------------------------------------------------------------------ measures
+def summarize(path: str, runs: list[tuple[float, list[float]]], wall: float, cpu: float | None,
+              steps: dict[int, int] | None) -> dict:
+    """runs: per request (send time, token arrival times)."""
+    firsts = [t[0] for _, t in runs if t]
+    lasts = [t[-1] for _, t in runs if t]
+    tokens = sum(len(t) for _, t in runs)
+    lo, hi = (max(firsts), min(lasts)) if firsts else (0.0, 0.0)
+    in_window = sum(1 for _, t in runs for x in t if lo < x <= hi)
+    itl = [b - a for _, t in runs for a, b in zip(t, t[1:])]
+    ttft = [t[0] - s for s, t in runs if t]
+    ms = lambda v, q: float(np.percentile(v, q) * 1e3) if v else float("nan")  # noqa: E731
+    row = {
+        "path": path, "requests": len(runs), "completed": sum(1 for _, t in runs if t), "tokens": tokens,
+        "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "decode_tokens_per_s": in_window / (hi - lo) if hi > lo else float("nan"),
+        "decode_window_s": max(0.0, hi - lo),
+        "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99),
+        "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
+        "client_cpu_per_wall": cpu / wall if cpu is not None and wall > 0 else None,
+    }
+    if steps:
+        n = sum(steps.values())
+        row.update(engine_steps=n, mean_batch=sum(b * c for b, c in steps.items()) / n if n else float("nan"))
+    return row
+
+
+def _step_delta(before: dict, after: dict) -> dict[int, int]:
+    a, b = after["steps_by_batch_size"], before["steps_by_batch_size"]
+    return {k: a[k] - b.get(k, 0) for k in a if a[k] > b.get(k, 0)}
+
+
+def run_inprocess(engine_dir: Path, ids: list[list[int]], warm: list[list[int]], args) -> dict:
+    import torch
+
+    from builder.loadgen import run_closed_loop
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.from_dir(engine_dir, device=args.device)
+    try:
+        run_closed_loop(engine, warm, SamplingParams(max_tokens=4), args.concurrency)
+        run_closed_loop(engine, ids, SamplingParams(max_tokens=4), args.concurrency)
+        before = len(engine.stats.step_batch_sizes)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        res = run_closed_loop(engine, ids, SamplingParams(max_tokens=args.output_len), args.concurrency,
+                              keep_traces=True)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        sizes = engine.stats.step_batch_sizes[before:]
+        steps = {b: sizes.count(b) for b in set(sizes)}
+        row = summarize("inprocess", res["traces"], wall, cpu, steps)
+        row["cuda_graphs"] = getattr(engine.stats, "cuda_graphs", None)
+        return row
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+async def _engine_streams(grpc_url: str, ids: list[list[int]], max_tokens: int, concurrency: int):
+    from triton_repo.openai_api.triton_stream import EngineRequest, TritonStreams, discover
+
+    model = discover(grpc_url)
+    streams = TritonStreams(grpc_url, model)
+    await streams.open()
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(p):
+        async with gate:
+            sent, times = time.perf_counter(), []
+            async for step in streams.generate(EngineRequest(p, max_tokens, 0.0, 1.0)):
+                times += [time.perf_counter()] * len(step.ids)
+            return sent, times
+
+    try:
+        return await asyncio.gather(*(one(p) for p in ids))
+    finally:
+        await streams.close()
+
+
+def measure_served(name, server, ids, warm, args, frontend_url=None, first=False) -> dict:
+    from triton_repo import client
+    from triton_repo.bench import run_bench
+
+    def go(ps, max_tokens, keep):
+        if name == "engine":
+            return asyncio.run(_engine_streams(server.grpc_url, ps, max_tokens, args.concurrency))
+        url, kw = (frontend_url, {"openai": True, "model": "synthetic"}) if name == "openai" else (server.grpc_url, {})
+        res = run_bench(url, args.concurrency, len(ps), max_tokens=max_tokens, prompts=[as_text(p) for p in ps],
+                        apply_chat_template=False, temperature=0.0, keep_token_times=keep, timeout_s=600, **kw)
+        if res["summary"]["errors"]:
+            raise SystemExit(f"{name}: {res['summary']['error_messages']}")
+        return [(r["start"], r["token_times"]) for r in res["requests"]] if keep else None
+
+    go(warm, 4, False)  # this path's client and the engine's batch shapes
+    if first:
+        go(ids, 4, False)  # the measured prompts' prefill shapes, once per server
+    before = client.engine_metrics(server.metrics_url)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    runs = go(ids, args.output_len, True)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    time.sleep(1.2)  # kvq_engine publishes its step counters every 0.1 s
+    steps = _step_delta(before, client.engine_metrics(server.metrics_url))
+    return summarize(name, runs, wall, cpu if name != "openai" else None, steps)
+
+
+def start_frontend(grpc_url: str, port: int) -> subprocess.Popen:
+    """The OpenAI frontend in its own process (its own GIL), importing what this process imports."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "triton_repo.openai_api.runner", "--grpc-url", grpc_url,
+                             "--port", str(port), "--model", "synthetic"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    line = proc.stdout.readline()
+    if not line.startswith("openai:"):
+        proc.kill()
+        raise SystemExit(f"the OpenAI frontend did not start: {line}{proc.stdout.read()}")
+    return proc
+
+
+def run_format(name: str, work: Path, args) -> list[dict]:
+    from triton_repo.repo_torch import write_repository
+    from triton_repo.server import free_port, start_server
+
+    engine_dir = make_engine_dir(work, name, args)
+    vocab = PRESETS[args.preset].vocab_size
+    ids = prompts(args, vocab, args.requests, args.prompt_len, seed=1)
+    warm = prompts(args, vocab, args.concurrency, min(16, args.prompt_len), seed=2)
+    repo = work / f"repo-{name}"
+    repo.mkdir()
+    write_repository(engine_dir, repo, {"device": args.device})
+    rows = []
+    t = time.perf_counter()
+    with start_server(repo, log_dir=work, ready_timeout_s=900) as server:
+        print(f"[{name}] tritonserver ready in {time.perf_counter() - t:.0f} s", flush=True)
+        for path in ("engine", "ensemble") + (("openai",) if args.openai else ()):
+            fe = None
+            try:
+                if path == "openai":
+                    port = free_port()
+                    fe = start_frontend(server.grpc_url, port)
+                url = f"http://127.0.0.1:{port}/v1" if fe else None
+                rows.append(measure_served(path, server, ids, warm, args, url, first=path == "engine"))
+            finally:
+                if fe is not None:
+                    fe.terminate()
+                    fe.wait(timeout=30)
+            print(f"[{name}] {rows[-1]}", flush=True)
+    rows.append(run_inprocess(engine_dir, ids, warm, args))
+    print(f"[{name}] {rows[-1]}", flush=True)
+    base = rows[-1]["decode_tokens_per_s"]
+    for r in rows:
+        r.update(kv_format=name, preset=args.preset, device=args.device, concurrency=args.concurrency,
+                 prompt_len=args.prompt_len, output_len=args.output_len,
+                 decode_vs_inprocess=r["decode_tokens_per_s"] / base if base else float("nan"))
+    return rows
+
+
+def markdown(rows: list[dict], args, machine: str) -> str:
+    head = (f"# Served vs in-process: {args.preset} geometry (synthetic weights), {args.concurrency} concurrent "
+            f"requests, {args.prompt_len} prompt + {args.output_len} output tokens, greedy\n\n{machine}\n\n"
+            "| KV | path | decode tok/s | vs in-process | tok/s (all) | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+            "| mean batch | client CPU/s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    f = lambda v, p=1: "-" if v is None or v != v else f"{v:,.{p}f}"  # noqa: E731
+    body = "".join(
+        f"| {r['kv_format']} | {r['path']} | {f(r['decode_tokens_per_s'])} | {f(100 * r['decode_vs_inprocess'])}% "
+        f"| {f(r['tokens_per_s'])} | {f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} "
+        f"| {f(r['itl_ms_p50'], 2)} / {f(r['itl_ms_p99'], 2)} | {f(r.get('mean_batch'))} "
+        f"| {f(r['client_cpu_per_wall'], 2)} |\n" for r in rows)
+    return head + body
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--concurrency", type=int, default=256, help="the synthetic-8b recipes' max_batch_size")
+    ap.add_argument("--requests", type=int, default=None, help="default: one wave (= concurrency)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=64, help="the synthetic-8b recipes' block_size")
+    ap.add_argument("--no-openai", dest="openai", action="store_false", help="skip the OpenAI frontend path")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.requests = args.requests or args.concurrency
+    if args.openai:
+        try:
+            import fastapi  # noqa: F401
+            import openai  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            print(f"no OpenAI stack here ({e}); measuring without the openai path", flush=True)
+            args.openai = False
+    machine = f"host {platform.node()}, {os.cpu_count()} CPUs, device {args.device}"
+    if args.device.startswith("cuda"):
+        import torch
+
+        machine += f" ({torch.cuda.get_device_name()}, torch {torch.__version__})"
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvq-svi-") as tmp:
+        for name in args.formats.split(","):
+            rows += run_format(name, Path(tmp), args)
+            (args.out / "served_vs_inprocess.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = markdown(rows, args, machine) + f"\nWhole run: {time.perf_counter() - t0:.0f} s.\n"
+    (args.out / "served_vs_inprocess.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
