@@ -143,7 +143,7 @@ def decode_attention(q, cache: LayerCache, block_tables, seq_lens, sm_scale):
     k, v = gather_kv(cache, block_tables, max_len)  # [B, H, L, D]
     lens = seq_lens.to(q.device).long().view(b, 1, 1).expand(b, h, g).reshape(b * h, g)
     out = attend(q.view(b * h, g, d), k.reshape(b * h, max_len, d), v.reshape(b * h, max_len, d), lens, sm_scale)
-    return out.view(b, nh, d).to(q.dtype)
+    return out.reshape(b, nh, d).to(q.dtype)
 
 
 def _prefill(q, k, v, cu_seqlens, sm_scale, context=None):
@@ -166,7 +166,7 @@ def _prefill(q, k, v, cu_seqlens, sm_scale, context=None):
         qs = q[a:b].view(t, h, g, d).permute(1, 0, 2, 3).reshape(h, t * g, d)
         lens = (torch.arange(t, device=q.device) + ctx + 1).repeat_interleave(g).expand(h, t * g)
         o = _attend_rows(qs, ks, vs, lens, sm_scale)  # [H, T * G, D]
-        out[a:b] = o.view(h, t, g, d).permute(1, 0, 2, 3).reshape(t, nh, d).to(q.dtype)
+        out[a:b] = o.reshape(h, t, g, d).permute(1, 0, 2, 3).reshape(t, nh, d).to(q.dtype)
     return out
 
 
