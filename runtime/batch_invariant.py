@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .attention import gather_kv, write_kv
 from .config import ceil_div
+from .errors import UnsupportedError
 from .kv_cache import LayerCache
 
 KEY_BLOCK = 64
@@ -90,7 +91,9 @@ def row_tile(op: str, device_type: str, dtype: torch.dtype, n: int, k: int) -> i
         alone = torch.cat([fn(_pad_rows(x[i:i + 1], tile), w)[:1] for i in range(x.shape[0])])
         if all(torch.equal(fn(_pad_rows(x[:m], tile), w)[:m], alone[:m]) for m in (tile + 1, 29, 67)):
             return tile
-    raise RuntimeError(f"no row tile up to {_TILES[-1]} makes this machine's GEMM batch-invariant at {n}x{k}")
+    raise UnsupportedError(
+        f"batch-invariant mode: no row tile up to {_TILES[-1]} makes this {device_type} GEMM ({op}, {n}x{k}) give "
+        "a row the same bits in every batch; build the engine with build.batch_invariant: false.")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
