@@ -181,6 +181,16 @@ def prefill_context_attention(q, k, v, cu_seqlens, cache, block_tables, context_
     return _prefill(q, k, v, cu_seqlens, sm_scale, (cache, block_tables, context_lens.tolist()))
 
 
+def check(weights: list[torch.Tensor], head_dim: int) -> None:
+    """Measure every row tile the model's matmuls and attention need, so that a machine whose
+    GEMMs cannot be made batch-invariant refuses the mode when the engine is built."""
+    w = weights[0]
+    for t in weights:
+        row_tile("linear", t.device.type, t.dtype, t.shape[0], t.shape[1])
+    row_tile("matmul", w.device.type, torch.float32, KEY_BLOCK, head_dim)
+    row_tile("matmul", w.device.type, torch.float32, head_dim + 1, KEY_BLOCK)
+
+
 def backend() -> types.SimpleNamespace:
     """The attention ops of the batch-invariant mode (every device; torch ops)."""
     return types.SimpleNamespace(

@@ -81,7 +81,7 @@ class Engine:
         self.max_input_len = max_input_len or self.max_seq_len
         # batch_invariant: a request's output independent of its batch mates (runtime/batch_invariant.py)
         self.batch_invariant = batch_invariant
-        self.backend = batch_invariant_backend(model.device) if batch_invariant else select_backend(
+        self.backend = batch_invariant_backend(model) if batch_invariant else select_backend(
             model.device, fmt, attention)
         caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size)
@@ -345,7 +345,10 @@ def _pick(*choices):
     return next(c for c in choices if c is not None)
 
 
-def batch_invariant_backend(device: torch.device):
+def batch_invariant_backend(model: LlamaModel):
+    """The mode's ops, after measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
+    layer = model.layer(0)
+    batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head], model.cfg.head_dim)
     return batch_invariant.backend()
 
 
