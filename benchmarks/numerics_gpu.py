@@ -183,6 +183,8 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=2048)
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--formats", help="comma-separated KV format names (default: all four)")
+    ap.add_argument("--modes", default="off,on", help="batch-invariant mode: off, on or both")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny-llama3 geometry, 6 requests: checks the script")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
@@ -202,9 +204,10 @@ def main() -> None:
         vocab = base.cfg.vocab_size
         lens = [rng.choice([8, 16, 33, 64, 100, 200, 350, 512]) for _ in range(a.requests)]
         prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
-        for kv, fmt in formats(dev).items():
+        chosen = {k: f for k, f in formats(dev).items() if not a.formats or k in a.formats.split(",")}
+        for kv, fmt in chosen.items():
             scales = static_scales(base, fmt, prompts[0] + prompts[1])
-            for invariant in (False, True):
+            for invariant in [m == "on" for m in a.modes.split(",")]:
                 row = {"model": name + ("" if real else " (random weights)"), "kv": kv, "batch_invariant": invariant,
                        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__}
                 t = time.perf_counter()
