@@ -81,8 +81,12 @@ class Engine:
         self.max_input_len = max_input_len or self.max_seq_len
         # batch_invariant: a request's output independent of its batch mates (runtime/batch_invariant.py)
         self.batch_invariant = batch_invariant
-        self.backend = batch_invariant_backend(model) if batch_invariant else select_backend(
-            model.device, fmt, attention)
+        self.backend = select_backend(model.device, fmt, attention)  # also checks `attention` for the device
+        if batch_invariant:
+            if attention == "triton":
+                raise InputError("the batch-invariant mode runs its own attention ops; pass attention='auto' "
+                                 "or batch_invariant=False to use the Triton kernels.")
+            self.backend = batch_invariant_backend(model)
         caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size)
         graphs = None

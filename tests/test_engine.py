@@ -213,6 +213,11 @@ def test_batch_invariant_setting_from_recipe_to_engine(tiny_dir, tmp_path):
             assert eng.stats.batch_invariant is want and (eng.stats.attention == "batch-invariant") is want
         finally:
             eng.shutdown()
+    if not torch.cuda.is_available():  # the mode does not hide a request for kernels the device lacks
+        from runtime.errors import UnsupportedError
+
+        with pytest.raises(UnsupportedError, match="needs a CUDA device"):
+            Engine.from_dir(tmp_path, num_blocks=8, attention="triton")
     (tmp_path / "engine.json").write_text(json.dumps({"batch_invariant": "on"}))
     with pytest.raises(InputError, match="batch_invariant must be true or false"):
         read_settings(tmp_path)
