@@ -185,6 +185,7 @@ def main() -> None:
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--formats", help="comma-separated KV format names (default: all four)")
     ap.add_argument("--modes", default="off,on", help="batch-invariant mode: off, on or both")
+    ap.add_argument("--time-limit-s", type=float, default=280, help="start no new row after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny-llama3 geometry, 6 requests: checks the script")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
@@ -195,6 +196,7 @@ def main() -> None:
     jsonl = out / "numerics.jsonl"
     rows: list[dict] = []
     dtype = "bfloat16" if dev == "cuda" else "float32"
+    started = time.perf_counter()
     for name in a.models.split(","):
         preset = {"smollm2": "smollm2-135m", "llama3-8b": "llama3-8b"}.get(name, name)
         real = name == "smollm2" and a.smollm2_dir
@@ -211,6 +213,9 @@ def main() -> None:
                 row = {"model": name + ("" if real else " (random weights)"), "kv": kv, "batch_invariant": invariant,
                        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__}
                 t = time.perf_counter()
+                if t - started > a.time_limit_s:
+                    print(f"time limit: {name} {kv} batch_invariant={invariant} not run", flush=True)
+                    continue
                 try:
                     row.update(measure(base, fmt, scales, invariant, a, prompts))
                     if not invariant and fmt.quantized:
