@@ -143,6 +143,11 @@ def decode_attention(q, cache: LayerCache, block_tables, seq_lens, sm_scale):
     h = cache.kv_heads
     g = nh // h
     max_len = int(seq_lens.max().item())
+    if KEY_BLOCK % cache.block_size == 0:
+        # gather whole key blocks (pages past a table's end read page 0: finite, and masked), so that
+        # attend has no K/V to pad
+        max_len = ceil_div(max_len, KEY_BLOCK) * KEY_BLOCK
+        block_tables = _pad_rows(block_tables, max_len // cache.block_size, 1)[:, : max_len // cache.block_size]
     k, v = gather_kv(cache, block_tables, max_len)  # [B, H, L, D]
     lens = seq_lens.to(q.device).long().view(b, 1, 1).expand(b, h, g).reshape(b * h, g)
     out = attend(q.view(b * h, g, d), k.reshape(b * h, max_len, d), v.reshape(b * h, max_len, d), lens, sm_scale)
