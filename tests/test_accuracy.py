@@ -83,7 +83,7 @@ def tiny_results(tmp_path_factory):
 def test_evaluation_writes_results_and_flags_budget(tiny_results):
     res, out, budget, _ = tiny_results
     on_disk = json.loads((out / "accuracy.json").read_text())
-    assert on_disk["engines"].keys() == {"int8-tok", "int4-tensor"} and on_disk["path"] == "dense-kv-roundtrip"
+    assert on_disk["engines"].keys() == {"int8-tok", "int4-tensor"} and on_disk["path"] == "engine"
     e = on_disk["engines"]["int4-tensor"]
     assert e["perplexity"]["change_pct"] == pytest.approx(
         (e["perplexity"]["perplexity"] / on_disk["baseline"]["perplexity"]["perplexity"] - 1) * 100)
