@@ -104,7 +104,7 @@ def score(engine, sequences: Seq[Seq[int]], start: int | Seq[int] = 1, tokens_pe
 
     tokens_per_pass: tokens per forward (default: the engine's max_tokens_per_step); a longer window is
     prefilled in chunks, each later chunk reading the earlier ones from the cache. on_pass(n) is called
-    after every pass with the number of tokens it scored (progress bars). run_lock: held during each pass,
+    after every pass with the number of tokens it ran (progress bars). run_lock: held during each pass,
     so the engine's step loop and scoring never touch the pool at the same time.
     """
     blocks, runner = engine.blocks, engine.runner
@@ -119,7 +119,7 @@ def score(engine, sequences: Seq[Seq[int]], start: int | Seq[int] = 1, tokens_pe
     lock = run_lock or threading.Lock()
     try:
         while pending or active:
-            scored = 0
+            ran = 0
             with lock:
                 while pending and blocks.can_allocate(len(windows[pending[0]][0])):
                     n = pending.pop(0)
@@ -128,7 +128,7 @@ def score(engine, sequences: Seq[Seq[int]], start: int | Seq[int] = 1, tokens_pe
                     blocks.allocate(w.seq.request_id, len(ids))
                     active.append(w)
                 if active:
-                    finished, scored = _run_pass(runner, _plan_pass(active, budget))
+                    finished, ran = _run_pass(runner, _plan_pass(active, budget))
                     for w in finished:
                         blocks.free(w.seq.request_id)
                         active.remove(w)
@@ -136,7 +136,7 @@ def score(engine, sequences: Seq[Seq[int]], start: int | Seq[int] = 1, tokens_pe
             if not active and pending:  # the step loop holds the pages: let it run, then retry
                 threading.Event().wait(0.01)
             elif on_pass is not None:
-                on_pass(scored)
+                on_pass(ran)
     finally:
         for w in active:
             blocks.free(w.seq.request_id)
@@ -157,7 +157,7 @@ def _plan_pass(active: list[_Window], budget: int) -> list[tuple[_Window, tuple[
 
 def _run_pass(runner, chunks: list[tuple[_Window, tuple[int, int]]]) -> tuple[list[_Window], int]:
     """One forward over the chunks; each window keeps its chunk's scores. Returns the windows this pass
-    finished and the number of tokens it scored."""
+    finished and the number of tokens it ran."""
     step = Step(decode=[], prefill=[w.seq for w, _ in chunks], spans=[span for _, span in chunks])
     batch = runner.build_batch(step)
     # Logits only where a scored token is predicted: position p predicts token p + 1.
@@ -183,7 +183,7 @@ def _run_pass(runner, chunks: list[tuple[_Window, tuple[int, int]]]) -> tuple[li
         w.done = e
         if e == w.seq.num_tokens:
             finished.append(w)
-    return finished, offset
+    return finished, sum(e - b for _, (b, e) in chunks)
 
 
 @torch.inference_mode()
