@@ -9,11 +9,14 @@ are tested against. The reference path runs everywhere (CPU included):
 * decode_attention: gather each sequence's pages, dequantize, attend in fp32.
   Sequences of one step are padded to the longest and masked, so a whole
   decode batch is a handful of batched ops instead of a loop per sequence.
-* prefill_attention: causal attention of prompt tokens to themselves in full
-  precision (the K/V just computed, not the quantized cache).
+* prefill_attention: causal attention of prompt tokens to themselves.
 * prefill_context_attention: the same for a chunk of a prompt whose earlier
   chunks are already in the cache (chunked prefill): the context is read back
-  and dequantized like decode's, the chunk's own K/V stay full precision.
+  and dequantized like decode's.
+* read_kv: a step's own K/V read back from the cache, as stored. The model
+  writes a step's K/V first and hands the prefill ops these values instead of
+  the ones it just computed ("write, then read"; docs/numerics.md), so every
+  attention sees a token's K/V as the cache holds them, whatever the chunking.
 """
 
 from __future__ import annotations
@@ -52,6 +55,34 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     blocks, offs = slots // cache.block_size, slots % cache.block_size
     _write_one(cache, "k", k, blocks, offs)
     _write_one(cache, "v", v, blocks, offs)
+
+
+# ------------------------------------------------------------------ read
+def stores_exactly(fmt: KVFormat, dtype: torch.dtype) -> bool:
+    """True when the cache holds values of `dtype` unchanged (unquantized, same dtype): read_kv is the identity."""
+    return not fmt.quantized and fmt.storage_dtype == dtype
+
+
+def read_kv(cache: LayerCache, slot_mapping: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the tokens at `slot_mapping` as stored (dequantized), [T, kv_heads, head_dim] in `dtype`.
+
+    The same dequantize as gather_kv's, element by element, so a token's values here equal
+    those decode reads back from its pages, bit for bit.
+    """
+    fmt = cache.fmt
+    slots = slot_mapping.long()
+    blocks, offs = slots // cache.block_size, slots % cache.block_size
+    out = []
+    for which in ("k", "v"):
+        q = getattr(cache, which)[blocks, :, offs]  # [T, kv_heads, stored_head_dim]
+        scale = getattr(cache, f"{which}_scale")
+        zero = getattr(cache, f"{which}_zero")
+        if fmt.dynamic:
+            scale = scale[blocks, :, offs]
+            zero = zero[blocks, :, offs] if zero is not None else None
+        # static scales, [] or [kv_heads], broadcast over [T, kv_heads] as they are
+        out.append(dequantize(q, fmt, scale, zero, torch.float32).to(dtype))
+    return out[0], out[1]
 
 
 # ----------------------------------------------------------------- gather
@@ -148,8 +179,8 @@ def prefill_context_attention(
     continues a sequence whose first context_lens[i] tokens are already in the cache.
 
     Each chunk's queries attend to that context as decode does -- read back from the cache,
-    dequantized -- and causally to the chunk's own K/V in full precision, as an unchunked
-    prefill does; with context_lens all 0 this is prefill_attention.
+    dequantized -- and causally to the chunk's own k/v as given (the engine passes them as
+    read_kv returns them); with context_lens all 0 this is prefill_attention.
     """
     return _prefill(q, k, v, cu_seqlens, sm_scale, (cache, block_tables, context_lens.tolist()))
 

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .attention import prefill_attention, reference_backend
+from .attention import prefill_attention, read_kv, reference_backend, stores_exactly
 from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import LayerCache
@@ -200,7 +200,11 @@ class LlamaModel:
     # -------------------------------------------------------------- paged
     def _prefill(self, ops, q, k, v, cache: LayerCache, batch: PagedBatch) -> torch.Tensor:
         """The prefill part's attention: over the prompt alone, or (chunked prefill) also over the
-        earlier chunks already in the cache."""
+        earlier chunks already in the cache. Write, then read: the step's K/V are already in the
+        cache, and the prompt attends to them as stored (read_kv), as decode and later chunks will,
+        so chunk boundaries -- which depend on the other requests of a step -- change no value."""
+        if not stores_exactly(cache.fmt, k.dtype):
+            k, v = read_kv(cache, batch.slot_mapping[batch.num_decode:], k.dtype)
         if batch.context_lens is None:
             return ops.prefill_attention(q, k, v, batch.cu_seqlens, self.sm_scale)
         return ops.prefill_context_attention(q, k, v, batch.cu_seqlens, cache, batch.prefill_block_tables,

@@ -1,0 +1,124 @@
+"""One numerics for the engine: write, then read; batch-invariant output.
+
+Write, then read (docs/numerics.md): every attention over cached tokens reads K/V as the cache
+stores them, so a prompt prefilled whole, in chunks, or token by token through decode computes
+attention over the same values. These tests drive LlamaModel.forward_paged directly, so the
+chunk boundaries are chosen here, not by the scheduler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_runtime import tiny_llama_dir
+
+from runtime.config import ModelConfig, ceil_div
+from runtime.kv_format import KVFormat, dequantize, quantize, quantize_dynamic, static_scale_from_amax
+from runtime.model import LlamaModel, PagedBatch
+from runtime.runner import allocate_pool, plan_pool
+from runtime.weights import open_weights
+
+QUANTIZED = [KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
+             KVFormat("int4", "per_token", False), KVFormat("int8", "per_head")]
+BLOCK = 8
+PROMPT = [(11 * j) % 500 + 3 for j in range(37)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> LlamaModel:
+    d = tiny_llama_dir(tmp_path_factory)
+    cfg = ModelConfig.from_dir(d)
+    return LlamaModel(cfg, open_weights(d, cfg), "cpu", torch.float32)
+
+
+def _static_scales(model: LlamaModel, fmt: KVFormat):
+    """Max-policy scales from a dense pass over the prompt (per layer, or per layer and head)."""
+    if not fmt.static:
+        return None, None
+    n, h = model.cfg.num_layers, model.cfg.num_kv_heads
+    amax = {"k": torch.zeros(n, h), "v": torch.zeros(n, h)}
+
+    def observe(i, k, v):
+        amax["k"][i] = k.abs().amax(dim=(0, 2))
+        amax["v"][i] = v.abs().amax(dim=(0, 2))
+
+    model.forward_dense(torch.tensor(PROMPT), observer=observe)
+    reduce = (lambda a: a.amax(1)) if fmt.granularity == "per_tensor" else (lambda a: a)
+    return static_scale_from_amax(reduce(amax["k"]), fmt), static_scale_from_amax(reduce(amax["v"]), fmt)
+
+
+def _caches(model: LlamaModel, fmt: KVFormat, scales):
+    plan = plan_pool(model.cfg, fmt, BLOCK, num_blocks=ceil_div(len(PROMPT), BLOCK))
+    return allocate_pool(model.cfg, fmt, plan, model.device, *scales)
+
+
+def _run_chunks(model: LlamaModel, caches, ids: list[int], bounds: list[int]) -> torch.Tensor:
+    """Every token's logits [T, vocab] with the prompt run as the chunks [bounds[i], bounds[i+1]);
+    a 1-token chunk after the first runs as a decode step. Slots: token p in slot p."""
+    table = torch.arange(ceil_div(len(ids), BLOCK), dtype=torch.int32)[None]
+    rows = []
+    for a, b in zip(bounds, bounds[1:]):
+        pos = torch.arange(a, b)
+        decode = b - a == 1 and a > 0
+        batch = PagedBatch(
+            input_ids=torch.tensor(ids[a:b]), positions=pos, slot_mapping=pos.clone(),
+            num_decode=1 if decode else 0, block_tables=table if decode else table[:0],
+            seq_lens=torch.tensor([b] if decode else [], dtype=torch.int32),
+            cu_seqlens=torch.tensor([0] if decode else [0, b - a], dtype=torch.int32),
+            logits_indices=torch.arange(b - a), max_position=b - 1,
+            context_lens=None if a == 0 or decode else torch.tensor([a], dtype=torch.int32),
+            prefill_block_tables=None if a == 0 or decode else table,
+        )
+        rows.append(model.forward_paged(batch, caches))
+    return torch.cat(rows)
+
+
+def _round_trip_observer(fmt: KVFormat, scales):
+    """What a quantized cache stores, computed with kv_format's reference math on dense K/V."""
+
+    def observe(i, k, v):
+        out = []
+        for x, s in ((k, scales[0]), (v, scales[1])):
+            if fmt.dynamic:
+                q, scale, zero = quantize_dynamic(x, fmt)
+                out.append(dequantize(q, fmt, scale, zero))
+            else:
+                out.append(dequantize(quantize(x, fmt, s[i]), fmt, s[i]))
+        return tuple(out)
+
+    return observe
+
+
+# Every attention of these runs is fp32 over the same stored values: what remains is the rounding
+# of fp32 sums in a different order, ~1e-6 relative on O(1) logits through 2 layers.
+FP32_ORDER_TOL = 1e-4
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED, ids=lambda f: f.name)
+def test_prefill_chunks_and_decode_read_the_stored_values(tiny_model, fmt):
+    """Whole prefill, 7-token chunks and token-by-token decode give every position the same
+    logits up to fp32 summation order, and equal a dense forward over round-tripped K/V."""
+    scales = _static_scales(tiny_model, fmt)
+    n = len(PROMPT)
+    whole = _run_chunks(tiny_model, _caches(tiny_model, fmt, scales), PROMPT, [0, n])
+    chunked = _run_chunks(tiny_model, _caches(tiny_model, fmt, scales), PROMPT, [*range(0, n, 7), n])
+    stepped = _run_chunks(tiny_model, _caches(tiny_model, fmt, scales), PROMPT, [0, 5, *range(6, n + 1)])
+    dense_rt = tiny_model.forward_dense(torch.tensor(PROMPT), observer=_round_trip_observer(fmt, scales))
+    dense_full = tiny_model.forward_dense(torch.tensor(PROMPT))
+    for got in (chunked, stepped, dense_rt):
+        err = (got - whole).abs().max().item()
+        assert err <= FP32_ORDER_TOL, (fmt.name, err)
+    # The check can tell: quantization itself moves the logits far more than the tolerance.
+    assert (dense_full - whole).abs().max().item() > 100 * FP32_ORDER_TOL
+
+
+def test_unquantized_cache_is_exact(tiny_model):
+    """An fp32 cache under an fp32 model holds the computed K/V unchanged: prefill equals the
+    dense forward to fp32 order, and no read-back happens (same values by identity)."""
+    fmt = KVFormat("fp32")
+    n = len(PROMPT)
+    whole = _run_chunks(tiny_model, _caches(tiny_model, fmt, (None, None)), PROMPT, [0, n])
+    chunked = _run_chunks(tiny_model, _caches(tiny_model, fmt, (None, None)), PROMPT, [0, 9, 20, n])
+    dense = tiny_model.forward_dense(torch.tensor(PROMPT))
+    assert (whole - dense).abs().max().item() <= FP32_ORDER_TOL
+    assert (chunked - dense).abs().max().item() <= FP32_ORDER_TOL
