@@ -129,6 +129,52 @@ def test_eval_cli_exit_codes(tiny_results, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+# ------------------------------------------------------ user eval data
+@pytest.mark.parametrize("name, content, needle", [
+    ("empty.txt", b"  \n\n", "contains no text"),
+    ("blob.txt", b"\x00\x01\x02 binary" * 40, "NUL bytes"),
+    ("latin1.txt", b"caf\xe9 \xff\xfe", "UTF-8"),
+    ("short.txt", b"Only a few words here.", "tokens but 1 samples x 128 tokens"),
+    ("rows.jsonl", b'{"body": "no text field"}\n', "no string field 'text'"),
+])
+def test_bad_eval_data_names_the_field(tmp_path, name, content, needle):
+    from calibration.perplexity import eval_windows
+
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(InputError, match=needle) as err:
+        eval_windows(H.load_tokenizer_fast(), 128, 128, str(p))
+    assert str(err.value).startswith("accuracy.eval_data")
+
+
+def test_recipe_accepts_eval_data():
+    from recipes.schema import AccuracySection
+
+    acc = AccuracySection(eval_data="data/tickets.jsonl")
+    assert EvalSettings.from_any(acc).eval_data == "data/tickets.jsonl"
+    assert AccuracySection().eval_data == "builtin"
+
+
+def test_eval_cli_scores_user_data_and_rejects_bad_data(tmp_path):
+    import argparse
+    import logging
+
+    text = "\n\n".join(m.__doc__ for m in (logging, argparse))  # real prose on every machine
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "domain.txt").write_text(text)
+    args = ["eval", "--model", str(H.tiny_model_dir()), "--format", "int8:per_token", "--ppl-tokens", "64",
+            "--greedy-prompts", "1", "--greedy-tokens", "4", "--passkey-lengths", "64", "--passkey-trials", "1"]
+    ok = H.kvq_cli(*args, "--eval-data", str(tmp_path / "data"), "--out", str(tmp_path / "ok"))
+    assert ok.returncode == 0, ok.stderr
+    res = json.loads((tmp_path / "ok" / "accuracy.json").read_text())
+    assert res["settings"]["eval_data"] == str(tmp_path / "data") and res["path"] == "engine"
+    assert res["baseline"]["perplexity"]["tokens_scored"] == 63
+    (tmp_path / "short.txt").write_text("Too short.")
+    bad = H.kvq_cli(*args, "--eval-data", str(tmp_path / "short.txt"), "--out", str(tmp_path / "bad"))
+    assert bad.returncode == InputError.exit_code and "accuracy.eval_data" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "bad").exists()
+
+
 # ------------------------------------------------------- real SmolLM2
 @pytest.fixture(scope="module")
 def smol():
