@@ -186,7 +186,9 @@ def test_smollm2_score_equals_transformers(smol_text_ids):
         logits = hf(input_ids=smol_text_ids).logits.double()
     ref = torch.log_softmax(logits, -1)[:, :-1].gather(-1, smol_text_ids[:, 1:, None]).squeeze(-1)
     ours = torch.stack([r.logprobs for r in res]).double()
-    assert float((ours - ref).abs().max()) <= 1e-4
+    diff = float((ours - ref).abs().max())
+    print(f"SmolLM2 unquantized: max |engine - transformers| log p = {diff:.2e}")
+    assert diff <= 1e-4
 
 
 @pytest.mark.slow
@@ -198,4 +200,5 @@ def test_smollm2_quantized_score_equals_decode(smol_text_ids, fmt):
         diff = float((eng.score([ids])[0].logprobs.double() - decode_logprobs(eng, ids)).abs().max())
     finally:
         eng.shutdown()
+    print(f"SmolLM2 {fmt.name}: max |score - token-by-token decode| log p = {diff:.2e}")
     assert diff < 1e-4
