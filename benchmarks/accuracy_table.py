@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--previous", default="benchmarks/results/accuracy_smollm2.json",
                     help="the earlier table to show beside this one (read before the new one is written)")
     ap.add_argument("--no-simulation", action="store_true", help="skip the dense simulation's perplexity")
+    ap.add_argument("--attention", default="auto", choices=("auto", "reference"),
+                    help="the engines' attention: auto (Triton kernels on CUDA) or the torch reference ops")
     args = ap.parse_args()
     previous = previous_numbers(Path(args.previous))
     if args.threads:
@@ -171,7 +173,7 @@ def main() -> None:
     settings = EvalSettings(
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
-        passkey_trials=args.passkey_trials, attention_tokens=512,
+        passkey_trials=args.passkey_trials, attention_tokens=512, attention=args.attention,
     )
     specs = engines(calib, mo_amax)
     if args.only:

@@ -27,7 +27,13 @@ from runtime.kv_format import KVFormat
 from . import corpus
 from .accuracy import PROMPTS, baseline_layer_inputs, chat_prompt_ids, engine_attention_error, greedy_agreement
 from .budget import check_budget
-from .engine_check import baseline_format, engine_greedy, evaluation_engine, greedy_continuations
+from .engine_check import (
+    baseline_format,
+    batch_invariant_option,
+    engine_greedy,
+    evaluation_engine,
+    greedy_continuations,
+)
 from .files import write_json_atomic, write_text_atomic
 from .loading import load_model, load_tokenizer
 from .passkey import make_trials, passkey
@@ -53,6 +59,8 @@ class EvalSettings:
     passkey_trials: int = 20
     attention_tokens: int = 256
     engine_greedy: bool = True  # also free-running generation through each engine (engine_check.py)
+    batch_invariant: bool = True  # run the engines in batch-invariant mode where the runtime has it
+    attention: str = "auto"  # the engines' attention backend: auto (kernels on CUDA) or reference
     eval_data: str = corpus.BUILTIN  # held-out text: 'builtin' or the user's .txt/.jsonl file or directory
     seed: int = 0
 
@@ -132,13 +140,14 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
     inputs, _ = baseline_layer_inputs(model, windows[0, : s.attention_tokens])
 
     def engine(fmt: KVFormat, k=None, v=None):
-        return evaluation_engine(model, model_dir, fmt, k, v, longest, batch=max(1, len(prompts)))
+        return evaluation_engine(model, model_dir, fmt, k, v, longest, batch=max(1, len(prompts)),
+                                 batch_invariant=s.batch_invariant, attention=s.attention)
 
     timing: dict[str, float] = {}
     results: dict[str, Any] = {
         "path": PATH_NAME, "path_note": PATH_NOTE, "model_dir": str(Path(model_dir).resolve()),
         "model_dtype": str(model.dtype).replace("torch.", ""), "device": device, "settings": asdict(s),
-        "engines": {},
+        "batch_invariant": bool(batch_invariant_option(s.batch_invariant)), "engines": {},
     }
     with work_progress(progress) as bars:
         t = time.perf_counter()
