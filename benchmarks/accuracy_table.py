@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--previous", default="benchmarks/results/accuracy_smollm2.json",
                     help="the earlier table to show beside this one (read before the new one is written)")
     ap.add_argument("--no-simulation", action="store_true", help="skip the dense simulation's perplexity")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="run the engines without the batch-invariant mode (its cost or support on a GPU)")
     ap.add_argument("--attention", default="auto", choices=("auto", "reference"),
                     help="the engines' attention: auto (Triton kernels on CUDA) or the torch reference ops")
     args = ap.parse_args()
@@ -174,6 +176,7 @@ def main() -> None:
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
         passkey_trials=args.passkey_trials, attention_tokens=512, attention=args.attention,
+        batch_invariant=not args.no_batch_invariant,
     )
     specs = engines(calib, mo_amax)
     if args.only:

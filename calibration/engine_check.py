@@ -13,7 +13,6 @@ budget uses the teacher-forced agreement (accuracy.greedy_agreement) instead.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import torch
@@ -35,25 +34,20 @@ def baseline_format(model) -> KVFormat:
     return KVFormat(_UNQUANTIZED[model.dtype])
 
 
-def batch_invariant_option(wanted: bool) -> dict:
-    """The engine keyword for the batch-invariant mode (runtime's build.batch_invariant), where this
-    runtime has it: evaluation asks for it so a window's scores never depend on what shares its pass."""
-    has = "batch_invariant" in inspect.signature(Engine.__init__).parameters
-    return {"batch_invariant": True} if wanted and has else {}
-
-
 def evaluation_engine(model, model_dir: str | Path, fmt: KVFormat, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, longest: int = 1024, batch: int = 8,
                       batch_invariant: bool = True, attention: str = "auto") -> Engine:
     """An engine over `model` with KV format `fmt`, its pool holding one pass plus the longest sequence.
-    attention: 'auto' (the Triton kernels on CUDA) or 'reference' (runtime.attention's torch ops)."""
+    attention: 'auto' (the Triton kernels on CUDA) or 'reference' (runtime.attention's torch ops).
+    batch_invariant: the engine's batch-invariant mode (runtime/batch_invariant.py), so a window's scores
+    never depend on what shares its pass, and scoring equals token-by-token decode."""
     scales = None if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
     k, v = resolve_scales(fmt, scales, Path(model_dir), model.cfg)
     seq_len = model.cfg.max_position_embeddings
     blocks = -(-(TOKENS_PER_PASS + 2 * longest) // BLOCK_SIZE)
     plan = plan_pool(model.cfg, fmt, BLOCK_SIZE, num_blocks=blocks)
     return Engine(model, fmt, plan, k, v, max_batch_size=batch, max_seq_len=seq_len,
-                  max_tokens_per_step=TOKENS_PER_PASS, attention=attention, **batch_invariant_option(batch_invariant))
+                  max_tokens_per_step=TOKENS_PER_PASS, attention=attention, batch_invariant=batch_invariant)
 
 
 def greedy_continuations(engine: Engine, prompts: list[torch.Tensor], num_tokens: int) -> list[torch.Tensor]:

@@ -29,7 +29,6 @@ from .accuracy import PROMPTS, baseline_layer_inputs, chat_prompt_ids, engine_at
 from .budget import check_budget
 from .engine_check import (
     baseline_format,
-    batch_invariant_option,
     engine_greedy,
     evaluation_engine,
     greedy_continuations,
@@ -59,7 +58,7 @@ class EvalSettings:
     passkey_trials: int = 20
     attention_tokens: int = 256
     engine_greedy: bool = True  # also free-running generation through each engine (engine_check.py)
-    batch_invariant: bool = True  # run the engines in batch-invariant mode where the runtime has it
+    batch_invariant: bool = True  # the engines' batch-invariant mode (runtime/batch_invariant.py)
     attention: str = "auto"  # the engines' attention backend: auto (kernels on CUDA) or reference
     eval_data: str = corpus.BUILTIN  # held-out text: 'builtin' or the user's .txt/.jsonl file or directory
     seed: int = 0
@@ -147,7 +146,7 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
     results: dict[str, Any] = {
         "path": PATH_NAME, "path_note": PATH_NOTE, "model_dir": str(Path(model_dir).resolve()),
         "model_dtype": str(model.dtype).replace("torch.", ""), "device": device, "settings": asdict(s),
-        "batch_invariant": bool(batch_invariant_option(s.batch_invariant)), "engines": {},
+        "batch_invariant": s.batch_invariant, "engines": {},
     }
     with work_progress(progress) as bars:
         t = time.perf_counter()

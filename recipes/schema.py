@@ -74,6 +74,9 @@ class BuildSection(Section):
     block_size: int = Field(32, ge=1, le=1024)
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
     cuda_graphs: bool = Field(True, description="Embedded engine on CUDA: decode steps replay CUDA graphs.")
+    batch_invariant: bool | None = Field(
+        None, description="Embedded engine: a request's output independent of its batch mates, chunking and "
+        "preemption (docs/numerics.md). Unset: on for CPU engines, off on CUDA.")
 
 
 class AccuracySection(Section):

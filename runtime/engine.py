@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import scoring
+from . import batch_invariant, scoring
 from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
@@ -59,6 +59,7 @@ class EngineStats:
     pool_source: str
     pool_allocated_bytes: int = 0  # measured: every layer's page + per-token metadata tensors
     cuda_graphs: bool = False  # decode steps replay CUDA graphs (runtime/cuda_graphs.py)
+    batch_invariant: bool = False  # outputs independent of the batch (runtime/batch_invariant.py)
     step_batch_sizes: list[int] = field(default_factory=list)
     step_num_tokens: list[int] = field(default_factory=list)
     preemptions: int = 0
@@ -74,11 +75,19 @@ class Engine:
         self, model: LlamaModel, fmt: KVFormat, plan: PoolPlan, k_scales, v_scales, *, tokenizer=None,
         max_batch_size: int = 8, max_seq_len: int | None = None, max_tokens_per_step: int = 2048,
         attention: str = "auto", max_input_len: int | None = None, cuda_graphs: bool = True,
+        batch_invariant: bool = False,
     ):
         self.model, self.cfg, self.fmt, self.tokenizer = model, model.cfg, fmt, tokenizer
         self.max_seq_len = max_seq_len or model.cfg.max_position_embeddings
         self.max_input_len = max_input_len or self.max_seq_len
-        self.backend = select_backend(model.device, fmt, attention)
+        # batch_invariant: a request's output independent of its batch mates (runtime/batch_invariant.py)
+        self.batch_invariant = batch_invariant
+        self.backend = select_backend(model.device, fmt, attention)  # also checks `attention` for the device
+        if batch_invariant:
+            if attention == "triton":
+                raise InputError("the batch-invariant mode runs its own attention ops; pass attention='auto' "
+                                 "or batch_invariant=False to use the Triton kernels.")
+            self.backend = batch_invariant_backend(model)
         caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales)
         self.blocks = BlockManager(plan.num_blocks, plan.block_size)
         graphs = None
@@ -95,7 +104,7 @@ class Engine:
                 t.numel() * t.element_size() for c in caches
                 for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
             ),
-            cuda_graphs=graphs is not None,
+            cuda_graphs=graphs is not None, batch_invariant=batch_invariant,
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -114,6 +123,7 @@ class Engine:
         max_batch_size: int | None = None, num_blocks: int | None = None, memory_budget: int | None = None,
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
+        batch_invariant: bool | None = None,
     ) -> Engine:
         d = Path(path)
         if not d.is_dir():
@@ -139,7 +149,8 @@ class Engine:
         return cls(model, fmt, plan, k_scales, v_scales, tokenizer=load_tokenizer(d), max_batch_size=batch,
                    max_seq_len=seq_len, max_tokens_per_step=step_tokens, attention=attention,
                    max_input_len=settings.max_input_len,
-                   cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs)
+                   cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
+                   batch_invariant=_pick(batch_invariant, settings.batch_invariant, dev.type == "cpu"))
 
     # ----------------------------------------------------------- requests
     def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:
@@ -340,6 +351,18 @@ class Engine:
         finally:
             if not finished:
                 self.cancel(seq.request_id)
+
+
+def _pick(*choices):
+    """The first choice that is not None."""
+    return next(c for c in choices if c is not None)
+
+
+def batch_invariant_backend(model: LlamaModel):
+    """The mode's ops, after measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
+    layer = model.layer(0)
+    batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head], model.cfg.head_dim)
+    return batch_invariant.backend()
 
 
 def _gpu_pool_budget(model: LlamaModel, step_tokens: int, fraction: float) -> int:

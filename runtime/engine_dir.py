@@ -5,7 +5,7 @@
     kv_format.json         KVFormat fields (absent: unquantized KV in the model dtype)
     kv_scales.safetensors  k_scale, v_scale [layers] or [layers, kv_heads] (static formats)
     engine.json            max_batch_size, max_input_len, max_seq_len, block_size, gpu_memory_fraction,
-                           cuda_graphs
+                           cuda_graphs, batch_invariant
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class EngineSettings:
     block_size: int = 16
     gpu_memory_fraction: float = 0.9
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton attention only)
+    batch_invariant: bool | None = None  # None: on for CPU engines, off on CUDA (runtime/batch_invariant.py)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -63,8 +64,10 @@ def read_settings(d: Path) -> EngineSettings:
             raise InputError(f"{p}: {name} must be a positive integer, got {v!r}; fix engine.json or rebuild.")
     if not 0 < s.gpu_memory_fraction <= 1:
         raise InputError(f"{p}: gpu_memory_fraction must be in (0, 1], got {s.gpu_memory_fraction!r}.")
-    if not isinstance(s.cuda_graphs, bool):
-        raise InputError(f"{p}: cuda_graphs must be true or false, got {s.cuda_graphs!r}; fix engine.json.")
+    for name in ("cuda_graphs", "batch_invariant"):
+        v = getattr(s, name)
+        if not isinstance(v, bool) and not (name == "batch_invariant" and v is None):
+            raise InputError(f"{p}: {name} must be true or false, got {v!r}; fix engine.json or rebuild.")
     return s
 
 

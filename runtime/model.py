@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import prefill_attention, read_kv, reference_backend, stores_exactly
+from .batch_invariant import fast_linear
 from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import LayerCache
@@ -136,20 +137,21 @@ class LlamaModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return w * xf.to(x.dtype)
 
-    def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h [T, hidden] -> q [T, heads, D], k, v [T, kv_heads, D], RoPE applied to q and k."""
+    def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lin=fast_linear):
+        """h [T, hidden] -> q [T, heads, D], k, v [T, kv_heads, D], RoPE applied to q and k.
+        lin: the matmul (batch_invariant.linear in the batch-invariant mode)."""
         c = self.cfg
         t = h.shape[0]
-        qkv = F.linear(self._rms_norm(h, layer.input_norm), layer.qkv)
+        qkv = lin(self._rms_norm(h, layer.input_norm), layer.qkv)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
         q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
         k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
         return q, k, v.view(t, c.num_kv_heads, c.head_dim)
 
-    def _finish_layer(self, layer: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = h + F.linear(attn.reshape(h.shape[0], -1), layer.o)
-        gate, up = F.linear(self._rms_norm(h, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer.down)
+    def _finish_layer(self, layer: LayerWeights, h: torch.Tensor, attn: torch.Tensor, lin=fast_linear) -> torch.Tensor:
+        h = h + lin(attn.reshape(h.shape[0], -1), layer.o)
+        gate, up = lin(self._rms_norm(h, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        return h + lin(F.silu(gate) * up, layer.down)
 
     # -------------------------------------------------------------- dense
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -185,9 +187,9 @@ class LlamaModel:
             attention_hook(i, attn.to(torch.float32))
         return self._finish_layer(layer, flat, attn).reshape(shape)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head; fp32 logits."""
-        return F.linear(self._rms_norm(h, self.final_norm), self.lm_head).to(torch.float32)
+    def logits(self, h: torch.Tensor, lin=fast_linear) -> torch.Tensor:
+        """Final norm + LM head; fp32 logits. h [..., hidden] (dense callers pass [B, T, hidden])."""
+        return lin(self._rms_norm(h, self.final_norm), self.lm_head).to(torch.float32)
 
     @torch.inference_mode()
     def forward_dense(self, ids: torch.Tensor, observer: Observer | None = None) -> torch.Tensor:
@@ -214,13 +216,14 @@ class LlamaModel:
     def forward_paged(self, batch: PagedBatch, caches: list[LayerCache], backend=None) -> torch.Tensor:
         """Logits [num_sequences, vocab] (fp32) for the last token of every sequence in the step."""
         ops = backend or reference_backend()
+        lin = getattr(ops, "linear", fast_linear)  # the batch-invariant backend brings its own
         nd = batch.num_decode
         h = self.embed(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype, batch.max_position)
         has_prefill = h.shape[0] > nd
         for i in range(self.cfg.num_layers):
             layer = self.layer(i)
-            q, k, v = self._qkv(layer, h, cos, sin)
+            q, k, v = self._qkv(layer, h, cos, sin, lin)
             ops.write_kv(caches[i], k, v, batch.slot_mapping)
             if nd and not has_prefill:
                 attn = ops.decode_attention(q, caches[i], batch.block_tables, batch.seq_lens, self.sm_scale)
@@ -231,5 +234,5 @@ class LlamaModel:
                     ops.decode_attention(q[:nd], caches[i], batch.block_tables, batch.seq_lens, self.sm_scale),
                     self._prefill(ops, q[nd:], k[nd:], v[nd:], caches[i], batch),
                 ))
-            h = self._finish_layer(layer, h, attn)
-        return self.logits(h[batch.logits_indices])
+            h = self._finish_layer(layer, h, attn, lin)
+        return self.logits(h[batch.logits_indices], lin)

@@ -197,6 +197,32 @@ def test_engine_json_cuda_graphs_setting(tmp_path):
         read_settings(tmp_path)
 
 
+def test_batch_invariant_setting_from_recipe_to_engine(tiny_dir, tmp_path):
+    """build.batch_invariant -> engine.json -> Engine: unset means on for a CPU engine."""
+    import shutil
+
+    from recipes.schema import BuildSection
+
+    assert BuildSection().batch_invariant is None and BuildSection(batch_invariant=False).batch_invariant is False
+    for f in tiny_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    for setting, want in ((None, True), (False, False), (True, True)):
+        (tmp_path / "engine.json").write_text(json.dumps({"batch_invariant": setting}))
+        eng = Engine.from_dir(tmp_path, num_blocks=8)
+        try:
+            assert eng.stats.batch_invariant is want and (eng.stats.attention == "batch-invariant") is want
+        finally:
+            eng.shutdown()
+    if not torch.cuda.is_available():  # the mode does not hide a request for kernels the device lacks
+        from runtime.errors import UnsupportedError
+
+        with pytest.raises(UnsupportedError, match="needs a CUDA device"):
+            Engine.from_dir(tmp_path, num_blocks=8, attention="triton")
+    (tmp_path / "engine.json").write_text(json.dumps({"batch_invariant": "on"}))
+    with pytest.raises(InputError, match="batch_invariant must be true or false"):
+        read_settings(tmp_path)
+
+
 def test_engine_directory_files_are_read(tiny_dir, tmp_path):
     cfg = ModelConfig.from_dir(tiny_dir)
     for f in tiny_dir.iterdir():

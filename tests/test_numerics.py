@@ -122,3 +122,126 @@ def test_unquantized_cache_is_exact(tiny_model):
     dense = tiny_model.forward_dense(torch.tensor(PROMPT))
     assert (whole - dense).abs().max().item() <= FP32_ORDER_TOL
     assert (chunked - dense).abs().max().item() <= FP32_ORDER_TOL
+
+
+# ------------------------------------------------------ batch-invariant mode
+INVARIANT_FORMATS = [KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
+                     KVFormat("int4", "per_token", False)]
+
+
+def _engine(model: LlamaModel, fmt: KVFormat, scales, invariant: bool, num_blocks=96, step_tokens=2048,
+            max_batch=64, tokenizer=None):
+    from runtime.engine import Engine
+
+    plan = plan_pool(model.cfg, fmt, BLOCK, num_blocks=num_blocks)
+    return Engine(model, fmt, plan, *scales, tokenizer=tokenizer, max_batch_size=max_batch,
+                  max_tokens_per_step=step_tokens, batch_invariant=invariant)
+
+
+def _generate(model, fmt, scales, prompts, max_tokens, invariant=True, **kw) -> list[list[int]]:
+    eng = _engine(model, fmt, scales, invariant, **kw)
+    try:
+        out = [g.token_ids for g in eng.generate(prompts, max_tokens=max_tokens, ignore_eos=True)]
+        return out, eng.stats
+    finally:
+        eng.shutdown()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + 31 * j * j + 5 * j) % 500 + 3 for j in range(n)]
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_model):
+    """Greedy tokens of each (format, prompt) run alone, one step budget large enough for any prompt."""
+    cache: dict = {}
+
+    def get(fmt: KVFormat, scales, prompt: list[int], max_tokens: int) -> list[int]:
+        key = (fmt, tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = _generate(tiny_model, fmt, scales, [prompt], max_tokens)[0][0]
+        return cache[key]
+
+    return get
+
+
+def test_batch_mates_budgets_and_preemption_leave_greedy_tokens_unchanged(tiny_model, solo):
+    """Hypothesis over batch mixes (1-12 prompts of 1-60 tokens), step budgets (5-2048 tokens:
+    prompts chunked anywhere) and pool sizes small enough to preempt, for fp8 per-tensor, int8
+    per-token and int4 per-token asym KV: every request's tokens equal its solo run's."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scales = {fmt: _static_scales(tiny_model, fmt) for fmt in INVARIANT_FORMATS}
+    seen = {"preempted": 0, "chunked": 0}
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(fmt=st.sampled_from(INVARIANT_FORMATS),
+           lens=st.lists(st.integers(1, 60), min_size=1, max_size=12),
+           budget=st.sampled_from([5, 13, 40, 2048]), blocks=st.sampled_from([12, 20, 96]))
+    def check(fmt, lens, budget, blocks):
+        prompts = [_prompt(i, n) for i, n in enumerate(lens)]
+        max_tokens = 10
+        # the pool must hold the longest request alone
+        blocks = max(blocks, ceil_div(max(lens) + max_tokens, BLOCK))
+        got, stats = _generate(tiny_model, fmt, scales[fmt], prompts, max_tokens, num_blocks=blocks, step_tokens=budget)
+        seen["preempted"] += stats.preemptions > 0
+        seen["chunked"] += budget < max(lens)
+        want = [solo(fmt, scales[fmt], p, max_tokens) for p in prompts]
+        assert got == want, (fmt.name, lens, budget, blocks)
+
+    check()
+    assert seen["preempted"] and seen["chunked"], seen  # the draws did exercise both
+
+
+def test_sixty_four_mixed_requests_equal_solo_runs(tiny_model, solo):
+    """A request among 63 others (lengths 1-90, 160-token step budget) gives its solo tokens."""
+    fmt = KVFormat("int4", "per_token", False)
+    prompts = [_prompt(i, 1 + (i * 37) % 90) for i in range(64)]
+    got, stats = _generate(tiny_model, fmt, (None, None), prompts, 8, num_blocks=600, step_tokens=160)
+    assert max(stats.step_batch_sizes) >= 16
+    assert got == [solo(fmt, (None, None), p, 8) for p in prompts]
+
+
+P38 = "It was late at night when a museum guard heard"
+P0 = "The history of the printing press begins"
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    from helpers_runtime import smollm2_dir
+
+    from runtime.engine import Engine
+
+    eng = Engine.from_dir(smollm2_dir(tmp_path_factory), num_blocks=16, batch_invariant=False)
+    yield eng
+    eng.shutdown()
+
+
+def _smol_scales(smol, fmt: KVFormat):
+    """fp8 per-tensor: max-policy scales per layer from 512 tokens of real prose."""
+    from helpers_runtime import sample_text
+
+    if not fmt.static:
+        return None, None
+    n = smol.cfg.num_layers
+    amax = {"k": torch.zeros(n), "v": torch.zeros(n)}
+
+    def observe(i, k, v):
+        amax["k"][i], amax["v"][i] = k.abs().max(), v.abs().max()
+
+    smol.model.forward_dense(torch.tensor(smol.tokenizer(sample_text()).input_ids[:512]), observer=observe)
+    return static_scale_from_amax(amax["k"], fmt), static_scale_from_amax(amax["v"], fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", INVARIANT_FORMATS, ids=lambda f: f.name)
+def test_p38_alone_equals_p38_beside_p0_on_smollm2(smol, fmt):
+    """The reported case: SmolLM2 fp32 on the CPU, Engine.generate([p38, p0]) vs ([p38]), 32 greedy
+    tokens, with the batch-invariant mode (the CPU default). Without the mode int4 per-token asym
+    differs here (benchmarks/numerics_gpu.py measures the agreement with and without it)."""
+    scales = _smol_scales(smol, fmt)
+    p38, p0 = smol.tokenizer(P38).input_ids, smol.tokenizer(P0).input_ids
+    pair = _generate(smol.model, fmt, scales, [p38, p0], 32, num_blocks=16, tokenizer=smol.tokenizer)[0]
+    alone = _generate(smol.model, fmt, scales, [p38], 32, num_blocks=16, tokenizer=smol.tokenizer)[0]
+    assert pair[0] == alone[0]

@@ -1,0 +1,238 @@
+"""Engine numerics on the GPU: batch invariance, its cost, and what write-then-read costs prefill.
+
+Per model (SmolLM2-135M and a Llama-3-8B-geometry model with random weights) and KV format
+(bf16, fp8_e4m3 per-tensor, int8 per-token, int4 per-token asym), with the batch-invariant
+mode on and off:
+
+* agreement: 64 mixed requests (prompts of 8-512 random tokens) generated together, each
+  compared with the same request generated alone (greedy): requests identical, tokens equal;
+* decode tok/s at maximum concurrency (all requests decoding at once): the mode's cost;
+* prefill time of 8 x 1024-token prompts with write-then-read and, for comparison, with the
+  prefill attending to its freshly computed K/V instead (the read-back skipped).
+
+    python benchmarks/numerics_gpu.py --out results_dir [--smollm2-dir DIR] [--requests 64]
+    python benchmarks/numerics_gpu.py --out /tmp/x --tiny      # CPU check of the script itself
+
+Without --smollm2-dir, SmolLM2's geometry runs with random weights (the GPU machine has no
+GGUF reader). Rows are appended to numerics.jsonl as they are measured (a run cut short keeps
+what it has); numerics.md is the table of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime import model as model_module  # noqa: E402
+from runtime.config import PRESETS  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+from runtime.errors import KvqError  # noqa: E402
+from runtime.kv_format import KVFormat, static_scale_from_amax  # noqa: E402
+from runtime.runner import plan_pool  # noqa: E402
+
+
+def formats(device: str) -> dict[str, KVFormat]:
+    base = "bf16" if device == "cuda" else "fp32"
+    return {base: KVFormat(base), "fp8_e4m3-per_tensor": KVFormat("fp8_e4m3", "per_tensor"),
+            "int8-per_token": KVFormat("int8", "per_token"), "int4-per_token-asym": KVFormat("int4", "per_token", False)}
+
+
+def synthetic_dir(root: Path, preset: str, dtype: str) -> Path:
+    d = root / preset
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(PRESETS[preset].to_hf_dict(dtype)))
+    (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
+    return d
+
+
+def static_scales(base: Engine, fmt: KVFormat, ids: list[int]):
+    """Max-policy per-layer scales from one dense pass (what the calibrate stage's max policy does)."""
+    if not fmt.static:
+        return None, None
+    n = base.cfg.num_layers
+    amax = {"k": torch.zeros(n), "v": torch.zeros(n)}
+
+    def observe(i, k, v):
+        amax["k"][i], amax["v"][i] = k.abs().max().cpu(), v.abs().max().cpu()
+
+    base.model.forward_dense(torch.tensor(ids, device=base.model.device), observer=observe)
+    return static_scale_from_amax(amax["k"], fmt), static_scale_from_amax(amax["v"], fmt)
+
+
+def engine(base: Engine, fmt: KVFormat, scales, invariant: bool, blocks: int, batch: int, step_tokens: int) -> Engine:
+    plan = plan_pool(base.cfg, fmt, 16, num_blocks=blocks)
+    return Engine(base.model, fmt, plan, *scales, max_batch_size=batch, max_tokens_per_step=step_tokens,
+                  batch_invariant=invariant)
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_rate(eng: Engine, prompts: list[list[int]], n: int) -> float:
+    """Decode tok/s with every request decoding in the same steps: from the moment the last
+    request has its first token (all prefills done) to the moment the last one finishes."""
+    from runtime.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=n, ignore_eos=True)
+    eng.generate(prompts, sp)  # warm-up: CUDA graphs, the mode's row-tile probes
+    first: dict[int, float] = {}
+    done = threading.Event()
+    finished = [0]
+
+    def callback(i: int):
+        def on_token(tok, fin, why):
+            first.setdefault(i, time.perf_counter())
+            if fin:
+                finished[0] += 1
+                if finished[0] == len(prompts):
+                    done.set()
+        return on_token
+
+    for i, p in enumerate(prompts):
+        eng.submit(p, sp, callback(i))
+    done.wait()
+    end = time.perf_counter()
+    return len(prompts) * (n - 1) / max(end - max(first.values()), 1e-9)
+
+
+def measure(base: Engine, fmt: KVFormat, scales, invariant: bool, a, prompts: list[list[int]]) -> dict:
+    blocks = len(prompts) * -(-(max(map(len, prompts)) + max(a.max_tokens, a.decode_tokens)) // 16) + 16
+    # one step holds every prompt's prefill, so all requests decode together afterwards
+    eng = engine(base, fmt, scales, invariant, blocks, len(prompts), max(a.step_tokens, 128 * len(prompts)))
+    try:
+        mixed = [g.token_ids for g in eng.generate(prompts, max_tokens=a.max_tokens, ignore_eos=True)]
+        solo = [eng.generate([p], max_tokens=a.max_tokens, ignore_eos=True)[0].token_ids for p in prompts]
+        same = sum(m == s for m, s in zip(mixed, solo))
+        tokens = sum(x == y for m, s in zip(mixed, solo) for x, y in zip(m, s))
+        decode_tps = decode_rate(eng, [p[:128] for p in prompts], a.decode_tokens)
+        return {"requests": len(prompts), "identical_requests": same, "agreement": round(same / len(prompts), 4),
+                "token_agreement": round(tokens / sum(map(len, solo)), 4), "decode_tokens_per_s": round(decode_tps, 1),
+                "attention": eng.stats.attention, "cuda_graphs": eng.stats.cuda_graphs}
+    finally:
+        eng.shutdown()
+
+
+def prefill_cost(base: Engine, fmt: KVFormat, scales, a, rng: random.Random) -> dict:
+    """8 x prefill_len prompts, prefill only: write-then-read vs the computed K/V (read-back skipped)."""
+    dev = base.model.device.type
+    vocab = base.cfg.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(a.prefill_len)] for _ in range(8)]
+    eng = engine(base, fmt, scales, False, 8 * -(-(a.prefill_len + 2) // 16) + 8, 8, 8 * a.prefill_len)
+    real = model_module.stores_exactly
+    out = {}
+    try:
+        for name, skip in (("write_then_read_s", False), ("computed_kv_s", True)):
+            model_module.stores_exactly = (lambda f, d: True) if skip else real
+            eng.generate(prompts, max_tokens=1, ignore_eos=True)
+            sync(dev)
+            t = time.perf_counter()
+            for _ in range(a.prefill_reps):
+                eng.generate(prompts, max_tokens=1, ignore_eos=True)
+            sync(dev)
+            out[name] = round((time.perf_counter() - t) / a.prefill_reps, 4)
+    finally:
+        model_module.stores_exactly = real
+        eng.shutdown()
+    out["prefill_tokens"] = 8 * a.prefill_len
+    return out
+
+
+def write_md(rows: list[dict], path: Path) -> None:
+    lines = ["| model | KV | mode | identical / requests | token agreement | decode tok/s | prefill WTR / computed (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "agreement" not in r:
+            continue
+        pre = f"{r['write_then_read_s']} / {r['computed_kv_s']}" if "write_then_read_s" in r else ""
+        lines.append(f"| {r['model']} | {r['kv']} | {'batch-invariant' if r['batch_invariant'] else 'default'} | "
+                     f"{r['identical_requests']} / {r['requests']} | {r['token_agreement']} | "
+                     f"{r['decode_tokens_per_s']} | {pre} |")
+    costs = {}
+    for r in rows:
+        if "decode_tokens_per_s" in r:
+            costs.setdefault((r["model"], r["kv"]), {})[r["batch_invariant"]] = r["decode_tokens_per_s"]
+    lines += ["", "| model | KV | decode tok/s cost of the mode |", "|---|---|---|"]
+    for (m, kv), c in costs.items():
+        if True in c and False in c and c[False]:
+            lines.append(f"| {m} | {kv} | {100 * (1 - c[True] / c[False]):.1f}% |")
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smollm2-dir", help="a converted SmolLM2 directory (real weights)")
+    ap.add_argument("--models", default="smollm2,llama3-8b")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=10)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--step-tokens", type=int, default=2048)
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--formats", help="comma-separated KV format names (default: all four)")
+    ap.add_argument("--modes", default="off,on", help="batch-invariant mode: off, on or both")
+    ap.add_argument("--time-limit-s", type=float, default=280, help="start no new row after this many seconds")
+    ap.add_argument("--tiny", action="store_true", help="CPU, tiny-llama3 geometry, 6 requests: checks the script")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    if a.tiny:
+        a.models, a.requests, a.max_tokens, a.decode_tokens, a.prefill_len, a.prefill_reps = "tiny-llama3", 6, 4, 4, 64, 1
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "numerics.jsonl"
+    rows: list[dict] = []
+    dtype = "bfloat16" if dev == "cuda" else "float32"
+    started = time.perf_counter()
+    for name in a.models.split(","):
+        preset = {"smollm2": "smollm2-135m", "llama3-8b": "llama3-8b"}.get(name, name)
+        real = name == "smollm2" and a.smollm2_dir
+        d = Path(a.smollm2_dir) if real else synthetic_dir(out / "models", preset, dtype)
+        base = Engine.from_dir(d, device=dev, dtype=dtype, num_blocks=4, batch_invariant=False)
+        rng = random.Random(0)
+        vocab = base.cfg.vocab_size
+        lens = [rng.choice([8, 16, 33, 64, 100, 200, 350, 512]) for _ in range(a.requests)]
+        prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+        chosen = {k: f for k, f in formats(dev).items() if not a.formats or k in a.formats.split(",")}
+        for kv, fmt in chosen.items():
+            scales = static_scales(base, fmt, prompts[0] + prompts[1])
+            for invariant in [m == "on" for m in a.modes.split(",")]:
+                row = {"model": name + ("" if real else " (random weights)"), "kv": kv, "batch_invariant": invariant,
+                       "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__}
+                t = time.perf_counter()
+                if t - started > a.time_limit_s:
+                    print(f"time limit: {name} {kv} batch_invariant={invariant} not run", flush=True)
+                    continue
+                try:
+                    row.update(measure(base, fmt, scales, invariant, a, prompts))
+                    if not invariant and fmt.quantized:
+                        row.update(prefill_cost(base, fmt, scales, a, rng))
+                except KvqError as e:
+                    row["error"] = str(e)
+                row["seconds"] = round(time.perf_counter() - t, 1)
+                rows.append(row)
+                with jsonl.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+                write_md(rows, out / "numerics.md")
+        base.shutdown()
+        del base
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
