@@ -192,13 +192,20 @@ def attention_through_cache(engine, layer: int, h: torch.Tensor, query_block: in
     (read back, exact). Read back: K/V written into the engine's pool (quantize-on-write) and every
     position's query attending, as a decode step does, to the first t + 1 stored tokens. Exact: causal
     attention over the unquantized K/V. Both [T, heads, head_dim] fp32."""
-    model, blocks = engine.model, engine.blocks
+    model = engine.model
     t = h.shape[0]
     positions = torch.arange(t, device=model.device)
     cos, sin = model.rotary.cos_sin(positions, model.dtype)
     q, k, v = model._qkv(model.layer(layer), h.to(model.device, model.dtype), cos, sin)
     cu = torch.tensor([0, t], dtype=torch.int32, device=model.device)
     exact = engine.backend.prefill_attention(q, k, v, cu, model.sm_scale).to(torch.float32)
+    with engine._run_lock:  # between steps of the step loop, like score's passes
+        return _read_back(engine, layer, q, k, v, exact, query_block)
+
+
+def _read_back(engine, layer: int, q, k, v, exact: torch.Tensor, query_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    model, blocks = engine.model, engine.blocks
+    t = q.shape[0]
     key = ("attention", next(_keys))
     if blocks.blocks_for(t) > blocks.num_free_blocks:
         raise RequestError(f"{t} tokens need {blocks.blocks_for(t)} free KV blocks, the pool has "
