@@ -3,10 +3,14 @@
 One run: convert the builtin SmolLM2 (or use --model-dir), calibrate on the
 built-in corpus (64 x 512 tokens, `max` policy; `mse` rows for int4 derived
 from the same statistics), run ModelOpt's FP8 KV calibration on the same token
-windows, then evaluate every engine with calibration.evaluate.run_evaluation.
+windows, then evaluate every engine with calibration.evaluate.run_evaluation
+(through the engine: Engine.score / generate). Beside each engine's numbers it
+records the dense quantize/dequantize simulation's perplexity on the same
+windows (same run) and the numbers of the previous table (--previous, the
+simulation-run table this one replaces).
 Writes <out>/accuracy_smollm2.json and .md (the table) and prints the table.
 
-    python -m benchmarks.accuracy_table --out benchmarks/results [--device cuda] [--threads 1]
+    python -m benchmarks.accuracy_table --out benchmarks/results [--device cuda] [--threads 1] [--only a,b]
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import torch
 from calibration.calibrate import calibration_windows, run_calibration, scales_for
 from calibration.evaluate import EngineKV, EvalSettings, run_evaluation
 from calibration.files import write_json_atomic, write_text_atomic
+from calibration.kvsim import DenseScorer, KVRoundTrip
+from calibration.loading import load_model, load_tokenizer
 from calibration.peer_modelopt import modelopt_fp8_scales, modelopt_kv_amax
+from calibration.perplexity import eval_windows, perplexity
 from calibration.report import markdown_table
 from runtime.config import ModelConfig
 from runtime.kv_format import KVFormat
@@ -56,16 +63,60 @@ def engines(calib: Path, mo_amax: tuple[torch.Tensor, torch.Tensor] | None) -> l
     return out
 
 
+def simulation_perplexity(model_dir: Path, specs: list[EngineKV], settings: EvalSettings, device: str) -> dict:
+    """Perplexity change of the dense simulation (calibration.kvsim) on the evaluation's own windows."""
+    model = load_model(model_dir, device=device)
+    windows = eval_windows(load_tokenizer(model_dir), settings.perplexity_tokens, settings.perplexity_window,
+                           settings.eval_data)
+    base = perplexity(DenseScorer(model), windows)["perplexity"]
+    out = {}
+    for e in specs:
+        ppl = perplexity(DenseScorer(model, KVRoundTrip(e.fmt, model.cfg.num_layers, e.k_scale, e.v_scale)), windows)
+        out[e.name] = {"perplexity": ppl["perplexity"], "change_pct": (ppl["perplexity"] / base - 1) * 100}
+        print(f"simulation {e.name}: {out[e.name]['change_pct']:+.2f}%", flush=True)
+    return {"baseline_perplexity": base, "engines": out}
+
+
+def previous_numbers(path: Path) -> dict | None:
+    """The headline numbers of an earlier table (its path, host and per-engine metrics)."""
+    if not path.is_file():
+        return None
+    old = json.loads(path.read_text())
+    keep = {name: {"change_pct": r["perplexity"]["change_pct"], "greedy": r["greedy"]["agreement"],
+                   "passkey": f"{r['passkey']['found']}/{r['passkey']['trials']}"}
+            for name, r in old.get("engines", {}).items() if "perplexity" in r}
+    return {"path": old.get("path"), "host": old.get("host"), "settings": old.get("settings"),
+            "baseline_perplexity": old["baseline"]["perplexity"]["perplexity"], "engines": keep}
+
+
+def comparison_table(res: dict) -> str:
+    """Engine-run numbers beside the simulation's (same run) and the previous table's."""
+    sim = res.get("simulation", {}).get("engines", {})
+    prev = (res.get("previous") or {}).get("engines", {})
+    lines = ["| engine | Δ ppl engine | Δ ppl simulation (same windows) | Δ ppl previous table | greedy engine | "
+             "greedy previous | passkey engine | passkey previous |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in res["engines"].items():
+        if "perplexity" not in r:
+            continue
+        s, p = sim.get(name), prev.get(name)
+        lines.append(" | ".join((
+            f"| {name}", f"{r['perplexity']['change_pct']:+.2f}%",
+            f"{s['change_pct']:+.2f}%" if s else "—", f"{p['change_pct']:+.2f}%" if p else "—",
+            f"{r['greedy']['agreement']:.1%}", f"{p['greedy']:.1%}" if p else "—",
+            f"{r['passkey']['found']}/{r['passkey']['trials']}", (p["passkey"] if p else "—") + " |")))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--model-dir", default=None, help="a converted SmolLM2 directory (default: convert the builtin)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--ppl-tokens", type=int, default=8192)
     ap.add_argument("--greedy-prompts", type=int, default=8)
     ap.add_argument("--greedy-tokens", type=int, default=32)
-    ap.add_argument("--passkey-lengths", default="320,1024,2048")
+    ap.add_argument("--passkey-lengths", default="320,1024,3072")
     ap.add_argument("--passkey-trials", type=int, default=20)
     ap.add_argument("--no-modelopt", action="store_true")
     ap.add_argument("--modelopt-amax", default=None,
@@ -76,7 +127,16 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="evaluation processes (engines split between them)")
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--calib-len", type=int, default=512)
+    ap.add_argument("--only", default=None, help="comma-separated engine names: a subset (e.g. to time a run)")
+    ap.add_argument("--previous", default="benchmarks/results/accuracy_smollm2.json",
+                    help="the earlier table to show beside this one (read before the new one is written)")
+    ap.add_argument("--no-simulation", action="store_true", help="skip the dense simulation's perplexity")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="run the engines without the batch-invariant mode (its cost or support on a GPU)")
+    ap.add_argument("--attention", default="auto", choices=("auto", "reference"),
+                    help="the engines' attention: auto (Triton kernels on CUDA) or the torch reference ops")
     args = ap.parse_args()
+    previous = previous_numbers(Path(args.previous))
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -115,9 +175,13 @@ def main() -> None:
     settings = EvalSettings(
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
-        passkey_trials=args.passkey_trials, attention_tokens=512,
+        passkey_trials=args.passkey_trials, attention_tokens=512, attention=args.attention,
+        batch_invariant=not args.no_batch_invariant,
     )
     specs = engines(calib, mo_amax)
+    if args.only:
+        wanted = args.only.split(",")
+        specs = [e for e in specs if e.name in wanted]
     if args.workers <= 1:
         res = run_evaluation(model_dir, specs, None, settings, device=args.device)
     else:  # each worker scores the baseline too; engines are dealt out round-robin
@@ -132,6 +196,9 @@ def main() -> None:
         merged = {k: v for p in parts for k, v in p["engines"].items()}
         res["engines"] = {n: merged[n] for n in order}
         res["timing_s"] = {f"worker{i}": p["timing_s"] for i, p in enumerate(parts)}
+    if not args.no_simulation:
+        res["simulation"] = simulation_perplexity(model_dir, specs, settings, args.device)
+    res["previous"] = previous
     res["calibration"] = {**cal, "report": json.loads((calib / "calibration.json").read_text())["timing_s"]}
     if mo_amax is not None:
         res["modelopt_amax"] = {"k": mo_amax[0].tolist(), "v": mo_amax[1].tolist()}
@@ -139,7 +206,7 @@ def main() -> None:
                    "threads": torch.get_num_threads(), "python": sys.version.split()[0],
                    "wall_s": round(time.perf_counter() - t0, 1)}
     write_json_atomic(out / "accuracy_smollm2.json", res)
-    table = markdown_table(res)
+    table = markdown_table(res) + "\n## Engine vs simulation\n\n" + comparison_table(res)
     write_text_atomic(out / "accuracy_smollm2.md", "# SmolLM2-135M: quantized KV vs unquantized KV\n\n" + table)
     print(table)
 

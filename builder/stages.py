@@ -74,7 +74,7 @@ def _calibrate_run(ctx: Context, tmp: Path) -> dict[str, Any]:
     return run_calibration(
         model_dir=ctx.dirs["convert"], out_dir=tmp, dataset=c.dataset, num_samples=c.num_samples,
         seq_len=c.seq_len, policy=c.policy, seed=c.seed, streaming=c.streaming, device=ctx.device,
-        percentile=c.percentile,
+        percentile=c.percentile, progress=True,
     )
 
 

@@ -1,5 +1,9 @@
 """Greedy-token agreement and per-layer attention-output error vs unquantized KV.
 
+Every metric scores through the engine (`Engine.score`); `DenseScorer` (kvsim.py)
+offers the same `score` method, so tests run the same metric on the dense
+simulation as a cross-check.
+
 Greedy agreement is teacher-forced: the baseline (unquantized KV) generates N
 tokens greedily from each prompt; a quantized engine then reads prompt +
 baseline continuation in one pass, and we count the positions where its argmax
@@ -8,15 +12,17 @@ one early flip does not zero the rest of the sequence, so the number measures
 how often quantized KV changes the next-token decision.
 
 Attention error isolates each layer: the layer gets the baseline's input
-hidden states, runs once with exact and once with round-tripped K/V, and we
-report ||attn_q - attn|| / ||attn|| of its attention output (before o_proj).
+hidden states, its queries attend once to the exact K/V and once to the K/V
+the engine stored in its pool (read back by its decode op), and we report
+||attn_q - attn|| / ||attn|| of its attention output (before o_proj).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kvsim import DenseScorer, KVRoundTrip
+from .kvsim import KVRoundTrip
+from .progress import Advance
 
 PROMPTS = (
     "What is the capital of France?",
@@ -37,34 +43,18 @@ def chat_prompt_ids(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
 
 
-@torch.inference_mode()
-def greedy_continuations(baseline: DenseScorer, prompts: list[torch.Tensor], num_tokens: int,
-                         eos_token_id: int | None) -> list[torch.Tensor]:
-    """Baseline greedy tokens per prompt (stops after EOS); dense forward per step."""
-    out = []
-    for p in prompts:
-        ids, gen = p.clone(), []
-        for _ in range(num_tokens):
-            nxt = int(baseline.logits(ids, last=1)[-1].argmax())
-            gen.append(nxt)
-            ids = torch.cat((ids, torch.tensor([nxt])))
-            if nxt == eos_token_id:
-                break
-        out.append(torch.tensor(gen, dtype=torch.int64))
-    return out
-
-
-@torch.inference_mode()
-def greedy_agreement(scorer: DenseScorer, prompts: list[torch.Tensor], continuations: list[torch.Tensor]) -> dict:
+def greedy_agreement(scorer, prompts: list[torch.Tensor], continuations: list[torch.Tensor],
+                     advance: Advance | None = None) -> dict:
+    """Teacher-forced agreement with the baseline's tokens; scorer: an Engine or a kvsim.DenseScorer."""
+    seqs = [torch.cat((p, c)) for p, c in zip(prompts, continuations)]
+    scores = scorer.score([s.tolist() for s in seqs], start=[p.numel() for p in prompts], on_pass=advance)
     match = total = 0
     first_div = []
-    for p, c in zip(prompts, continuations):
-        n = c.numel()
-        pred = scorer.logits(torch.cat((p, c)), last=n + 1)[:-1].argmax(-1).cpu()
-        same = pred == c
+    for s, sc, c in zip(seqs, scores, continuations):
+        same = sc.matches(s)
         match += int(same.sum())
-        total += n
-        first_div.append(int(n if bool(same.all()) else int((~same).nonzero()[0])))
+        total += c.numel()
+        first_div.append(int(c.numel() if bool(same.all()) else int((~same).nonzero()[0])))
     return {"agreement": match / max(total, 1), "tokens": total, "first_divergence": first_div}
 
 
@@ -93,13 +83,30 @@ def baseline_layer_inputs(model, ids: torch.Tensor) -> tuple[list[torch.Tensor],
     return inputs, rec.out
 
 
+def _error_summary(errs: list[float]) -> dict:
+    return {"per_layer": [round(e, 6) for e in errs], "max": max(errs), "mean": sum(errs) / len(errs),
+            "worst_layer": int(torch.tensor(errs).argmax())}
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 @torch.inference_mode()
 def attention_error(model, kv: KVRoundTrip, inputs: list[torch.Tensor], reference: dict[int, torch.Tensor]) -> dict:
+    """The dense simulation's per-layer error (kvsim cross-check)."""
     rec = _AttentionRecorder(kv)
     errs = []
     for i, h in enumerate(inputs):
         model.layer_dense(i, h, observer=rec)
-        ref = reference[i]
-        errs.append(float((rec.out[i] - ref).norm() / ref.norm().clamp_min(1e-30)))
-    return {"per_layer": [round(e, 6) for e in errs], "max": max(errs), "mean": sum(errs) / len(errs),
-            "worst_layer": int(torch.tensor(errs).argmax())}
+        errs.append(_rel(rec.out[i], reference[i]))
+    return _error_summary(errs)
+
+
+def engine_attention_error(engine, inputs: list[torch.Tensor]) -> dict:
+    """Per-layer error of the engine's attention: each layer's queries attend to K/V written into the
+    engine's pool and read back by its decode op (runtime.scoring.attention_through_cache), against the
+    exact attention over the same unquantized K/V."""
+    from runtime.scoring import attention_through_cache
+
+    return _error_summary([_rel(*attention_through_cache(engine, i, h)) for i, h in enumerate(inputs)])

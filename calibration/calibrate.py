@@ -29,6 +29,7 @@ from . import corpus
 from .files import save_tensors_atomic, write_json_atomic
 from .loading import is_synthetic, load_model, load_tokenizer
 from .policies import DEFAULT_PERCENTILE, check_policy, scales_from_stats, static_formats
+from .progress import work_progress
 from .stats import KV, KVStats, collect_layer_streaming, collect_whole_model, outlier_channels
 
 SCALES_FILE, STATS_FILE, REPORT_FILE = "kv_scales.safetensors", "kv_stats.safetensors", "calibration.json"
@@ -56,12 +57,15 @@ def calibration_windows(model_dir: str | Path, cfg: ModelConfig, dataset: str, n
 
 # ------------------------------------------------------------------ stage
 def collect_stats(model_dir: str | Path, windows: torch.Tensor, streaming: bool, device: str = "cpu",
-                  dtype: str | None = None) -> KVStats:
+                  dtype: str | None = None, progress: bool = False) -> KVStats:
+    """K/V statistics of every layer over `windows`; progress: a per-batch rich bar on stderr."""
     model = load_model(model_dir, device=device, dtype=dtype, streaming=streaming)
     c = model.cfg
     stats = KVStats(c.num_layers, c.num_kv_heads, c.head_dim)
     run = collect_layer_streaming if streaming else collect_whole_model
-    return run(model, windows, stats)
+    samples = windows.shape[0] * (c.num_layers if streaming else 1)  # streaming passes every sample per layer
+    with work_progress(progress) as bars:
+        return run(model, windows, stats, advance=bars.task("calibration forward", samples, "samples"))
 
 
 def _round(t: torch.Tensor, nd: int = 6) -> list:
@@ -71,7 +75,7 @@ def _round(t: torch.Tensor, nd: int = 6) -> list:
 def run_calibration(model_dir: str | Path, out_dir: str | Path, dataset: str = "builtin", num_samples: int = 64,
                     seq_len: int = 512, policy: str = "max", seed: int = 0, streaming: bool = False,
                     device: str = "cpu", percentile: float = DEFAULT_PERCENTILE,
-                    dtype: str | None = None) -> dict:
+                    dtype: str | None = None, progress: bool = False) -> dict:
     """Calibrate `model_dir` and write kv_stats / kv_scales / calibration.json into `out_dir`.
 
     `out_dir` must exist (the pipeline hands in a temporary directory it later
@@ -85,7 +89,7 @@ def run_calibration(model_dir: str | Path, out_dir: str | Path, dataset: str = "
     t0 = time.perf_counter()
     windows, data_desc = calibration_windows(model_dir, cfg, dataset, num_samples, seq_len, seed)
     t1 = time.perf_counter()
-    stats = collect_stats(model_dir, windows, streaming, device, dtype)
+    stats = collect_stats(model_dir, windows, streaming, device, dtype, progress)
     t2 = time.perf_counter()
 
     scales: dict[str, torch.Tensor] = {}

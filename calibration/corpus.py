@@ -121,62 +121,70 @@ def builtin_description() -> str:
 
 
 # ---------------------------------------------------------------- user data
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, field: str) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {path} as UTF-8 text ({e}); fix the file or remove it.") from None
+        raise InputError(f"{field}: cannot read {path} as UTF-8 text ({e}); is it binary? Point {field} at "
+                         ".txt/.jsonl text, or remove the file.") from None
+    if "\x00" in text:  # valid UTF-8 can still be binary data (NUL bytes never occur in prose)
+        raise InputError(f"{field}: {path} holds NUL bytes, so it is binary, not text; point {field} at "
+                         ".txt/.jsonl text, or remove the file.")
+    return text
 
 
-def _jsonl_documents(path: Path) -> list[Document]:
+def _jsonl_documents(path: Path, field: str) -> list[Document]:
     docs = []
-    for n, line in enumerate(_read_text(path).splitlines(), start=1):
+    for n, line in enumerate(_read_text(path, field).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object.") from None
+            raise InputError(f"{field}: {path}:{n} is not valid JSON ({e.msg}); each line must be one JSON "
+                             "object.") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise InputError(
-                f"{path}:{n} has no string field 'text'; each line must look like {{\"text\": \"...\"}}."
+                f"{field}: {path}:{n} has no string field 'text'; each line must look like {{\"text\": \"...\"}}."
             )
         if row["text"].strip():
             docs.append(Document(row["text"], f"{path.name}:{n}"))
     return docs
 
 
-def user_documents(path: str | Path) -> list[Document]:
-    """Documents from a .txt file, a .jsonl file, or a directory of them (sorted)."""
+def user_documents(path: str | Path, field: str = "calibration.dataset") -> list[Document]:
+    """Documents from a .txt file, a .jsonl file, or a directory of them (sorted). `field` names the
+    recipe field / option the path came from, so every error says which setting to fix."""
     p = Path(path)
     if not p.exists():
-        raise InputError(f"dataset {p} does not exist; pass 'builtin' or a .txt/.jsonl file or a directory.")
+        raise InputError(f"{field}: dataset {p} does not exist; pass 'builtin' or a .txt/.jsonl file or a directory.")
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".jsonl"))
         if not files:
-            raise InputError(f"directory {p} holds no .txt or .jsonl files; add some or pass 'builtin'.")
+            raise InputError(f"{field}: directory {p} holds no .txt or .jsonl files; add some or pass 'builtin'.")
     elif p.suffix in (".txt", ".jsonl"):
         files = [p]
     else:
-        raise InputError(f"dataset {p} must be a .txt or .jsonl file (or a directory of them), not {p.suffix!r}.")
+        raise InputError(f"{field}: dataset {p} must be a .txt or .jsonl file (or a directory of them), "
+                         f"not {p.suffix!r}.")
     docs: list[Document] = []
     for f in files:
         if f.suffix == ".jsonl":
-            docs.extend(_jsonl_documents(f))
+            docs.extend(_jsonl_documents(f, field))
         else:
-            text = _read_text(f)
+            text = _read_text(f, field)
             if text.strip():
                 docs.append(Document(text, f.name))
     if not docs:
-        raise InputError(f"dataset {p} contains no text; add documents or pass 'builtin'.")
+        raise InputError(f"{field}: dataset {p} contains no text; add documents or pass 'builtin'.")
     return docs
 
 
-def load_documents(dataset: str, split: str = "calibration") -> list[Document]:
+def load_documents(dataset: str, split: str = "calibration", field: str = "calibration.dataset") -> list[Document]:
     """'builtin' (the given split) or a user path (used whole for either purpose)."""
     if dataset == BUILTIN:
         return builtin_documents(split)
-    return user_documents(dataset)
+    return user_documents(dataset, field)
 
 
 # ------------------------------------------------------------ token windows
@@ -193,7 +201,8 @@ class TokenWindows:
         ]
 
 
-def token_windows(tokenizer, docs: list[Document], num_samples: int, seq_len: int, seed: int) -> TokenWindows:
+def token_windows(tokenizer, docs: list[Document], num_samples: int, seq_len: int, seed: int,
+                  field: str = "calibration.dataset") -> TokenWindows:
     """Shuffle documents by seed, tokenize them as one stream, cut `num_samples` windows.
 
     Windows are contiguous and disjoint. Too little text is an error rather than
@@ -215,8 +224,8 @@ def token_windows(tokenizer, docs: list[Document], num_samples: int, seq_len: in
             break
     if len(ids) < need:
         raise InputError(
-            f"the data has {len(ids)} tokens but {num_samples} samples x {seq_len} tokens = {need} are needed; "
-            "add more text, or lower num_samples / seq_len."
+            f"{field}: the data has {len(ids)} tokens but {num_samples} samples x {seq_len} tokens = {need} are "
+            "needed; add more text, or ask for fewer tokens (num_samples / seq_len, perplexity_tokens)."
         )
     t = torch.tensor(ids[:need], dtype=torch.int64).view(num_samples, seq_len)
     sources = []

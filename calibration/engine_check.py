@@ -1,12 +1,14 @@
-"""Greedy generation through the real paged engine, with the engine's quantized KV.
+"""The engines the evaluate stage measures, and free-running generation through them.
 
-The other metrics score on the dense round-trip path (kvsim.py). This check
-runs runtime.engine.Engine itself -- quantize-on-write into the paged cache,
-decode attention reading quantized pages -- and compares its free-running
-greedy tokens with the baseline's (dense, unquantized KV) continuation. It
-cross-checks the dense path against the engine and shows the real path's
-behaviour; being free-running, one early flip changes every later token, so
-the budget uses the teacher-forced agreement instead.
+`evaluation_engine` builds a runtime.engine.Engine for one KV format around an
+already loaded model: every engine of a model shares its weights, each brings
+only its KV format, scales and its own paged pool (sized for the longest
+sequence the evaluation scores plus one pass of tokens).
+
+`greedy_continuations` is the baseline's greedy output (unquantized KV), and
+`engine_greedy` compares a quantized engine's free-running greedy tokens with
+it: being free-running, one early flip changes every later token, so the
+budget uses the teacher-forced agreement (accuracy.greedy_agreement) instead.
 """
 
 from __future__ import annotations
@@ -15,21 +17,50 @@ from pathlib import Path
 
 import torch
 
+from runtime.engine import Engine
+from runtime.engine_dir import resolve_scales
+from runtime.kv_format import KVFormat
+from runtime.runner import plan_pool
+from runtime.sampling import SamplingParams
 
-def engine_greedy(model_dir: str | Path, fmt, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                  prompts: list[torch.Tensor], baseline: list[torch.Tensor], device: str = "cpu",
-                  dtype: str | None = None) -> dict:
-    from runtime.engine import Engine
-    from runtime.sampling import SamplingParams
+BLOCK_SIZE = 16
+TOKENS_PER_PASS = 2048  # the engine's default step budget: windows of 1024 score two per pass
 
+_UNQUANTIZED = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def baseline_format(model) -> KVFormat:
+    """Unquantized KV in the model's dtype: what every quantized engine is measured against."""
+    return KVFormat(_UNQUANTIZED[model.dtype])
+
+
+def evaluation_engine(model, model_dir: str | Path, fmt: KVFormat, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None, longest: int = 1024, batch: int = 8,
+                      batch_invariant: bool = True, attention: str = "auto") -> Engine:
+    """An engine over `model` with KV format `fmt`, its pool holding one pass plus the longest sequence.
+    attention: 'auto' (the Triton kernels on CUDA) or 'reference' (runtime.attention's torch ops).
+    batch_invariant: the engine's batch-invariant mode (runtime/batch_invariant.py), so a window's scores
+    never depend on what shares its pass, and scoring equals token-by-token decode."""
     scales = None if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-    engine = Engine.from_dir(model_dir, device=device, dtype=dtype, kv_format=fmt, kv_scales=scales,
-                             max_batch_size=len(prompts))
-    try:
-        n = max(c.numel() for c in baseline)
-        gens = engine.generate([p.tolist() for p in prompts], SamplingParams(max_tokens=n, ignore_eos=True))
-    finally:
-        engine.shutdown()
+    k, v = resolve_scales(fmt, scales, Path(model_dir), model.cfg)
+    seq_len = model.cfg.max_position_embeddings
+    blocks = -(-(TOKENS_PER_PASS + 2 * longest) // BLOCK_SIZE)
+    plan = plan_pool(model.cfg, fmt, BLOCK_SIZE, num_blocks=blocks)
+    return Engine(model, fmt, plan, k, v, max_batch_size=batch, max_seq_len=seq_len,
+                  max_tokens_per_step=TOKENS_PER_PASS, attention=attention, batch_invariant=batch_invariant)
+
+
+def greedy_continuations(engine: Engine, prompts: list[torch.Tensor], num_tokens: int) -> list[torch.Tensor]:
+    """Greedy tokens per prompt, stopping at EOS: one batched, KV-cached generation through `engine`.
+    The engine's greedy output equals transformers' (tests/test_model_parity.py)."""
+    gens = engine.generate([p.tolist() for p in prompts], SamplingParams(max_tokens=num_tokens))
+    return [torch.tensor(list(g.token_ids), dtype=torch.int64) for g in gens]
+
+
+def engine_greedy(engine: Engine, prompts: list[torch.Tensor], baseline: list[torch.Tensor]) -> dict:
+    """Free-running greedy generation through a quantized engine vs the baseline's tokens."""
+    n = max(c.numel() for c in baseline)
+    gens = engine.generate([p.tolist() for p in prompts], SamplingParams(max_tokens=n, ignore_eos=True))
     same = total = identical = 0
     first_div = []
     for g, c in zip(gens, baseline):
@@ -43,22 +74,3 @@ def engine_greedy(model_dir: str | Path, fmt, k_scale: torch.Tensor | None, v_sc
         identical += div == c.numel()
     return {"path": "runtime.engine (paged, quantized KV)", "position_match": same / max(total, 1),
             "identical_prompts": identical, "prompts": len(prompts), "first_divergence": first_div}
-
-
-def engine_continuations(model_dir: str | Path, prompts: list[torch.Tensor], num_tokens: int,
-                         device: str = "cpu", dtype: str | None = None) -> list[torch.Tensor]:
-    """The baseline's greedy tokens per prompt (stopping at EOS), generated by the paged engine with
-    unquantized KV in the model dtype: one batched, KV-cached decode instead of a dense forward per
-    token. The engine's greedy output equals transformers' (tests/test_model_parity.py)."""
-    from runtime.engine import Engine
-    from runtime.kv_format import KVFormat
-    from runtime.sampling import SamplingParams
-
-    engine = Engine.from_dir(model_dir, device=device, dtype=dtype, kv_format=KVFormat("fp32"),
-                             max_batch_size=len(prompts))
-    try:
-        gens = engine.generate([p.tolist() for p in prompts], SamplingParams(max_tokens=num_tokens))
-    finally:
-        engine.shutdown()
-    return [torch.tensor(list(g.token_ids), dtype=torch.int64) for g in gens]
-

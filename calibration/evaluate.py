@@ -25,25 +25,25 @@ from runtime.errors import InputError
 from runtime.kv_format import KVFormat
 
 from . import corpus
-from .accuracy import (
-    PROMPTS,
-    attention_error,
-    baseline_layer_inputs,
-    chat_prompt_ids,
-    greedy_agreement,
-)
+from .accuracy import PROMPTS, baseline_layer_inputs, chat_prompt_ids, engine_attention_error, greedy_agreement
 from .budget import check_budget
-from .engine_check import engine_continuations, engine_greedy
+from .engine_check import (
+    baseline_format,
+    engine_greedy,
+    evaluation_engine,
+    greedy_continuations,
+)
 from .files import write_json_atomic, write_text_atomic
-from .kvsim import PATH_NAME, DenseScorer, KVRoundTrip
 from .loading import load_model, load_tokenizer
 from .passkey import make_trials, passkey
 from .perplexity import eval_windows, perplexity
+from .progress import work_progress
 from .report import markdown_table
 
-PATH_NOTE = ("dense forward of the runtime model in which every layer's K and V pass through "
-             "runtime.kv_format quantize/dequantize with the engine's scales before attention "
-             "(dynamic per-token scales for per_token formats); the paged engine has no scoring API yet.")
+PATH_NAME = "engine"
+PATH_NOTE = ("teacher-forced scoring through runtime.engine.Engine (Engine.score: prefill passes through the paged "
+             "pool with quantize-on-write, the engine's attention backend and chunking); per-layer attention error "
+             "reads K/V back from the engine's pool with its decode op; engine greedy = free-running generation.")
 
 
 @dataclass
@@ -57,8 +57,10 @@ class EvalSettings:
     passkey_lengths: list[int] = field(default_factory=lambda: [256, 1024])
     passkey_trials: int = 20
     attention_tokens: int = 256
-    engine_greedy: bool = True  # also generate through the real paged engine (engine_check.py)
-    dataset: str = corpus.BUILTIN
+    engine_greedy: bool = True  # also free-running generation through each engine (engine_check.py)
+    batch_invariant: bool = True  # the engines' batch-invariant mode (runtime/batch_invariant.py)
+    attention: str = "auto"  # the engines' attention backend: auto (kernels on CUDA) or reference
+    eval_data: str = corpus.BUILTIN  # held-out text: 'builtin' or the user's .txt/.jsonl file or directory
     seed: int = 0
 
     @classmethod
@@ -105,10 +107,15 @@ def _pct(a: float, b: float) -> float:
     return (a / b - 1.0) * 100.0
 
 
+def _sequences_tokens(*groups: list[torch.Tensor]) -> int:
+    return sum(int(t.numel()) for g in groups for t in g)
+
+
 def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], out_dir: str | Path | None = None,
                    settings: Any = None, budget: Any = None, device: str = "cpu",
-                   dtype: str | None = None) -> dict:
-    """Evaluate `engines` (EngineKV or engine directories) against unquantized KV on `model_dir`.
+                   dtype: str | None = None, progress: bool = False) -> dict:
+    """Evaluate `engines` (EngineKV or engine directories) against unquantized KV on `model_dir`, every
+    metric through runtime.engine.Engine. progress: per-batch rich progress bars on stderr.
 
     Writes accuracy.json and accuracy.md into `out_dir` when given. Returns the
     results dict (the same content as accuracy.json).
@@ -122,48 +129,66 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
     cfg = ModelConfig.from_dir(model_dir)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, device=device, dtype=dtype)
-    base = DenseScorer(model)
 
-    windows = eval_windows(tok, s.perplexity_tokens, s.perplexity_window, s.dataset)
+    windows = eval_windows(tok, s.perplexity_tokens, s.perplexity_window, s.eval_data)
     prompts = [chat_prompt_ids(tok, p) for p in (PROMPTS * 8)[: s.greedy_prompts]]
     trials = make_trials(tok, s.passkey_lengths, s.passkey_trials, s.seed, cfg.max_position_embeddings)
-    attn_ids = windows[0, : s.attention_tokens]
+    flat_trials = [t.ids for ts in trials.values() for t in ts]
+    longest = max([windows.shape[1], *(t.numel() for t in flat_trials), *(p.numel() + s.greedy_tokens for p in prompts)])
+    scored = _sequences_tokens(list(windows), flat_trials)
+    inputs, _ = baseline_layer_inputs(model, windows[0, : s.attention_tokens])
+
+    def engine(fmt: KVFormat, k=None, v=None):
+        return evaluation_engine(model, model_dir, fmt, k, v, longest, batch=max(1, len(prompts)),
+                                 batch_invariant=s.batch_invariant, attention=s.attention)
 
     timing: dict[str, float] = {}
-    t = time.perf_counter()
-    base_ppl = perplexity(base, windows)
-    conts = engine_continuations(model_dir, prompts, s.greedy_tokens, device, dtype)
-    base_passkey = passkey(base, trials)
-    inputs, ref_attn = baseline_layer_inputs(model, attn_ids)
-    timing["baseline"] = round(time.perf_counter() - t, 2)
-
     results: dict[str, Any] = {
         "path": PATH_NAME, "path_note": PATH_NOTE, "model_dir": str(Path(model_dir).resolve()),
         "model_dtype": str(model.dtype).replace("torch.", ""), "device": device, "settings": asdict(s),
-        "baseline": {"kv": f"unquantized ({str(model.dtype).replace('torch.', '')})", "perplexity": base_ppl,
-                     "greedy": {"tokens": sum(c.numel() for c in conts)}, "passkey": base_passkey},
-        "engines": {},
+        "batch_invariant": s.batch_invariant, "engines": {},
     }
-    for e in specs:
+    with work_progress(progress) as bars:
         t = time.perf_counter()
-        if not e.fmt.quantized:
-            results["engines"][e.name] = {"kv_format": asdict(e.fmt), "note": e.note or "unquantized KV"}
-            continue
-        kv = KVRoundTrip(e.fmt, cfg.num_layers, e.k_scale, e.v_scale)
-        sc = DenseScorer(model, kv)
-        ppl = perplexity(sc, windows)
-        pk = passkey(sc, trials)
-        r = {
-            "kv_format": asdict(e.fmt), "note": e.note,
-            "perplexity": {**ppl, "change_pct": _pct(ppl["perplexity"], base_ppl["perplexity"])},
-            "greedy": greedy_agreement(sc, prompts, conts),
-            "passkey": {**pk, "rate_relative": pk["rate"] / base_passkey["rate"] if base_passkey["rate"] else None},
-            "attention_error": attention_error(model, kv, inputs, ref_attn),
-        }
-        if s.engine_greedy:
-            r["engine_greedy"] = engine_greedy(model_dir, e.fmt, e.k_scale, e.v_scale, prompts, conts, device, dtype)
-        results["engines"][e.name] = r
-        timing[e.name] = round(time.perf_counter() - t, 2)
+        base = engine(baseline_format(model))
+        try:
+            base_ppl = perplexity(base, windows, bars.task("baseline perplexity", int(windows.numel())))
+            conts = greedy_continuations(base, prompts, s.greedy_tokens)
+            base_passkey = passkey(base, trials, bars.task("baseline passkey", _sequences_tokens(flat_trials)))
+            results["attention"] = base.stats.attention
+        finally:
+            base.shutdown()
+            del base
+        timing["baseline"] = round(time.perf_counter() - t, 2)
+        results["baseline"] = {
+            "kv": f"unquantized ({str(model.dtype).replace('torch.', '')})", "perplexity": base_ppl,
+            "greedy": {"tokens": sum(c.numel() for c in conts)}, "passkey": base_passkey}
+        greedy_tokens = _sequences_tokens(prompts, conts)
+        for e in specs:
+            t = time.perf_counter()
+            if not e.fmt.quantized:
+                results["engines"][e.name] = {"kv_format": asdict(e.fmt), "note": e.note or "unquantized KV"}
+                continue
+            eng = engine(e.fmt, e.k_scale, e.v_scale)
+            try:
+                advance = bars.task(e.name, scored + greedy_tokens)
+                ppl = perplexity(eng, windows, advance)
+                pk = passkey(eng, trials, advance)
+                r = {
+                    "kv_format": asdict(e.fmt), "note": e.note,
+                    "perplexity": {**ppl, "change_pct": _pct(ppl["perplexity"], base_ppl["perplexity"])},
+                    "greedy": greedy_agreement(eng, prompts, conts, advance),
+                    "passkey": {**pk, "rate_relative": pk["rate"] / base_passkey["rate"] if base_passkey["rate"]
+                                else None},
+                    "attention_error": engine_attention_error(eng, inputs),
+                }
+                if s.engine_greedy:
+                    r["engine_greedy"] = engine_greedy(eng, prompts, conts)
+            finally:
+                eng.shutdown()
+                del eng
+            results["engines"][e.name] = r
+            timing[e.name] = round(time.perf_counter() - t, 2)
     timing["total"] = round(time.perf_counter() - t0, 2)
     results["timing_s"] = timing
     if budget is not None:

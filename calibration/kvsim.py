@@ -1,13 +1,16 @@
-"""Quantized KV on the dense model path: the accuracy checks' scoring engine.
+"""Quantized KV on the dense model path: a simulation of the engine, kept as a cross-check.
+
+The evaluate stage scores through the engine itself (`Engine.score`); tests
+compare it with this simulation (same metric functions: `DenseScorer.score`
+has Engine.score's contract).
 
 `KVRoundTrip` is an observer for runtime.model.LlamaModel.layer_dense that
 returns K and V after a quantize -> dequantize round trip with the engine's
 format and scales (static per_tensor / per_head scales, or dynamic per-token
 scales computed by runtime.kv_format exactly as the cache write does). The
 layer then attends to the dequantized values: numerically what the paged
-engine computes when a token attends to quantized KV. (The engine's prefill
-lets prompt tokens attend to their own chunk in full precision, so this path
-is, if anything, slightly pessimistic.)
+engine computes when a token attends to quantized KV, up to the rounding of
+a different attention kernel.
 
 `DenseScorer` wraps the model: logits for whole sequences, with or without the
 round trip. accuracy.json names this path "dense-kv-roundtrip".
@@ -21,6 +24,7 @@ import torch
 
 from runtime.errors import InputError
 from runtime.kv_format import KVFormat, dequantize, quantize, quantize_dynamic
+from runtime.scoring import TokenScores
 
 PATH_NAME = "dense-kv-roundtrip"
 
@@ -71,6 +75,20 @@ class DenseScorer:
         for i in range(self.model.cfg.num_layers):
             h = self.model.layer_dense(i, h, observer=self.kv)
         return self.model.logits(h if last is None else h[..., -last:, :])
+
+    @torch.inference_mode()
+    def score(self, sequences, start: int | list[int] = 1, on_pass=None) -> list[TokenScores]:
+        """Engine.score's contract on the dense path: one forward per sequence."""
+        starts = [start] * len(sequences) if isinstance(start, int) else list(start)
+        out = []
+        for ids, s in zip(sequences, starts):
+            ids = torch.as_tensor(ids, dtype=torch.int64)
+            logits = self.logits(ids, last=ids.numel() - s + 1)[:-1]
+            lp = logits.gather(-1, ids[s:, None].to(logits.device)).squeeze(-1) - torch.logsumexp(logits, -1)
+            out.append(TokenScores(s, lp.cpu(), logits.argmax(-1).cpu()))
+            if on_pass is not None:
+                on_pass(ids.numel())
+        return out
 
     @torch.inference_mode()
     def token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The prompt follows the classic long-context test (Mohtashami & Jaggi): a plain
 filler haystack, one sentence with a 5-digit pass key at a random depth, then
 the question, in the model's chat template. The answer "The pass key is" is
-given; we score the digits that follow it with one forward pass:
+given; we score the digits that follow it, teacher-forced (one prefill pass per trial
+through the engine):
 
 * exact match -- every digit is the argmax given the true digits before it
   (equivalent to greedy decoding reproducing the key after that prefix);
@@ -22,7 +23,7 @@ import torch
 
 from runtime.errors import InputError
 
-from .kvsim import DenseScorer
+from .progress import Advance
 
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -84,19 +85,16 @@ def make_trials(tokenizer, lengths: list[int], trials: int, seed: int = 0,
     return out
 
 
-def score_trial(scorer: DenseScorer, t: PasskeyTrial) -> tuple[bool, float]:
-    """(exact match, mean log-prob of the true digits)."""
-    logits = scorer.logits(t.ids, last=t.num_digits + 1)[:-1]  # positions predicting each digit
-    target = t.ids[-t.num_digits :].to(logits.device)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None]).squeeze(-1)
-    return bool((logits.argmax(-1) == target).all()), float(logp.mean())
-
-
-def passkey(scorer: DenseScorer, trials: dict[int, list[PasskeyTrial]]) -> dict:
+def passkey(scorer, trials: dict[int, list[PasskeyTrial]], advance: Advance | None = None) -> dict:
+    """Exact-match rate and mean digit log-probability per length; all trials scored in one call."""
+    flat = [t for ts in trials.values() for t in ts]
+    scores = scorer.score([t.ids.tolist() for t in flat], start=[t.length - t.num_digits for t in flat],
+                          on_pass=advance)
+    found = {id(t): (bool(s.matches(t.ids).all()), float(s.logprobs.mean())) for t, s in zip(flat, scores)}
     per_len = {}
     hits = total = 0
     for n, ts in trials.items():
-        res = [score_trial(scorer, t) for t in ts]
+        res = [found[id(t)] for t in ts]
         k = sum(r[0] for r in res)
         hits, total = hits + k, total + len(res)
         per_len[str(n)] = {

@@ -57,7 +57,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         "|" + "---|" * len(HEADER),
         *("| " + " | ".join(r) + " |" for r in rows(results)),
         "",
-        f"Path: {results['path']} ({results['model_dtype']} model on {results['device']}). "
+        f"Path: {results['path']} ({results['model_dtype']} model on {results['device']}, attention "
+        f"{results.get('attention', '?')}, batch-invariant mode {'on' if results.get('batch_invariant') else 'off'}). "
         f"Perplexity: {results['baseline']['perplexity']['tokens_scored']} held-out tokens in windows of "
         f"{results['baseline']['perplexity']['window_len']}. Greedy: {s['greedy_prompts']} prompts x "
         f"{s['greedy_tokens']} tokens, teacher-forced on the baseline's tokens; engine greedy: free-running "

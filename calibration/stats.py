@@ -21,6 +21,7 @@ statistics; streaming is what fits a 70B model on one GPU or on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -149,29 +150,38 @@ def outlier_channels(stats: KVStats, ratio: float = 4.0, top: int = 8) -> list[d
 
 
 # ------------------------------------------------------------ collection
-def collect_whole_model(model, windows: torch.Tensor, stats: KVStats, batch_size: int = 8) -> KVStats:
-    """Each batch of samples runs through every layer; the whole model is resident."""
+def collect_whole_model(model, windows: torch.Tensor, stats: KVStats, batch_size: int = 8,
+                        advance: Callable[[int], None] | None = None) -> KVStats:
+    """Each batch of samples runs through every layer; the whole model is resident.
+    advance(n): called after each batch with its number of samples (progress bars)."""
     positions = torch.arange(windows.shape[1], device=model.device)
     with torch.inference_mode():
         for b in range(0, windows.shape[0], batch_size):
             h = model.embed(windows[b : b + batch_size])
             for layer in range(model.cfg.num_layers):
                 h = model.layer_dense(layer, h, positions, observer=stats)
+            if advance is not None:
+                advance(h.shape[0])
     stats.check_complete()
     return stats
 
 
-def collect_layer_streaming(model, windows: torch.Tensor, stats: KVStats, batch_size: int = 8) -> KVStats:
+def collect_layer_streaming(model, windows: torch.Tensor, stats: KVStats, batch_size: int = 8,
+                            advance: Callable[[int], None] | None = None) -> KVStats:
     """One layer resident at a time; all samples' hidden states go from layer to layer.
 
     `model` is a runtime LlamaModel opened with stream_layers=True: `layer_dense(i)`
     loads layer i's weights and drops the previous layer's. Hidden states stay on
     the model's device: 64 x 512 tokens of a 70B model (hidden 8192) is 1 GiB in fp32.
+    advance(n): called after each batch of each layer with its number of samples (progress bars).
     """
     positions = torch.arange(windows.shape[1], device=model.device)
     with torch.inference_mode():
         hs = [model.embed(windows[b : b + batch_size]) for b in range(0, windows.shape[0], batch_size)]
         for layer in range(model.cfg.num_layers):
-            hs = [model.layer_dense(layer, h, positions, observer=stats) for h in hs]
+            for j, h in enumerate(hs):
+                hs[j] = model.layer_dense(layer, h, positions, observer=stats)
+                if advance is not None:
+                    advance(h.shape[0])
     stats.check_complete()
     return stats

@@ -91,6 +91,8 @@ class AccuracySection(Section):
     greedy_tokens: int = Field(32, ge=1)
     passkey_lengths: list[int] = Field(default_factory=lambda: [256, 1024])
     passkey_trials: int = Field(20, ge=1)
+    eval_data: str = Field("builtin", description="Held-out text for perplexity: 'builtin' (the built-in corpus's "
+                           "evaluation split) or your own .txt/.jsonl file or directory, to gate on your domain.")
     enabled: bool = True
 
 

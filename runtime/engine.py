@@ -13,14 +13,14 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import batch_invariant
+from . import batch_invariant, scoring
 from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
@@ -32,6 +32,7 @@ from .model import LlamaModel
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
 from .sampling import SamplingParams, select_tokens
 from .scheduler import Scheduler, Sequence, TokenCallback
+from .scoring import TokenScores
 from .weights import open_weights
 
 
@@ -113,6 +114,7 @@ class Engine:
         self._live: dict[int, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._run_lock = threading.Lock()  # one model pass at a time: the step loop's or score's
 
     # ------------------------------------------------------------- loading
     @classmethod
@@ -259,7 +261,8 @@ class Engine:
                     self.scheduler.finish(seq, "cancelled")
                     self._emit(seq, None, "cancelled")
             try:
-                self._step()
+                with self._run_lock:
+                    self._step()
             except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving new ones
                 err = e
                 if not isinstance(e, KvqError):
@@ -367,6 +370,12 @@ class Engine:
             out.append(Generation(text, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason,
                                   list(seq.logprobs) if sp.logprobs else None))
         return out
+
+    def score(self, sequences: list[list[int]], start: int | list[int] = 1, tokens_per_pass: int | None = None,
+              on_pass: Callable[[int], None] | None = None) -> list[TokenScores]:
+        """Teacher-forced log p(ids[t] | ids[:t]) and the argmax at every t >= start of each sequence,
+        computed by prefill passes through this engine's pool, kernels and chunking (runtime/scoring.py)."""
+        return scoring.score(self, sequences, start, tokens_per_pass, on_pass, self._run_lock)
 
     async def stream(self, prompt: list[int] | str, sampling: SamplingParams | None = None,
                      **sampling_kw: Any) -> AsyncIterator[int]:

@@ -18,6 +18,7 @@ import helpers_calibration as H  # noqa: E402
 
 from calibration.budget import check_budget, enforce_budget  # noqa: E402
 from calibration.calibrate import run_calibration, scales_for  # noqa: E402
+from calibration.engine_check import baseline_format, evaluation_engine, greedy_continuations  # noqa: E402
 from calibration.evaluate import EngineKV, EvalSettings, run_evaluation  # noqa: E402
 from calibration.kvsim import DenseScorer, KVRoundTrip  # noqa: E402
 from calibration.loading import load_model  # noqa: E402
@@ -83,7 +84,7 @@ def tiny_results(tmp_path_factory):
 def test_evaluation_writes_results_and_flags_budget(tiny_results):
     res, out, budget, _ = tiny_results
     on_disk = json.loads((out / "accuracy.json").read_text())
-    assert on_disk["engines"].keys() == {"int8-tok", "int4-tensor"} and on_disk["path"] == "dense-kv-roundtrip"
+    assert on_disk["engines"].keys() == {"int8-tok", "int4-tensor"} and on_disk["path"] == "engine"
     e = on_disk["engines"]["int4-tensor"]
     assert e["perplexity"]["change_pct"] == pytest.approx(
         (e["perplexity"]["perplexity"] / on_disk["baseline"]["perplexity"]["perplexity"] - 1) * 100)
@@ -128,10 +129,60 @@ def test_eval_cli_exit_codes(tiny_results, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+# ------------------------------------------------------ user eval data
+@pytest.mark.parametrize("name, content, needle", [
+    ("empty.txt", b"  \n\n", "contains no text"),
+    ("blob.txt", b"\x00\x01\x02 binary" * 40, "NUL bytes"),
+    ("latin1.txt", b"caf\xe9 \xff\xfe", "UTF-8"),
+    ("short.txt", b"Only a few words here.", "tokens but 1 samples x 128 tokens"),
+    ("rows.jsonl", b'{"body": "no text field"}\n', "no string field 'text'"),
+])
+def test_bad_eval_data_names_the_field(tmp_path, name, content, needle):
+    from calibration.perplexity import eval_windows
+
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(InputError, match=needle) as err:
+        eval_windows(H.load_tokenizer_fast(), 128, 128, str(p))
+    assert str(err.value).startswith("accuracy.eval_data")
+
+
+def test_recipe_accepts_eval_data():
+    from recipes.schema import AccuracySection
+
+    acc = AccuracySection(eval_data="data/tickets.jsonl")
+    assert EvalSettings.from_any(acc).eval_data == "data/tickets.jsonl"
+    assert AccuracySection().eval_data == "builtin"
+
+
+def test_eval_cli_scores_user_data_and_rejects_bad_data(tmp_path):
+    import argparse
+    import logging
+
+    text = "\n\n".join(m.__doc__ for m in (logging, argparse))  # real prose on every machine
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "domain.txt").write_text(text)
+    args = ["eval", "--model", str(H.tiny_model_dir()), "--format", "int8:per_token", "--ppl-tokens", "64",
+            "--greedy-prompts", "1", "--greedy-tokens", "4", "--passkey-lengths", "64", "--passkey-trials", "1"]
+    ok = H.kvq_cli(*args, "--eval-data", str(tmp_path / "data"), "--out", str(tmp_path / "ok"))
+    assert ok.returncode == 0, ok.stderr
+    res = json.loads((tmp_path / "ok" / "accuracy.json").read_text())
+    assert res["settings"]["eval_data"] == str(tmp_path / "data") and res["path"] == "engine"
+    assert res["baseline"]["perplexity"]["tokens_scored"] == 63
+    (tmp_path / "short.txt").write_text("Too short.")
+    bad = H.kvq_cli(*args, "--eval-data", str(tmp_path / "short.txt"), "--out", str(tmp_path / "bad"))
+    assert bad.returncode == InputError.exit_code and "accuracy.eval_data" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "bad").exists()
+
+
 # ------------------------------------------------------- real SmolLM2
 @pytest.fixture(scope="module")
 def smol():
     return load_model(H.smollm2_dir()), H.load_tokenizer_fast()
+
+
+def _smol_engine(model, fmt: KVFormat | None = None, longest: int = 1024):
+    return evaluation_engine(model, H.smollm2_dir(), fmt or baseline_format(model), longest=longest)
 
 
 @pytest.mark.slow
@@ -140,7 +191,11 @@ def test_perplexity_matches_transformers(smol):
 
     model, tok = smol
     windows = eval_windows(tok, 512, 256)
-    ours = perplexity(DenseScorer(model), windows)["perplexity"]
+    eng = _smol_engine(model)
+    try:
+        ours = perplexity(eng, windows)["perplexity"]
+    finally:
+        eng.shutdown()
     hf = H.smollm2_hf_model()
     with torch.inference_mode():
         losses = [float(hf(input_ids=w[None], labels=w[None]).loss) for w in windows]
@@ -150,11 +205,15 @@ def test_perplexity_matches_transformers(smol):
 
 @pytest.mark.slow
 def test_greedy_continuation_matches_transformers_generate(smol):
-    from calibration.accuracy import chat_prompt_ids, greedy_continuations
+    from calibration.accuracy import chat_prompt_ids
 
     model, tok = smol
     p = chat_prompt_ids(tok, "What is the capital of France?")
-    ours = greedy_continuations(DenseScorer(model), [p], 8, eos_token_id=2)[0]
+    eng = _smol_engine(model)
+    try:
+        ours = greedy_continuations(eng, [p], 8)[0]
+    finally:
+        eng.shutdown()
     hf = H.smollm2_hf_model()
     with torch.inference_mode():
         ref = hf.generate(p[None], max_new_tokens=8, do_sample=False)[0, p.numel():]
@@ -164,26 +223,62 @@ def test_greedy_continuation_matches_transformers_generate(smol):
 
 @pytest.mark.slow
 def test_passkey_baseline_and_int8(smol):
-    """Measured baseline: SmolLM2 finds the key 5/5 at ~325 tokens."""
+    """Measured baseline: SmolLM2 finds the key 5/5 at ~325 tokens, through the engine and in the simulation."""
     from calibration.passkey import make_trials, passkey
 
     model, tok = smol
     trials = make_trials(tok, [320], 5)
-    base = passkey(DenseScorer(model), trials)
-    int8 = passkey(DenseScorer(model, KVRoundTrip(KVFormat("int8", "per_token"), 30)), trials)
-    assert base["found"] >= 4 and int8["found"] == base["found"]
+    res = {}
+    for name, fmt in (("base", None), ("int8", KVFormat("int8", "per_token"))):
+        eng = _smol_engine(model, fmt)
+        try:
+            res[name] = passkey(eng, trials)
+        finally:
+            eng.shutdown()
+    sim = passkey(DenseScorer(model, KVRoundTrip(KVFormat("int8", "per_token"), 30)), trials)
+    base, int8 = res["base"], res["int8"]
+    assert base["found"] >= 4 and int8["found"] == base["found"] == sim["found"]
     assert base["by_length"]["320"]["tokens_mean"] == pytest.approx(320, abs=25)
     assert abs(int8["by_length"]["320"]["mean_logprob"] - base["by_length"]["320"]["mean_logprob"]) < 0.05
 
 
 @pytest.mark.slow
-def test_attention_error_orders_formats(smol):
-    from calibration.accuracy import attention_error, baseline_layer_inputs
+def test_attention_error_orders_formats_and_matches_the_simulation(smol):
+    from calibration.accuracy import attention_error, baseline_layer_inputs, engine_attention_error
 
     model, tok = smol
     ids = torch.tensor(tok(" ".join(["The quick brown fox jumps over the lazy dog."] * 20))["input_ids"][:160])
     inputs, ref = baseline_layer_inputs(model, ids)
-    err = {d: attention_error(model, KVRoundTrip(KVFormat(d, "per_token"), 30), inputs, ref)["mean"]
-           for d in ("int8", "fp8_e4m3", "int4")}
-    assert 0 < err["int8"] < err["fp8_e4m3"] < err["int4"] < 1.0
-    assert err["int8"] < 0.02  # ~1/127 per element before softmax amplification
+    err, sim = {}, {}
+    for d in ("int8", "fp8_e4m3", "int4"):
+        fmt = KVFormat(d, "per_token")
+        eng = _smol_engine(model, fmt, longest=256)
+        try:
+            err[d] = engine_attention_error(eng, inputs)
+        finally:
+            eng.shutdown()
+        sim[d] = attention_error(model, KVRoundTrip(fmt, 30), inputs, ref)
+    assert 0 < err["int8"]["mean"] < err["fp8_e4m3"]["mean"] < err["int4"]["mean"] < 1.0
+    assert err["int8"]["mean"] < 0.02  # ~1/127 per element before softmax amplification
+    for d in err:  # the same quantized values, two attention implementations: errors agree closely
+        assert err[d]["mean"] == pytest.approx(sim[d]["mean"], rel=0.05), (d, err[d]["mean"], sim[d]["mean"])
+
+
+@pytest.mark.slow
+def test_engine_perplexity_agrees_with_the_simulation(smol):
+    """The dense quantize/dequantize simulation (kvsim) as a cross-check of the engine-run metric."""
+    from calibration.perplexity import eval_windows, perplexity
+
+    model, tok = smol
+    windows = eval_windows(tok, 1024, 512)
+    base = DenseScorer(model)
+    ref = perplexity(base, windows)["perplexity"]
+    for fmt, tol in ((KVFormat("int8", "per_token"), 0.1), (KVFormat("int4", "per_token"), 2.0)):
+        eng = _smol_engine(model, fmt)
+        try:
+            ours = (perplexity(eng, windows)["perplexity"] / ref - 1) * 100
+        finally:
+            eng.shutdown()
+        sim = (perplexity(DenseScorer(model, KVRoundTrip(fmt, 30)), windows)["perplexity"] / ref - 1) * 100
+        print(f"{fmt.name}: engine {ours:+.3f}% simulation {sim:+.3f}%")
+        assert ours > 0 and abs(ours - sim) <= tol, (fmt.name, ours, sim)

@@ -39,7 +39,7 @@ def command(model_dir, out_dir, dataset, num_samples, seq_len, policy, percentil
     with atomic_dir(out_dir, overwrite=force) as tmp:
         facts = run_calibration(model_dir, tmp, dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                 policy=policy, seed=seed, streaming=streaming, device=device,
-                                percentile=percentile, dtype=dtype)
+                                percentile=percentile, dtype=dtype, progress=True)
         write_json_atomic(tmp / "manifest.json", {"stage": "calibrate", "model_dir": str(Path(model_dir).resolve()),
                                                   "outputs": facts})
     report = json.loads((Path(out_dir) / REPORT_FILE).read_text())

@@ -47,6 +47,8 @@ def _lengths(text: str) -> list[int]:
 @click.option("--calib", "calib_dir", type=click.Path(), default=None, help="Calibration directory for --format.")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Output directory (must not exist).")
 @click.option("--ppl-tokens", type=int, default=1024, show_default=True)
+@click.option("--eval-data", default="builtin", show_default=True,
+              help="Held-out text for perplexity: 'builtin' or your own .txt/.jsonl file or directory.")
 @click.option("--greedy-prompts", type=int, default=4, show_default=True)
 @click.option("--greedy-tokens", type=int, default=32, show_default=True)
 @click.option("--passkey-lengths", default="256,1024", show_default=True)
@@ -57,7 +59,7 @@ def _lengths(text: str) -> list[int]:
 @click.option("--allow-accuracy-regression", is_flag=True, help="Exit 0 even when an engine breaks the budget.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing output directory once the new one is complete.")
-def command(model_dir, engines, formats, calib_dir, out_dir, ppl_tokens, greedy_prompts, greedy_tokens,
+def command(model_dir, engines, formats, calib_dir, out_dir, ppl_tokens, eval_data, greedy_prompts, greedy_tokens,
             passkey_lengths, passkey_trials, max_ppl_increase, min_passkey_relative, min_greedy_agreement,
             allow_accuracy_regression, device, force) -> None:
     """Perplexity change, greedy agreement, passkey retrieval and attention error vs unquantized KV.
@@ -68,11 +70,12 @@ def command(model_dir, engines, formats, calib_dir, out_dir, ppl_tokens, greedy_
     if not specs:
         raise InputError("nothing to evaluate: give --engine DIR or --format DTYPE[:GRANULARITY].")
     settings = EvalSettings(perplexity_tokens=ppl_tokens, greedy_prompts=greedy_prompts, greedy_tokens=greedy_tokens,
-                            passkey_lengths=_lengths(passkey_lengths), passkey_trials=passkey_trials)
+                            passkey_lengths=_lengths(passkey_lengths), passkey_trials=passkey_trials,
+                            eval_data=eval_data)
     budget = {"max_perplexity_increase_pct": max_ppl_increase, "min_passkey_rate_relative": min_passkey_relative,
               "min_greedy_agreement": min_greedy_agreement}
     with atomic_dir(out_dir, overwrite=force) as tmp:
-        results = run_evaluation(model_dir, specs, tmp, settings, budget=budget, device=device)
+        results = run_evaluation(model_dir, specs, tmp, settings, budget=budget, device=device, progress=True)
     table = Table(title=f"Accuracy vs unquantized KV ({results['path']})")
     for col in HEADER:
         table.add_column(col)
