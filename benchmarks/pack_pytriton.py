@@ -6,7 +6,7 @@ the wheel also ships a private libpython 3.13 (no binary links it) and stubs for
 Python versions. What stays unpacks into a directory that works as a PYTHONPATH entry
 (`importlib.util.find_spec("pytriton")` finds it):
 
-    python benchmarks/pack_pytriton.py nvidia_pytriton-0.7.0-*.whl --python 3.12 --out .whl/pytriton-slim.tar.xz
+    python -m benchmarks.pack_pytriton nvidia_pytriton-0.7.0-*.whl --python 3.12 --out .whl/pytriton-slim.tar.xz
     # on the GPU machine:  mkdir -p /tmp/site && tar -xJf .whl/pytriton-slim.tar.xz -C /tmp/site
 """
 

@@ -1,6 +1,6 @@
 """Cost of the sampling extras on one engine step's token pick, beside a plain argmax.
 
-    python benchmarks/sampling_cost.py [--batch 8] [--vocab 49152] [--device cpu|cuda]
+    python -m benchmarks.sampling_cost [--batch 8] [--vocab 49152] [--device cpu|cuda]
 
 Times `select_tokens` over [batch, vocab] fp32 logits for: every row greedy without extras
 (the path that must stay a plain argmax), every row with repetition/presence/frequency

@@ -7,7 +7,7 @@ tokens through the paged pool (write, then read). Both are timed side by side
 in one process, alternating, best of `--repeats`, so a loaded machine disturbs
 the ratio less than the absolute times.
 
-    python benchmarks/score_speed.py [--model-dir DIR] [--formats fp32,int8:per_token] [--out results.json]
+    python -m benchmarks.score_speed [--model-dir DIR] [--formats fp32,int8:per_token] [--out results.json]
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@ transformers and numpy; tritonserver, tritonclient/grpcio and the OpenAI stack t
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/serve/*.whl
     tar -xJf .whl/serve/pytriton-slim-0.7.0-py312.tar.xz -C /tmp/site
-    PYTHONPATH=/tmp/site:. python3 benchmarks/served_vs_inprocess.py --out $OUT
+    PYTHONPATH=/tmp/site:. python -m benchmarks.served_vs_inprocess --out $OUT
 
 The python backend's stub imports what this process imports (triton_repo/server.py gives it the
 same sys.path), so nothing needs installing into the machine's own environment.
 
 CPU proof (tiny model, seconds of generation):
 
-    PYTHONPATH=. python benchmarks/served_vs_inprocess.py --preset tiny-llama3 --device cpu \\
+    python -m benchmarks.served_vs_inprocess --preset tiny-llama3 --device cpu \\
         --concurrency 4 --prompt-len 16 --output-len 8 --out /tmp/svi
 
 For each KV format, the same engine directory (random weights from a seed, so every path computes
@@ -49,10 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from runtime.config import PRESETS
 
-from runtime.config import PRESETS  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 FORMATS = {
     "bf16": {"dtype": "bf16", "granularity": "per_tensor", "symmetric": True, "scale_dtype": "float16"},
@@ -212,7 +211,8 @@ def measure_served(name, server, ids, warm, args, frontend_url=None, first=False
 
 def start_frontend(grpc_url: str, port: int) -> subprocess.Popen:
     """The OpenAI frontend in its own process (its own GIL), importing what this process imports."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "triton_repo.openai_api.runner", "--grpc-url", grpc_url,
                              "--port", str(port), "--model", "synthetic"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)

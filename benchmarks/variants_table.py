@@ -1,6 +1,6 @@
 """Render benchmarks/results/kernel_variants.jsonl (the side-by-side timings behind each plan rule) as Markdown.
 
-    PYTHONPATH=. python3 benchmarks/variants_table.py [--jsonl PATH] [--out PATH]
+    python -m benchmarks.variants_table [--jsonl PATH] [--out PATH]
 
 One table per rule: each line is one group of launches timed side by side in one run (same model, shape and
 format), the alternatives in the order measured, the one the rule picks in bold.

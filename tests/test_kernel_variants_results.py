@@ -29,7 +29,7 @@ def rows(table):
 def test_markdown_is_rendered_from_the_jsonl(table, rows):
     env, data = rows
     assert (RESULTS / "kernel_variants.md").read_text() == table.render(env, data), (
-        "kernel_variants.md is stale: run PYTHONPATH=. python3 benchmarks/variants_table.py")
+        "kernel_variants.md is stale: run python -m benchmarks.variants_table")
 
 
 def test_every_comparison_names_the_alternative_its_rule_picks(rows):
