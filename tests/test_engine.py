@@ -311,6 +311,8 @@ def _amax_per_head(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.slow
 def test_smollm2_every_kv_format_generates_sensibly(smol_model):
+    """Every KV format generates text, and teacher-forced on the unquantized engine's greedy continuations (so one
+    early flip does not count for every later token) picks the same next token at least `floor` of the time."""
     base = smol_model
     prompts = [chat_prompt_ids(base.tokenizer, q) for q in CHAT_QUESTIONS[:2]]
     ref = base.generate(prompts, max_tokens=16)
@@ -325,17 +327,18 @@ def test_smollm2_every_kv_format_generates_sensibly(smol_model):
         eng = Engine(base.model, fmt, plan, k_s, v_s, tokenizer=base.tokenizer)
         try:
             out = eng.generate(prompts, max_tokens=16)
+            seqs = [p + r.token_ids for p, r in zip(prompts, ref)]
+            scores = eng.score(seqs, start=[len(p) for p in prompts])
         finally:
             eng.shutdown()
-        same = sum(a == b for o, r in zip(out, ref) for a, b in zip(o.token_ids, r.token_ids))
-        agreement[fmt.name] = same / sum(len(r.token_ids) for r in ref)
         assert all(o.text.strip() for o in out), fmt.name
-        # e5m2 keeps 2 mantissa bits (rounding error up to 2^-3, as coarse as 4-bit codes), and every prompt token
-        # attends to its own K/V as stored (write, then read): its continuations may part from fp16's early
+        same = sum(int(sc.matches(q).sum()) for sc, q in zip(scores, seqs))
+        agreement[fmt.name] = same / sum(len(r.token_ids) for r in ref)
+        # e5m2 keeps 2 mantissa bits (rounding error up to 2^-3), as coarse as the 4-bit codes
         coarse = fmt.bits == 4 or fmt.dtype == "fp8_e5m2"
-        floor = 0.9 if fmt.bits >= 16 else 0.0 if coarse else 0.5
+        floor = 0.99 if fmt.bits >= 16 else 0.5 if coarse else 0.8
         assert agreement[fmt.name] >= floor, (fmt.name, agreement)
-    print("greedy agreement with unquantized KV:", json.dumps(agreement, indent=1))
+    print("teacher-forced greedy agreement with unquantized KV:", json.dumps(agreement, indent=1))
 
 
 @pytest.mark.parametrize("fmt", [KVFormat("int4", "per_token", False, "float16"), KVFormat("fp8_e5m2", "per_token", True, "float32")],
