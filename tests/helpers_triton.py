@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from runtime.sampling import FAULT_SEED_ENV
-from triton_repo import protocol
+from triton_repo import client, protocol
 from triton_repo.server import free_port
 
 ENGINE_JSON = {
@@ -152,3 +152,16 @@ def triton_served(triton_repo_dir, triton_reference):
     assert "tritonserver stopped" in "".join(lines)
     with pytest.raises(ProcessLookupError):  # neither the server nor a stub of its group is left
         os.killpg(server_pid, 0)
+
+
+def wait_idle(metrics_url: str, timeout_s: float = 120) -> dict:
+    """Metrics once the engine has stopped generating (two equal reads a second apart)."""
+    last = client.engine_metrics(metrics_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = client.engine_metrics(metrics_url)
+        if now["generated_tokens"] == last["generated_tokens"]:
+            return now
+        last = now
+    pytest.fail("the engine kept generating: a request is wedged")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_cli import run_cli
 from helpers_convert import make_hf_dir, tiny_cfg
 from safetensors.torch import load_file, save_file
 
@@ -35,16 +36,6 @@ build: {{max_batch_size: 2, max_input_len: 64, max_seq_len: 128}}
 accuracy: {{enabled: false}}
 deploy: {{enabled: false}}
 """
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    from builder.cli import main
-
-    with pytest.raises(SystemExit) as info:
-        main([*args])
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return info.value.code or 0, out.out + out.err
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
-from helpers_triton import FAULT_SEED, OPENAI_MODEL, PROMPTS
+from helpers_triton import FAULT_SEED, OPENAI_MODEL, PROMPTS, wait_idle
 
 from builder.cli import cli
 from triton_repo import client, protocol
@@ -238,20 +238,10 @@ def test_triton_unreachable_is_503(served, reference):
     assert r.status_code == 503 and r.json()["error"]["code"] == "triton_unavailable", r.text
 
 
-def _wait_idle(metrics_url: str, timeout_s: float = 120) -> dict:
-    last = client.engine_metrics(metrics_url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        now = client.engine_metrics(metrics_url)
-        if now["generated_tokens"] == last["generated_tokens"]:
-            return now
-        last = now
-    pytest.fail("the engine kept generating: a request is wedged")
 
 
 def test_client_disconnect_cancels_the_engine_request(served):
-    before = _wait_idle(served["metrics"])
+    before = wait_idle(served["metrics"])
     body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 100, "temperature": 0.0, "stream": True}
     with httpx.stream("POST", f"{served['base']}/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -262,7 +252,7 @@ def test_client_disconnect_cancels_the_engine_request(served):
     while client.engine_metrics(served["metrics"])["cancelled"] == before["cancelled"]:
         assert time.monotonic() < deadline, "the engine never heard that the client left"
         time.sleep(0.2)
-    after = _wait_idle(served["metrics"])
+    after = wait_idle(served["metrics"])
     assert after["generated_tokens"] - before["generated_tokens"] < 100
 
 

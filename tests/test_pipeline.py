@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_cli import run_cli
 from safetensors.torch import load_file
 
 from builder.pipeline import read_manifest, require_manifest
@@ -154,16 +155,6 @@ build: {{max_batch_size: 2, max_input_len: 64, max_seq_len: 128, tp: 2, block_si
 accuracy: {{enabled: false}}
 deploy: {{enabled: false}}
 """
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    from builder.cli import main
-
-    with pytest.raises(SystemExit) as info:
-        main([*args])
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return info.value.code or 0, out.out + out.err
 
 
 def test_contract_trtllm_handoff_names_final_paths_and_a_rerun_builds_once_trtllm_build_exists(

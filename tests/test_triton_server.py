@@ -149,21 +149,10 @@ def test_bad_grpc_requests_get_an_error_and_the_server_stays_ready(served):
     assert _ready(served["http"])
 
 
-def _wait_idle(metrics_url: str, timeout_s: float = 120) -> dict:
-    """Metrics once the engine has stopped generating (two equal reads a second apart)."""
-    last = client.engine_metrics(metrics_url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        now = client.engine_metrics(metrics_url)
-        if now["generated_tokens"] == last["generated_tokens"]:
-            return now
-        last = now
-    pytest.fail("the engine kept generating: a request is wedged")
 
 
 def test_client_disconnect_mid_ensemble_stream_does_not_wedge_the_engine(served, reference):
-    before = _wait_idle(served["metrics"])
+    before = helpers_triton.wait_idle(served["metrics"])
     stream = client.stream(served["grpc"], _chat(PROMPTS[1], max_tokens=60))
     got = [next(stream), next(stream)]
     stream.close()  # stop_stream(cancel_requests=True): the client goes away mid-generation
@@ -173,14 +162,14 @@ def test_client_disconnect_mid_ensemble_stream_does_not_wedge_the_engine(served,
     assert _ready(served["http"])
     # tritonserver 2.51 does not pass an ensemble's cancellation on to its composing models, so the
     # orphan runs to its max_tokens at most, then frees its blocks: bounded, never wedged.
-    after = _wait_idle(served["metrics"])
+    after = helpers_triton.wait_idle(served["metrics"])
     assert after["generated_tokens"] - before["generated_tokens"] <= 60 + MAX_TOKENS
 
 
 def test_client_disconnect_on_the_engine_model_cancels_its_engine_request(served, reference):
     import tritonclient.grpc as grpcclient
 
-    before = _wait_idle(served["metrics"])
+    before = helpers_triton.wait_idle(served["metrics"])
     ids = protocol.encode_prompt(reference["tokenizer"], PROMPTS[1], chat=True)
     inputs = []
     for name, arr, dtype in [
@@ -206,7 +195,7 @@ def test_client_disconnect_on_the_engine_model_cancels_its_engine_request(served
     while client.engine_metrics(served["metrics"])["cancelled"] == before["cancelled"]:
         assert time.monotonic() < deadline, "the engine never heard that the client left"
         time.sleep(0.2)
-    after = _wait_idle(served["metrics"])
+    after = helpers_triton.wait_idle(served["metrics"])
     assert after["generated_tokens"] - before["generated_tokens"] < 80  # stopped early
     assert _ready(served["http"])
 
