@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,19 @@ class Generation:
     finish_reason: str
     logprobs: list[float] | None = None  # per token of token_ids, when sampling.logprobs
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
+@dataclass(frozen=True)
+class KVCacheUsage:
+    """One request's KV pages, over all its admissions (tensorrt_llm's kv_cache_* outputs)."""
+
+    reused_blocks: int  # taken from the prefix cache
+    new_blocks: int  # allocated fresh for its prompt
+    cached_tokens: int  # prompt tokens whose prefill the cache skipped (first admission)
+
+    @property
+    def total_blocks(self) -> int:
+        return self.reused_blocks + self.new_blocks
 
 
 @dataclass
@@ -201,15 +214,17 @@ class Engine:
         return list(prompt)
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-               on_token: TokenCallback | None = None) -> int:
-        """Queue a request for the background step loop; returns its id."""
-        return self._submit([(prompt_ids, on_token)], sampling)[0].request_id
+               on_token: TokenCallback | None = None, *,
+               on_finish: Callable[[KVCacheUsage], None] | None = None) -> int:
+        """Queue a request for the background step loop; returns its id. `on_finish` gets the
+        request's KV page usage just before its final `on_token` call."""
+        return self._submit([(prompt_ids, on_token)], sampling, on_finish)[0].request_id
 
     def _submit(self, requests: list[tuple[list[int], TokenCallback | None]],
-                sampling: SamplingParams | None) -> list[Sequence]:
+                sampling: SamplingParams | None, on_finish: Callable | None = None) -> list[Sequence]:
         """Validate all, then enqueue all at once (so one call's prompts share the first step)."""
         sp = sampling or SamplingParams()
-        seqs = [Sequence(next(self._ids), self._validate(ids, sp), sp, cb) for ids, cb in requests]
+        seqs = [Sequence(next(self._ids), self._validate(ids, sp), sp, cb, on_finish) for ids, cb in requests]
         for seq in seqs:
             seq.generator = None if sp.greedy else sp.make_generator()
         with self._cv:
@@ -348,6 +363,11 @@ class Engine:
         if reason is not None:
             seq.finish_reason = reason
             self._live.pop(seq.request_id, None)
+            if seq.on_finish is not None:
+                try:
+                    seq.on_finish(KVCacheUsage(seq.reused_blocks, seq.new_blocks, seq.cached_tokens))
+                except Exception:  # noqa: BLE001 - a broken callback never stops the loop
+                    logging.getLogger("kvq.engine").exception("on_finish callback failed")
         if seq.on_token is None:
             return
         try:

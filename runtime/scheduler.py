@@ -47,6 +47,7 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams
     on_token: TokenCallback | None = None
+    on_finish: Callable | None = None  # gets the request's engine.KVCacheUsage when it finishes
     output_ids: list[int] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrivals))
     generator: torch.Generator | None = None
