@@ -67,7 +67,7 @@ class Workload:
     seed: int = 0
 
 
-CPU_WORKLOAD = Workload(conversations=6, concurrency=3)
+CPU_WORKLOAD = Workload(conversations=8, concurrency=3)
 # About 148k distinct tokens, 16 chats of up to 8k tokens running: under a 24 GiB pool (what an 8B bf16
 # model leaves for KV on a 40-48 GB GPU) BF16 must evict, FP8 and INT4 keep nearly everything cached.
 GPU_WORKLOAD = Workload(system_len=1024, docs=16, doc_len=6144, conversations=64, turns=4, question_len=64,
@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     base = CPU_WORKLOAD if args.device == "cpu" else GPU_WORKLOAD
     w = Workload(**{f: getattr(args, f) if getattr(args, f) is not None else v for f, v in asdict(base).items()})
-    # CPU default: 800 tokens of SmolLM2 bf16 KV, fewer than the CPU workload's distinct tokens
-    # (about 810) plus what its running requests hold
+    # CPU default: 800 tokens (50 pages) of SmolLM2 bf16 KV, fewer than the CPU workload's
+    # 928 distinct tokens: BF16 must evict, FP8 and INT4 keep everything
     if args.pool_gib is None and args.pool_mib is None:
         args.pool_mib = 17.6 if args.device == "cpu" else GPU_POOL_GIB * 1024
     pool_bytes = int(args.pool_gib * 2**30 if args.pool_gib else args.pool_mib * MIB)
