@@ -198,10 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     base = CPU_WORKLOAD if args.device == "cpu" else GPU_WORKLOAD
     w = Workload(**{f: getattr(args, f) if getattr(args, f) is not None else v for f, v in asdict(base).items()})
-    # CPU default: 800 tokens (50 pages) of SmolLM2 bf16 KV, fewer than the CPU workload's
-    # 928 distinct tokens: BF16 must evict, FP8 and INT4 keep everything
+    # CPU default: 600 tokens (37 pages) of SmolLM2 bf16 KV, against the CPU workload's 928
+    # distinct tokens and up to 34 pages held by its 3 running chats: BF16 evicts shared
+    # prefixes, FP8 (75 pages) and INT4 keep everything
     if args.pool_gib is None and args.pool_mib is None:
-        args.pool_mib = 17.6 if args.device == "cpu" else GPU_POOL_GIB * 1024
+        args.pool_mib = 13.2 if args.device == "cpu" else GPU_POOL_GIB * 1024
     pool_bytes = int(args.pool_gib * 2**30 if args.pool_gib else args.pool_mib * MIB)
     step_tokens = args.step_tokens or (2048 if args.device == "cpu" else 8192)
     max_seq = w.system_len + w.doc_len + w.turns * (w.question_len + w.output_len)

@@ -3,6 +3,8 @@ giving the same greedy tokens with caching on as off, for every KV format."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from helpers_runtime import tiny_llama_dir
@@ -16,6 +18,7 @@ from runtime.engine_dir import read_settings
 from runtime.kv_format import KVFormat, static_scale_from_amax
 from runtime.model import LlamaModel
 from runtime.runner import plan_pool
+from runtime.sampling import SamplingParams
 from runtime.weights import open_weights
 
 BS = 4
@@ -287,3 +290,20 @@ def test_prefix_caching_setting_from_recipe_to_engine(tmp_path):
     (tmp_path / "engine.json").write_text('{"prefix_caching": "yes"}')
     with pytest.raises(Exception, match="prefix_caching must be true or false"):
         read_settings(tmp_path)
+
+
+def test_on_finish_reports_each_requests_reused_and_new_pages(tiny_model, scales):
+    fmt = KVFormat("int8", "per_token")
+    eng = _engine(tiny_model, fmt, scales[fmt], True)
+    prompt = SYSTEM + [7, 8, 9]  # 24 tokens: 3 pages, the last one holding the last token
+    usages = []
+    try:
+        for _ in range(2):
+            done = threading.Event()
+            eng.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True),
+                       lambda tok, fin, *_, done=done: fin and done.set(), on_finish=usages.append)
+            assert done.wait(60)
+    finally:
+        eng.shutdown()
+    assert [(u.reused_blocks, u.new_blocks, u.total_blocks, u.cached_tokens) for u in usages] == [
+        (0, 3, 3, 0), (2, 1, 3, 16)]
