@@ -216,7 +216,9 @@ def test_the_engine_model_reports_kv_cache_reuse_per_request(served, reference):
     prompt sent twice reuses every full page but the one holding its last token the second time."""
     import tritonclient.grpc as grpcclient
 
-    ids = protocol.encode_prompt(reference["tokenizer"], "Tell me about page reuse in caches.", chat=True)
+    # plain text no other test sends (a chat template's first page is shared with other chat requests)
+    text = "Key value caches keep the pages of a finished request for the next request that starts the same way, so"
+    ids = protocol.encode_prompt(reference["tokenizer"], text, chat=False)
     bs = ENGINE_JSON["block_size"]
     names = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
 
