@@ -281,12 +281,23 @@ def test_random_shared_prefix_workloads_with_evictions_and_preemptions(tiny_mode
     assert all(seen.values()), seen  # the draws did reuse, evict and preempt
 
 
-def test_prefix_caching_setting_from_recipe_to_engine(tmp_path):
+def test_prefix_caching_setting_from_recipe_to_engine(tmp_path_factory, tmp_path):
+    """build.prefix_caching (default on) -> engine.json -> Engine.from_dir, which can override it."""
+    import shutil
+
     from recipes.schema import BuildSection
 
     assert BuildSection().prefix_caching is True
-    (tmp_path / "engine.json").write_text('{"prefix_caching": false}')
-    assert read_settings(tmp_path).prefix_caching is False
+    for f in tiny_llama_dir(tmp_path_factory).iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    for setting, override, want in (("{}", None, True), ('{"prefix_caching": false}', None, False),
+                                    ('{"prefix_caching": false}', True, True)):
+        (tmp_path / "engine.json").write_text(setting)
+        eng = Engine.from_dir(tmp_path, num_blocks=8, prefix_caching=override)
+        try:
+            assert eng.stats.prefix_caching is want and eng.blocks.prefix_caching is want
+        finally:
+            eng.shutdown()
     (tmp_path / "engine.json").write_text('{"prefix_caching": "yes"}')
     with pytest.raises(Exception, match="prefix_caching must be true or false"):
         read_settings(tmp_path)
