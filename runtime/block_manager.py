@@ -129,6 +129,10 @@ class BlockManager:
         hits = self._match(token_ids)
         return self.blocks_for(len(token_ids)) - sum(1 for b in hits if self._ref[b] > 0)
 
+    def num_keyed_blocks(self, seq_id: object) -> int:
+        """Leading pages of the sequence already keyed (written and full)."""
+        return len(self._seqs[seq_id].keys)
+
     def num_reused_blocks(self, seq_id: object) -> int:
         return self._seqs[seq_id].num_reused
 

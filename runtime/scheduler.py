@@ -192,8 +192,12 @@ class Scheduler:
 
     def commit(self, step: Step) -> None:
         """The step's forward wrote its K/V: its sequences' newly full pages become cacheable."""
+        if not self.blocks.prefix_caching:
+            return
+        bs = self.blocks.block_size
         for seq in step.decode + step.prefill:
-            if seq.request_id in self.blocks:
+            # most decode steps fill no page: skip building the token list for them
+            if seq.request_id in self.blocks and seq.num_computed // bs > self.blocks.num_keyed_blocks(seq.request_id):
                 self.blocks.mark_computed(seq.request_id, seq.token_ids, seq.num_computed)
 
     def finish(self, seq: Sequence, reason: str) -> None:
