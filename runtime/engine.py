@@ -31,7 +31,7 @@ from .kv_format import KVFormat
 from .model import LlamaModel
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
 from .sampling import SamplingParams, select_tokens
-from .scheduler import Scheduler, Sequence, TokenCallback
+from .scheduler import KVCacheUsage, Scheduler, Sequence, TokenCallback
 from .weights import open_weights
 
 
@@ -43,19 +43,6 @@ class Generation:
     finish_reason: str
     logprobs: list[float] | None = None  # per token of token_ids, when sampling.logprobs
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-
-
-@dataclass(frozen=True)
-class KVCacheUsage:
-    """One request's KV pages, over all its admissions (tensorrt_llm's kv_cache_* outputs)."""
-
-    reused_blocks: int  # taken from the prefix cache
-    new_blocks: int  # allocated fresh for its prompt
-    cached_tokens: int  # prompt tokens whose prefill the cache skipped (first admission)
-
-    @property
-    def total_blocks(self) -> int:
-        return self.reused_blocks + self.new_blocks
 
 
 @dataclass
@@ -365,7 +352,7 @@ class Engine:
             self._live.pop(seq.request_id, None)
             if seq.on_finish is not None:
                 try:
-                    seq.on_finish(KVCacheUsage(seq.reused_blocks, seq.new_blocks, seq.cached_tokens))
+                    seq.on_finish(seq.kv_cache_usage)
                 except Exception:  # noqa: BLE001 - a broken callback never stops the loop
                     logging.getLogger("kvq.engine").exception("on_finish callback failed")
         if seq.on_token is None:

@@ -41,13 +41,26 @@ TokenCallback = Callable[[int | None, bool, str | None], None]
 _arrivals = itertools.count()
 
 
+@dataclass(frozen=True)
+class KVCacheUsage:
+    """One request's KV pages, over all its admissions (tensorrt_llm's kv_cache_* outputs)."""
+
+    reused_blocks: int  # taken from the prefix cache
+    new_blocks: int  # allocated fresh for its prompt
+    cached_tokens: int  # prompt tokens whose prefill the cache skipped (first admission)
+
+    @property
+    def total_blocks(self) -> int:
+        return self.reused_blocks + self.new_blocks
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
     on_token: TokenCallback | None = None
-    on_finish: Callable | None = None  # gets the request's engine.KVCacheUsage when it finishes
+    on_finish: Callable[[KVCacheUsage], None] | None = None  # gets kv_cache_usage when it finishes
     output_ids: list[int] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrivals))
     generator: torch.Generator | None = None
@@ -60,6 +73,10 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at its first admission
     reused_blocks: int = 0  # KV pages taken from the prefix cache, over all its admissions
     new_blocks: int = 0  # KV pages allocated fresh, over all its admissions
+
+    @property
+    def kv_cache_usage(self) -> KVCacheUsage:
+        return KVCacheUsage(self.reused_blocks, self.new_blocks, self.cached_tokens)
 
     @property
     def token_ids(self) -> list[int]:
