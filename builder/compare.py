@@ -88,7 +88,8 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 1)
         for c in levels:
             n = max(wl.num_requests, c)
-            prompts = random_prompts(n, wl.prompt_len, vocab, wl.seed, avoid)
+            # other prompts at each level: the prefix cache must not serve one level's prompts to the next
+            prompts = random_prompts(n, wl.prompt_len, vocab, wl.seed + 7919 * c, avoid)
             res = run_closed_loop(engine, prompts, sampling, c)
             res["at_max_concurrency"] = c == max_conc
             runs.append(res)
@@ -109,6 +110,11 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
             "peak_memory_bytes": _peak_memory_bytes(device),
             "runs": runs,
             "accuracy": eut.accuracy,
+            # the prefix cache over all runs (random prompts share little; docs/prefix_caching.md)
+            "prefix_caching": engine.stats.prefix_caching,
+            "prefix_hit_rate": engine.stats.prefix_hit_rate,
+            "reused_tokens": engine.stats.reused_tokens,
+            "prefix_evictions": engine.stats.evictions,
         }
     finally:
         engine.shutdown()

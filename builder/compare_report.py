@@ -64,6 +64,13 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {r['label']} | {x['concurrency']}{tag} | {x['tokens_per_s']:.1f} | {rel} | "
                 f"{x['ttft_p50_ms']:.1f} | {x['ttft_p99_ms']:.1f} | {x['itl_p50_ms']:.1f} | {x['itl_p99_ms']:.1f} | "
                 f"{x['mean_batch']:.1f} | {x['errors']} |")
+    lines += ["", "## Prefix cache", "", "| engine | prefix caching | hit rate | reused tokens | evictions |",
+              "|---|---|---|---|---|"]
+    for r in rows:  # reports written before prefix caching existed lack these keys
+        on = r.get("prefix_caching")
+        lines.append(f"| {r['label']} | {'-' if on is None else 'on' if on else 'off'} | "
+                     f"{_fmt(r.get('prefix_hit_rate'), '{:.3f}')} | {_fmt(r.get('reused_tokens'), '{:,}')} | "
+                     f"{_fmt(r.get('prefix_evictions'), '{:,}')} |")
     best = _best(rows)
     b0 = best[base["label"]]["tokens_per_s"]
     lines += ["", "At each engine's maximum concurrency: " + "; ".join(

@@ -107,7 +107,8 @@ def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
         save_file({"k_scale": k, "v_scale": v}, str(out / "kv_scales.safetensors"))
         outputs["scale_range"] = [float(min(k.min(), v.min())), float(max(k.max(), v.max()))]
     # a runtime setting of kvq's own engine only: trtllm-build has no such flag
-    settings = {**engine_settings(ctx), "batch_invariant": ctx.recipe.build.batch_invariant}
+    settings = {**engine_settings(ctx), "batch_invariant": ctx.recipe.build.batch_invariant,
+                "prefix_caching": ctx.recipe.build.prefix_caching}
     _write_json(out / "engine.json", settings)
     outputs["engine"] = settings
     outputs["summary"] = f"torch engine, KV {fmt.name}"

@@ -80,6 +80,9 @@ class BuildSection(Section):
     batch_invariant: bool | None = Field(
         None, description="Embedded engine: a request's output independent of its batch mates, chunking and "
         "preemption (docs/numerics.md). Unset: on for CPU engines, off on CUDA.")
+    prefix_caching: bool = Field(
+        True, description="Keep finished requests' full KV pages and reuse them for requests that start with "
+        "the same tokens (docs/prefix_caching.md).")
 
 
 class AccuracySection(Section):

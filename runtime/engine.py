@@ -31,7 +31,7 @@ from .kv_format import KVFormat
 from .model import LlamaModel
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
 from .sampling import SamplingParams, select_tokens
-from .scheduler import Scheduler, Sequence, TokenCallback
+from .scheduler import KVCacheUsage, Scheduler, Sequence, TokenCallback
 from .scoring import TokenScores
 from .weights import open_weights
 
@@ -43,6 +43,7 @@ class Generation:
     prompt_len: int
     finish_reason: str
     logprobs: list[float] | None = None  # per token of token_ids, when sampling.logprobs
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass
@@ -66,6 +67,12 @@ class EngineStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    prefix_caching: bool = False  # full KV pages reused across requests (runtime/block_manager.py)
+    prefix_lookups: int = 0  # full prompt pages looked up in the prefix cache
+    prefix_hits: int = 0  # of those, found cached
+    prefix_hit_rate: float = 0.0  # prefix_hits / prefix_lookups
+    reused_tokens: int = 0  # prompt tokens whose prefill the cache skipped
+    evictions: int = 0  # cached pages evicted for new data
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -76,7 +83,7 @@ class Engine:
         self, model: LlamaModel, fmt: KVFormat, plan: PoolPlan, k_scales, v_scales, *, tokenizer=None,
         max_batch_size: int = 8, max_seq_len: int | None = None, max_tokens_per_step: int = 2048,
         attention: str = "auto", max_input_len: int | None = None, cuda_graphs: bool = True,
-        batch_invariant: bool = False,
+        batch_invariant: bool = False, prefix_caching: bool = True,
     ):
         self.model, self.cfg, self.fmt, self.tokenizer = model, model.cfg, fmt, tokenizer
         self.max_seq_len = max_seq_len or model.cfg.max_position_embeddings
@@ -90,7 +97,9 @@ class Engine:
                                  "or batch_invariant=False to use the Triton kernels.")
             self.backend = batch_invariant_backend(model)
         caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales)
-        self.blocks = BlockManager(plan.num_blocks, plan.block_size)
+        # the page key's salt: K/V of another format, scales, model or dtype never match
+        self.blocks = BlockManager(plan.num_blocks, plan.block_size, prefix_caching=prefix_caching,
+                                   salt=_cache_salt(model, fmt, k_scales, v_scales))
         graphs = None
         if cuda_graphs and model.device.type == "cuda" and can_capture(self.backend):
             graphs = DecodeGraphs(model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size)
@@ -105,7 +114,7 @@ class Engine:
                 t.numel() * t.element_size() for c in caches
                 for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
             ),
-            cuda_graphs=graphs is not None, batch_invariant=batch_invariant,
+            cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -124,7 +133,7 @@ class Engine:
         max_batch_size: int | None = None, num_blocks: int | None = None, memory_budget: int | None = None,
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
-        batch_invariant: bool | None = None,
+        batch_invariant: bool | None = None, prefix_caching: bool | None = None,
     ) -> Engine:
         d = Path(path)
         if not d.is_dir():
@@ -151,7 +160,8 @@ class Engine:
                    max_seq_len=seq_len, max_tokens_per_step=step_tokens, attention=attention,
                    max_input_len=settings.max_input_len,
                    cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
-                   batch_invariant=_pick(batch_invariant, settings.batch_invariant, dev.type == "cpu"))
+                   batch_invariant=_pick(batch_invariant, settings.batch_invariant, dev.type == "cpu"),
+                   prefix_caching=_pick(prefix_caching, settings.prefix_caching))
 
     # ----------------------------------------------------------- requests
     def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:
@@ -193,15 +203,17 @@ class Engine:
         return list(prompt)
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-               on_token: TokenCallback | None = None) -> int:
-        """Queue a request for the background step loop; returns its id."""
-        return self._submit([(prompt_ids, on_token)], sampling)[0].request_id
+               on_token: TokenCallback | None = None, *,
+               on_finish: Callable[[KVCacheUsage], None] | None = None) -> int:
+        """Queue a request for the background step loop; returns its id. `on_finish` gets the
+        request's KV page usage just before its final `on_token` call."""
+        return self._submit([(prompt_ids, on_token)], sampling, on_finish)[0].request_id
 
     def _submit(self, requests: list[tuple[list[int], TokenCallback | None]],
-                sampling: SamplingParams | None) -> list[Sequence]:
+                sampling: SamplingParams | None, on_finish: Callable | None = None) -> list[Sequence]:
         """Validate all, then enqueue all at once (so one call's prompts share the first step)."""
         sp = sampling or SamplingParams()
-        seqs = [Sequence(next(self._ids), self._validate(ids, sp), sp, cb) for ids, cb in requests]
+        seqs = [Sequence(next(self._ids), self._validate(ids, sp), sp, cb, on_finish) for ids, cb in requests]
         for seq in seqs:
             seq.generator = None if sp.greedy else sp.make_generator()
         with self._cv:
@@ -282,6 +294,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the forward is shared: fail this step's requests only
             self._fail(list(step.decode) + list(step.prefill), e)
             return
+        self.scheduler.commit(step)  # K/V written: the step's full pages become reusable
         seqs = step.sampled  # a prefill chunk that is not its prompt's last gets no token
         eos = () if self.cfg.eos_token_id is None else (self.cfg.eos_token_id,)
         picks = select_tokens(logits, seqs, eos)
@@ -291,6 +304,9 @@ class Engine:
         st.preemptions = self.scheduler.num_preemptions
         st.prompt_tokens += sum(len(s.prompt_ids) for s in step.completed_prefill if not s.preemptions)
         st.generated_tokens += len(seqs)
+        cs = self.blocks.cache_stats
+        st.prefix_lookups, st.prefix_hits, st.prefix_hit_rate = cs.lookups, cs.hits, cs.hit_rate
+        st.reused_tokens, st.evictions = cs.reused_tokens, cs.evictions
         for seq, pick in zip(seqs, picks):
             # Whatever goes wrong with one request (its logits, sampling, stop checks) ends that request
             # alone: its blocks are freed and every other sequence keeps its step.
@@ -337,6 +353,11 @@ class Engine:
         if reason is not None:
             seq.finish_reason = reason
             self._live.pop(seq.request_id, None)
+            if seq.on_finish is not None:
+                try:
+                    seq.on_finish(seq.kv_cache_usage)
+                except Exception:  # noqa: BLE001 - a broken callback never stops the loop
+                    logging.getLogger("kvq.engine").exception("on_finish callback failed")
         if seq.on_token is None:
             return
         try:
@@ -368,7 +389,7 @@ class Engine:
                 raise seq.error or KvqError("generation failed in the engine step loop.")
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
             out.append(Generation(text, list(seq.output_ids), len(seq.prompt_ids), seq.finish_reason,
-                                  list(seq.logprobs) if sp.logprobs else None))
+                                  list(seq.logprobs) if sp.logprobs else None, seq.cached_tokens))
         return out
 
     def score(self, sequences: list[list[int]], start: int | list[int] = 1, tokens_per_pass: int | None = None,
@@ -395,6 +416,13 @@ class Engine:
         finally:
             if not finished:
                 self.cancel(seq.request_id)
+
+
+def _cache_salt(model: LlamaModel, fmt: KVFormat, k_scales, v_scales) -> str:
+    """What a page's K/V depend on besides its tokens: the model, its dtype, the KV format and
+    the static scales (a page key includes this, so their pages never match)."""
+    scales = [s.flatten().tolist() for s in (k_scales, v_scales) if s is not None]
+    return repr((model.cfg, str(model.dtype), model.weight_bytes, fmt.name, scales))
 
 
 def _pick(*choices):

@@ -36,6 +36,7 @@ class EngineSettings:
     gpu_memory_fraction: float = 0.9
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton attention only)
     batch_invariant: bool | None = None  # None: on for CPU engines, off on CUDA (runtime/batch_invariant.py)
+    prefix_caching: bool = True  # reuse cached full KV pages across requests (runtime/block_manager.py)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def read_settings(d: Path) -> EngineSettings:
             raise InputError(f"{p}: {name} must be a positive integer, got {v!r}; fix engine.json or rebuild.")
     if not 0 < s.gpu_memory_fraction <= 1:
         raise InputError(f"{p}: gpu_memory_fraction must be in (0, 1], got {s.gpu_memory_fraction!r}.")
-    for name in ("cuda_graphs", "batch_invariant"):
+    for name in ("cuda_graphs", "batch_invariant", "prefix_caching"):
         v = getattr(s, name)
         if not isinstance(v, bool) and not (name == "batch_invariant" and v is None):
             raise InputError(f"{p}: {name} must be true or false, got {v!r}; fix engine.json or rebuild.")

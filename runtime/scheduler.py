@@ -13,6 +13,12 @@ token is sampled when the last chunk has run. A sequence holds the blocks for
 its whole prompt from admission, so a chunked prefill never waits on memory
 halfway.
 
+With prefix caching (block_manager.py) an admitted sequence -- new, or
+re-admitted after preemption -- takes the cached pages that start its tokens
+and its prefill starts at the first uncached token; a chunk reads the cached
+pages exactly as decode does (write-then-read, docs/numerics.md). `commit`
+registers the pages a step filled, once its forward has written them.
+
 Recompute (rather than swapping pages out) keeps the pool the only KV memory
 and costs one prefill per preemption; the oldest request always progresses,
 so nothing starves.
@@ -35,12 +41,26 @@ TokenCallback = Callable[[int | None, bool, str | None], None]
 _arrivals = itertools.count()
 
 
+@dataclass(frozen=True)
+class KVCacheUsage:
+    """One request's KV pages, over all its admissions (tensorrt_llm's kv_cache_* outputs)."""
+
+    reused_blocks: int  # taken from the prefix cache
+    new_blocks: int  # allocated fresh for its prompt
+    cached_tokens: int  # prompt tokens whose prefill the cache skipped (first admission)
+
+    @property
+    def total_blocks(self) -> int:
+        return self.reused_blocks + self.new_blocks
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
     on_token: TokenCallback | None = None
+    on_finish: Callable[[KVCacheUsage], None] | None = None  # gets kv_cache_usage when it finishes
     output_ids: list[int] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrivals))
     generator: torch.Generator | None = None
@@ -50,6 +70,13 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)  # per output token, when sampling.logprobs
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     prefill_target: int = 0  # tokens to prefill (set at admission); decoding once num_computed reaches it
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at its first admission
+    reused_blocks: int = 0  # KV pages taken from the prefix cache, over all its admissions
+    new_blocks: int = 0  # KV pages allocated fresh, over all its admissions
+
+    @property
+    def kv_cache_usage(self) -> KVCacheUsage:
+        return KVCacheUsage(self.reused_blocks, self.new_blocks, self.cached_tokens)
 
     @property
     def token_ids(self) -> list[int]:
@@ -161,18 +188,34 @@ class Scheduler:
             take(seq)
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.waiting[0]
-            n = seq.num_tokens
+            tokens = seq.token_ids
             reserve = self.watermark_blocks if self.running else 0
-            if self.blocks.blocks_for(n) + reserve > self.blocks.num_free_blocks:
+            if self.blocks.blocks_needed(tokens) + reserve > self.blocks.num_free_blocks:
                 break
-            self.blocks.allocate(seq.request_id, n)
+            cached = self.blocks.allocate_prefix(seq.request_id, tokens)
+            reused = self.blocks.num_reused_blocks(seq.request_id)
+            if not seq.preemptions:
+                seq.cached_tokens = cached
+            seq.reused_blocks += reused
+            seq.new_blocks += self.blocks.blocks_for(len(tokens)) - reused
             self.waiting.popleft()
             self.running.append(seq)
-            seq.prefill_target = n
-            take(seq)  # the whole prompt, or the chunk the budget leaves
+            seq.num_computed = cached
+            seq.prefill_target = len(tokens)
+            take(seq)  # the uncached rest of the prompt, or the chunk the budget leaves
         # Keep arrival order, so a recomputed old request is not mistaken for the newest.
         self.running.sort(key=lambda s: s.arrival)
         return Step(decode, prefill, spans)
+
+    def commit(self, step: Step) -> None:
+        """The step's forward wrote its K/V: its sequences' newly full pages become cacheable."""
+        if not self.blocks.prefix_caching:
+            return
+        bs = self.blocks.block_size
+        for seq in step.decode + step.prefill:
+            # most decode steps fill no page: skip building the token list for them
+            if seq.request_id in self.blocks and seq.num_computed // bs > self.blocks.num_keyed_blocks(seq.request_id):
+                self.blocks.mark_computed(seq.request_id, seq.token_ids, seq.num_computed)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Drop a sequence (done, cancelled or failed) and give back its blocks."""

@@ -56,10 +56,12 @@ def test_compare_reports_memory_throughput_and_plots(engines, tmp_path):
             assert run["generated_tokens"] == 8 * max(6, run["concurrency"])
             assert run["max_batch"] <= run["concurrency"]
         assert any(run["at_max_concurrency"] for run in r["runs"])
+        # prefix caching is on, and no level was served another level's prompts from the cache
+        assert r["prefix_caching"] is True and r["reused_tokens"] == 0 and r["prefix_hit_rate"] == 0.0
     # the smaller format fits more requests under the same budget
     assert rows["int4"]["max_concurrency"] > rows["int8"]["max_concurrency"] > rows["fp16"]["max_concurrency"]
     md = (tmp_path / "report.md").read_text()
-    assert "planner error" in md and "| int4 |" in md
+    assert "planner error" in md and "| int4 |" in md and "## Prefix cache" in md
     for png in ("concurrency_vs_context.png", "throughput_vs_concurrency.png", "accuracy_vs_bytes.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert res["baseline"] == "fp16"

@@ -94,5 +94,5 @@ def test_every_field_is_implemented_or_refused_with_a_reason():
         "text_input", "max_tokens", "num_return_sequences", "bad_words", "stop_words", "exclude_input_in_output",
         "end_id", "pad_id", "top_k", "top_p", "temperature", "length_penalty", "repetition_penalty", "min_length",
         "presence_penalty", "frequency_penalty", "random_seed", "return_log_probs", "beam_width", "stream",
-        "apply_chat_template",
+        "apply_chat_template", "return_perf_metrics",
     }

@@ -200,6 +200,48 @@ def test_client_disconnect_on_the_engine_model_cancels_its_engine_request(served
     assert _ready(served["http"])
 
 
+def test_the_engine_model_reports_kv_cache_reuse_per_request(served, reference):
+    """return_perf_metrics: tensorrt_llm's kv_cache_* outputs on the final response. The same
+    prompt sent twice reuses every full page but the one holding its last token the second time."""
+    import tritonclient.grpc as grpcclient
+
+    # plain text no other test sends (a chat template's first page is shared with other chat requests)
+    text = "Key value caches keep the pages of a finished request for the next request that starts the same way, so"
+    ids = protocol.encode_prompt(reference["tokenizer"], text, chat=False)
+    bs = ENGINE_JSON["block_size"]
+    names = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
+
+    def infer() -> dict[str, int]:
+        inputs = []
+        for name, arr, dtype in [
+            ("input_ids", np.array([ids], dtype=np.int32), "INT32"),
+            ("input_lengths", np.array([[len(ids)]], dtype=np.int32), "INT32"),
+            ("request_output_len", np.array([[4]], dtype=np.int32), "INT32"),
+            ("return_perf_metrics", np.array([[True]]), "BOOL"),
+        ]:
+            t = grpcclient.InferInput(name, list(arr.shape), dtype)
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        results = []
+        c = grpcclient.InferenceServerClient(served["grpc"])
+        c.start_stream(callback=lambda result, error: results.append((result, error)))
+        c.async_stream_infer("kvq_engine", inputs, outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+        deadline = time.monotonic() + 60
+        while not results and time.monotonic() < deadline:
+            time.sleep(0.02)
+        c.stop_stream()
+        c.close()
+        (result, error), = results
+        assert error is None, error
+        return {n: int(result.as_numpy(n).reshape(-1)[0]) for n in names}
+
+    first, second = infer(), infer()
+    total = -(-len(ids) // bs)
+    assert first == {names[0]: total, names[1]: 0, names[2]: total}  # a prompt the server has not seen
+    reused = (len(ids) - 1) // bs
+    assert reused >= 1 and second == {names[0]: total - reused, names[1]: reused, names[2]: total}
+
+
 # ------------------------------------------------------------- protocol
 def test_incremental_detokenization_with_multibyte_characters(reference):
     tok = reference["tokenizer"]

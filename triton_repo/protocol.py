@@ -72,8 +72,8 @@ ENSEMBLE_REQUEST = (
     Field("return_log_probs", "BOOL", (1,), "return_log_probs"),
     Field("return_context_logits", "BOOL", (1,), "return_context_logits", inert=_LOGITS),
     Field("return_generation_logits", "BOOL", (1,), "return_generation_logits", inert=_LOGITS),
-    Field("return_perf_metrics", "BOOL", (1,), "return_perf_metrics",
-          inert="kvq engines report their metrics through Triton's /metrics"),
+    # answered with the kv_cache_* outputs (KV pages reused / allocated); timings go to Triton's /metrics
+    Field("return_perf_metrics", "BOOL", (1,), "return_perf_metrics"),
     Field("beam_width", "INT32", (1,), "beam_width"),
     Field("stream", "BOOL", (1,), "streaming"),
     Field("prompt_embedding_table", "FP16", (-1, -1), "prompt_embedding_table", inert=_PTUNING),

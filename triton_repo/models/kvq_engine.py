@@ -58,11 +58,13 @@ def _error(e):
 class _Request:
     """One client request: its sender, what it has generated, and whether it is closed."""
 
-    def __init__(self, model, sender, stream, prefix, logprobs):
+    def __init__(self, model, sender, stream, prefix, logprobs, perf_metrics=False):
         self.model, self.sender = model, sender
         self.stream = stream
         self.prefix = prefix  # prompt ids a non-streamed response starts with (exclude_input_in_output false)
         self.want_logprobs = logprobs
+        self.want_perf_metrics = perf_metrics
+        self.kv_usage = None  # the engine's KVCacheUsage, set just before the final token arrives
         self.ids = []
         self.logprobs = []
         self.shown = 0
@@ -96,7 +98,17 @@ class _Request:
                 tensor("cum_log_probs", [sum(self.logprobs)], np.float32, (1,)),
                 tensor("output_log_probs", new, np.float32, (1, len(new))),
             ]
+        if self.want_perf_metrics and final and self.kv_usage is not None:
+            u = self.kv_usage  # as tensorrt_llm: on the final response, counted in KV pages
+            tensors += [
+                tensor("kv_cache_alloc_new_blocks", [u.new_blocks], np.int32, (1,)),
+                tensor("kv_cache_reused_blocks", [u.reused_blocks], np.int32, (1,)),
+                tensor("kv_cache_alloc_total_blocks", [u.total_blocks], np.int32, (1,)),
+            ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def on_finish(self, usage):
+        self.kv_usage = usage
 
     def _send(self, final, new_token):
         if final and self.stream and not new_token:
@@ -220,19 +232,20 @@ class TritonPythonModel:
             raise RequestError(msg) from None
         exclude = bool(_scalar(request, "exclude_input_in_output", self.exclude_input))
         stream = bool(_scalar(request, "streaming", False))
-        return ids, sampling, stream, [] if exclude else ids, logprobs
+        perf = bool(_scalar(request, "return_perf_metrics", False))
+        return ids, sampling, stream, [] if exclude else ids, logprobs, perf
 
     def _submit(self, request):
         sender = request.get_response_sender()
         try:
-            ids, sampling, stream, prefix, logprobs = self._parse(request)
+            ids, sampling, stream, prefix, logprobs, perf = self._parse(request)
         except Exception as e:  # a bad request gets its error; the model stays up
             sender.send(_error(e if isinstance(e, KvqError) else RequestError(f"bad request: {e}")), flags=FINAL)
             return
-        req = _Request(self, sender, stream, prefix, logprobs)
+        req = _Request(self, sender, stream, prefix, logprobs, perf)
         try:
             # No lock is held across submit: the engine may call back from its own thread meanwhile.
-            engine_id = self.engine.submit(ids, sampling, req.on_token)
+            engine_id = self.engine.submit(ids, sampling, req.on_token, on_finish=req.on_finish)
         except KvqError as e:  # e.g. more KV blocks than the pool has
             sender.send(_error(e), flags=FINAL)
             return
