@@ -16,6 +16,10 @@ RMSNorm are row-local already; what varies with the batch is the reduction order
   block's matmul has the same shape whatever the context length), the blocks' partial sums
   added in order by a scan (trailing all-masked blocks add exact zeros), the softmax
   denominator computed by the same matmul as the numerator (a ones column beside V).
+  Decode runs `attend`'s maths (`_attend_padded`) on operands laid out once per step: every
+  layer of a step reads the same pages, so the page list, the key mask and the padded query
+  and V buffers are built by the first layer and reused (`_DecodePlan`), and K/V pages are
+  gathered with one index_select each, straight into attend's (KV head, sequence) row order.
 
 `linear` also picks the faster CPU GEMM where it exists: oneDNN's, ~1.2-1.8x MKL's on the
 2-core AMD EPYC (Zen 4) machines kvq develops on, at the shapes of small-batch decode.
