@@ -4,7 +4,7 @@ Same prompts (chat-formatted questions, different lengths), same number of new
 tokens per sequence (EOS ignored), fp32 weights, unquantized KV, batch 1 and
 batch 8; kvq with its batch-invariant mode (the CPU default) unless
 --no-batch-invariant. Each (backend, batch) runs in its own process so peak RSS
-(ru_maxrss) belongs to that run alone. One timed run after one short warm-up;
+(VmHWM) belongs to that run alone. One timed run after one short warm-up;
 --repeats alternates transformers and kvq runs so that both see the same load on
 a shared machine, and the table gives kvq's speed as a ratio of each pair.
 
@@ -114,6 +114,18 @@ def run_transformers(model_dir: str, batch: int, new_tokens: int) -> float:
     return dt
 
 
+def _peak_rss_kib() -> int:
+    """This process's peak RSS. Linux keeps ru_maxrss across execve, so a worker would report its
+    parent's peak (the GGUF conversion's) when that is higher; VmHWM belongs to this image alone."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: int | None,
            batch_invariant: bool) -> dict:
     import torch
@@ -127,7 +139,7 @@ def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: i
     return {
         "backend": backend, "batch": batch, "new_tokens": new_tokens, "seconds": round(dt, 3),
         "tokens_per_s": round(batch * new_tokens / dt, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(_peak_rss_kib() / 1024, 1),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
     }
 

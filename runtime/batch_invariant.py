@@ -16,6 +16,10 @@ RMSNorm are row-local already; what varies with the batch is the reduction order
   block's matmul has the same shape whatever the context length), the blocks' partial sums
   added in order by a scan (trailing all-masked blocks add exact zeros), the softmax
   denominator computed by the same matmul as the numerator (a ones column beside V).
+  Decode runs `attend`'s maths (`_attend_padded`) on operands laid out once per step: every
+  layer of a step reads the same pages, so the page list, the key mask and the padded query
+  and V buffers are built by the first layer and reused (`_DecodePlan`), and K/V pages are
+  gathered with one index_select each, straight into attend's (KV head, sequence) row order.
 
 `linear` also picks the faster CPU GEMM where it exists: oneDNN's, ~1.2-1.8x MKL's on the
 2-core AMD EPYC (Zen 4) machines kvq develops on, at the shapes of small-batch decode.
@@ -24,15 +28,17 @@ RMSNorm are row-local already; what varies with the batch is the reduction order
 from __future__ import annotations
 
 import functools
+import threading
 import types
 
 import torch
 import torch.nn.functional as F
 
-from .attention import gather_kv, write_kv
+from .attention import _static_scale, gather_kv, write_kv
 from .config import ceil_div
 from .errors import UnsupportedError
 from .kv_cache import LayerCache
+from .kv_format import dequantize
 
 KEY_BLOCK = 64
 ATTEND_ROWS = 512  # query rows per attention call: bounds the score tensor of a long prompt
@@ -104,6 +110,33 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------- attention
+def _attend_tile(device_type: str, d: int) -> int:
+    return max(row_tile("matmul", device_type, torch.float32, KEY_BLOCK, d),
+               row_tile("matmul", device_type, torch.float32, d + 1, KEY_BLOCK))
+
+
+def _key_mask(lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """lens [N, R] -> [N, nb, R, KEY_BLOCK] bool, True where a row must not see the key."""
+    key = torch.arange(num_keys, device=lens.device).view(num_keys // KEY_BLOCK, 1, KEY_BLOCK)
+    return key[None] >= lens[:, None, :, None]
+
+
+def _attend_padded(q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, masked: torch.Tensor,
+                   sm_scale: float) -> torch.Tensor:
+    """The maths of `attend` on padded operands: q [N, R, D] (R a multiple of the row tile), k [N, L, D]
+    and v1 [N, L, D + 1] (V beside a ones column; L a multiple of KEY_BLOCK), `masked` broadcastable
+    to [N, L / KEY_BLOCK, R, KEY_BLOCK] -> [N, R, D]."""
+    n, _, d = q.shape
+    nb = k.shape[1] // KEY_BLOCK
+    # [N, nb, R, KEY_BLOCK]: one matmul shape per key block, whatever L is
+    s = torch.matmul(q[:, None], k.view(n, nb, KEY_BLOCK, d).transpose(-1, -2)) * sm_scale
+    s.masked_fill_(masked, float("-inf"))
+    p = torch.exp(s - s.amax(dim=(1, 3), keepdim=True))
+    # partial sums per key block, added left to right: a scan's last element
+    acc = torch.matmul(p, v1.view(n, nb, KEY_BLOCK, d + 1)).cumsum(1)[:, -1]
+    return acc[..., :d] / acc[..., d:]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """q [N, R, D] rows, k/v [N, L, D], lens [N, R] (row r sees keys 0 .. lens-1) -> [N, R, D] fp32.
 
@@ -111,22 +144,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor
     other rows (zeros pad L to whole key blocks and R to the row tile; masked keys get p = 0).
     """
     n, r, d = q.shape
-    dev = q.device.type
-    tile = max(row_tile("matmul", dev, torch.float32, KEY_BLOCK, d), row_tile("matmul", dev, torch.float32, d + 1, KEY_BLOCK))
+    tile = _attend_tile(q.device.type, d)
     q, lens = _pad_rows(q.float(), tile, 1), _pad_rows(lens, tile, 1).clamp_min(1)
     k, v = _pad_rows(k.float(), KEY_BLOCK, 1), _pad_rows(v.float(), KEY_BLOCK, 1)
-    nb = k.shape[1] // KEY_BLOCK
-    kb = k.view(n, nb, KEY_BLOCK, d)
-    # [N, nb, R, KEY_BLOCK]: one matmul shape per key block, whatever L is
-    s = torch.matmul(q[:, None], kb.transpose(-1, -2)) * sm_scale
-    key = torch.arange(nb * KEY_BLOCK, device=q.device).view(nb, 1, KEY_BLOCK)
-    s.masked_fill_(key[None] >= lens[:, None, :, None], float("-inf"))
-    p = torch.exp(s - s.amax(dim=(1, 3), keepdim=True))
-    ones = torch.ones(n, nb * KEY_BLOCK, 1, dtype=v.dtype, device=v.device)
-    vb = torch.cat((v, ones), -1).view(n, nb, KEY_BLOCK, d + 1)
-    # partial sums per key block, added left to right: a scan's last element
-    acc = torch.matmul(p, vb).cumsum(1)[:, -1]
-    return (acc[..., :d] / acc[..., d:])[:, :r]
+    v1 = torch.cat((v, torch.ones(n, v.shape[1], 1, dtype=v.dtype, device=v.device)), -1)
+    return _attend_padded(q, k, v1, _key_mask(lens, k.shape[1]), sm_scale)[:, :r]
 
 
 def _attend_rows(q, k, v, lens, sm_scale):
@@ -137,21 +159,72 @@ def _attend_rows(q, k, v, lens, sm_scale):
                       for i in range(0, q.shape[1], ATTEND_ROWS)], 1)
 
 
+class _DecodePlan:
+    """What every layer's decode attention of one step shares (the block tables, hence the pages each
+    sequence reads, are the same in every layer): computed by the first layer, reused by the rest.
+    Rows are ordered (KV head, sequence), so that one gather per layer lands pages in attend's order."""
+
+    def __init__(self, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, group: int,
+                 head_dim: int):
+        self.key = self._key(cache, block_tables, seq_lens, group, head_dim)
+        b, h, dev = block_tables.shape[0], cache.kv_heads, block_tables.device
+        # whole key blocks, so that attend has no K/V to pad: pages past a table's end read page 0
+        # (finite, and masked)
+        self.num_keys = ceil_div(int(seq_lens.max().item()), KEY_BLOCK) * KEY_BLOCK
+        pages = self.num_keys // cache.block_size
+        self.pages = _pad_rows(block_tables, pages, 1)[:, :pages].reshape(-1).long()
+        tile = _attend_tile(dev.type, head_dim)
+        self.rows = ceil_div(group, tile) * tile
+        lens = seq_lens.to(dev).long().view(1, b, 1).expand(h, b, 1).reshape(h * b, 1)
+        self.masked = _key_mask(lens, self.num_keys)  # [H * B, nb, 1, KEY_BLOCK]: the same for every row
+        self.q = torch.zeros(h, b, self.rows, head_dim, device=dev)  # rows past the group stay zero
+        self.k = torch.empty(h, b * pages, cache.block_size, head_dim, device=dev)
+        self.v1 = torch.ones(h, b * pages, cache.block_size, head_dim + 1, device=dev)  # V beside ones
+
+    @staticmethod
+    def _key(cache: LayerCache, block_tables, seq_lens, group: int, head_dim: int) -> tuple:
+        # the step's own tensors (held, so no other tensor can take their id) at their current version
+        # (an in-place update of a reused tensor makes a new plan)
+        return (id(block_tables), block_tables._version, id(seq_lens), seq_lens._version, block_tables, seq_lens,
+                cache.block_size, cache.kv_heads, group, head_dim)
+
+    def matches(self, cache: LayerCache, block_tables, seq_lens, group: int, head_dim: int) -> bool:
+        return self._key(cache, block_tables, seq_lens, group, head_dim)[:4] == self.key[:4] and (
+            self.key[6:] == (cache.block_size, cache.kv_heads, group, head_dim))
+
+
+_plans = threading.local()  # an engine's steps run on its own thread
+
+
+def _gather(cache: LayerCache, which: str, pages: torch.Tensor) -> torch.Tensor:
+    """K or V pages of the plan, dequantized fp32: [B * pages, kv_heads, block_size, D] (pages along the
+    first axis: an index_select of whole contiguous pages, much faster than one along a strided axis)."""
+    fmt = cache.fmt
+    q = getattr(cache, which).index_select(0, pages)
+    scale, zero = getattr(cache, f"{which}_scale"), getattr(cache, f"{which}_zero")
+    if fmt.dynamic:
+        scale = scale.index_select(0, pages)
+        zero = zero.index_select(0, pages) if zero is not None else None
+    elif fmt.static:
+        scale = _static_scale(scale)
+    return dequantize(q, fmt, scale, zero, torch.float32)
+
+
 def decode_attention(q, cache: LayerCache, block_tables, seq_lens, sm_scale):
-    """The decode op (runtime/attention.py's signature) through `attend`."""
+    """The decode op (runtime/attention.py's signature) through `attend`'s maths."""
     b, nh, d = q.shape
     h = cache.kv_heads
     g = nh // h
-    max_len = int(seq_lens.max().item())
-    if KEY_BLOCK % cache.block_size == 0:
-        # gather whole key blocks (pages past a table's end read page 0: finite, and masked), so that
-        # attend has no K/V to pad
-        max_len = ceil_div(max_len, KEY_BLOCK) * KEY_BLOCK
-        block_tables = _pad_rows(block_tables, max_len // cache.block_size, 1)[:, : max_len // cache.block_size]
-    k, v = gather_kv(cache, block_tables, max_len)  # [B, H, L, D]
-    lens = seq_lens.to(q.device).long().view(b, 1, 1).expand(b, h, g).reshape(b * h, g)
-    out = attend(q.view(b * h, g, d), k.reshape(b * h, max_len, d), v.reshape(b * h, max_len, d), lens, sm_scale)
-    return out.reshape(b, nh, d).to(q.dtype)
+    plan = getattr(_plans, "decode", None)
+    if plan is None or not plan.matches(cache, block_tables, seq_lens, g, d):
+        plan = _plans.decode = _DecodePlan(cache, block_tables, seq_lens, g, d)
+    plan.q[:, :, :g] = q.reshape(b, h, g, d).transpose(0, 1)
+    plan.k.copy_(_gather(cache, "k", plan.pages).transpose(0, 1))
+    plan.v1[..., :d] = _gather(cache, "v", plan.pages).transpose(0, 1)
+    k = plan.k.view(h * b, plan.num_keys, d)
+    v1 = plan.v1.view(h * b, plan.num_keys, d + 1)
+    out = _attend_padded(plan.q.view(h * b, plan.rows, d), k, v1, plan.masked, sm_scale)
+    return out.view(h, b, plan.rows, d)[:, :, :g].transpose(0, 1).reshape(b, nh, d).to(q.dtype)
 
 
 def _prefill(q, k, v, cu_seqlens, sm_scale, context=None):
@@ -192,8 +265,7 @@ def check(weights: list[torch.Tensor], head_dim: int) -> None:
     w = weights[0]
     for t in weights:
         row_tile("linear", t.device.type, t.dtype, t.shape[0], t.shape[1])
-    row_tile("matmul", w.device.type, torch.float32, KEY_BLOCK, head_dim)
-    row_tile("matmul", w.device.type, torch.float32, head_dim + 1, KEY_BLOCK)
+    _attend_tile(w.device.type, head_dim)
 
 
 def backend() -> types.SimpleNamespace:

@@ -143,10 +143,13 @@ class LlamaModel:
         c = self.cfg
         t = h.shape[0]
         qkv = lin(self._rms_norm(h, layer.input_norm), layer.qkv)
-        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
-        q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-        return q, k, v.view(t, c.num_kv_heads, c.head_dim)
+        heads = c.num_heads + c.num_kv_heads
+        # q and k side by side take RoPE as one tensor: half the small ops of a decode step's layer
+        qk = apply_rotary(qkv[:, : heads * c.head_dim].view(t, heads, c.head_dim), cos, sin)
+        q, k = qk.split([c.num_heads, c.num_kv_heads], 1)
+        if q.is_cuda:  # the Triton kernels take q and k with whole rows of heads
+            q, k = q.contiguous(), k.contiguous()
+        return q, k, qkv[:, heads * c.head_dim:].view(t, c.num_kv_heads, c.head_dim)
 
     def _finish_layer(self, layer: LayerWeights, h: torch.Tensor, attn: torch.Tensor, lin=fast_linear) -> torch.Tensor:
         h = h + lin(attn.reshape(h.shape[0], -1), layer.o)
