@@ -166,7 +166,8 @@ class _DecodePlan:
 
     def __init__(self, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, group: int,
                  head_dim: int):
-        self.key = self._key(cache, block_tables, seq_lens, group, head_dim)
+        self.key = self._key(cache, group, head_dim)
+        self.tables, self.lens = block_tables.clone(), seq_lens.clone()
         b, h, dev = block_tables.shape[0], cache.kv_heads, block_tables.device
         # whole key blocks, so that attend has no K/V to pad: pages past a table's end read page 0
         # (finite, and masked)
@@ -182,15 +183,16 @@ class _DecodePlan:
         self.v1 = torch.ones(h, b * pages, cache.block_size, head_dim + 1, device=dev)  # V beside ones
 
     @staticmethod
-    def _key(cache: LayerCache, block_tables, seq_lens, group: int, head_dim: int) -> tuple:
-        # the step's own tensors (held, so no other tensor can take their id) at their current version
-        # (an in-place update of a reused tensor makes a new plan)
-        return (id(block_tables), block_tables._version, id(seq_lens), seq_lens._version, block_tables, seq_lens,
-                cache.block_size, cache.kv_heads, group, head_dim)
+    def _key(cache: LayerCache, group: int, head_dim: int) -> tuple:
+        return cache.block_size, cache.kv_heads, group, head_dim
 
     def matches(self, cache: LayerCache, block_tables, seq_lens, group: int, head_dim: int) -> bool:
-        return self._key(cache, block_tables, seq_lens, group, head_dim)[:4] == self.key[:4] and (
-            self.key[6:] == (cache.block_size, cache.kv_heads, group, head_dim))
+        """Whether this plan serves the call: by the values of its block tables and lengths (a step's every layer
+        passes the same ones), not by tensor identity, which an in-place update or a freed-and-reused tensor would
+        fool (and inference tensors keep no version counter)."""
+        return (self.key == self._key(cache, group, head_dim)
+                and self.tables.shape == block_tables.shape and self.lens.shape == seq_lens.shape
+                and torch.equal(self.tables, block_tables) and torch.equal(self.lens, seq_lens))
 
 
 _plans = threading.local()  # an engine's steps run on its own thread
