@@ -238,23 +238,38 @@ def main(argv: list[str] | None = None) -> None:
     with open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    # the table holds every format measured under this model, device, pool and workload (the latest
-    # row of each), so formats may be run by separate invocations
-    same = {}
-    for line in path.read_text().splitlines():
+    write_markdown(path, args.out / "prefix_cache.md")
+
+
+TITLE = """# Prefix caching: multi-turn, shared-prefix workload
+
+"answers = off": every request's greedy tokens equal the caching-off run's. On the CPU the engine runs in
+batch-invariant mode, so a prompt's K/V are the same bits whichever step computed them, and the answers
+are equal. On CUDA the engine runs without it (cuBLAS picks GEMM tiles by batch shape): a prefix computed
+in another request's step differs in the last bits, and greedy decoding of random-weight models (tiny
+logit margins) turns that into other tokens.
+"""
+
+
+def write_markdown(jsonl: Path, md: Path) -> None:
+    """One table per (model, device, pool, workload) in `jsonl`, each with the latest row of every
+    format and mode, so formats may be run by separate invocations."""
+    groups: dict[str, dict] = {}
+    for line in jsonl.read_text().splitlines():
         r = json.loads(line)
-        if (r["model"], r["device"], r.get("pool_budget_bytes"), r["workload"]) == (
-                rows[0]["model"], rows[0]["device"], pool_bytes, asdict(w)):
-            same[(r["format"], r["prefix_caching"])] = r
-    tmp = args.out / "prefix_cache.md.tmp"
-    tmp.write_text(render_table(list(same.values()), w, pool_bytes))
-    tmp.replace(args.out / "prefix_cache.md")
+        key = json.dumps([r["model"], r["device"], r.get("pool_budget_bytes"), r["workload"]])
+        groups.setdefault(key, {})[(r["format"], r["prefix_caching"])] = r
+    tables = [render_table(list(same.values()), Workload(**json.loads(key)[3]), json.loads(key)[2])
+              for key, same in groups.items()]
+    tmp = md.with_suffix(".md.tmp")
+    tmp.write_text("\n".join([TITLE, *tables]))
+    tmp.replace(md)
 
 
 def render_table(rows: list[dict], w: Workload, pool_bytes: int) -> str:
     r0 = rows[0]
     lines = [
-        "# Prefix caching: multi-turn, shared-prefix workload", "",
+        f"## {r0['model']} on {r0['device_name'] or r0['device']}, KV pool {pool_bytes / MIB:.1f} MiB", "",
         f"{r0['model']} on {r0['device']} ({r0['device_name'] or 'unknown'}), KV pool {pool_bytes / MIB:.1f} MiB "
         f"for every format, block size {r0['block_size']}. Workload: {json.dumps(asdict(w))} "
         f"({_prompt_tokens(w)} prompt tokens sent). `python3 -m benchmarks.prefix_cache`.", "",
