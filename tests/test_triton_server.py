@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from builder.cli import cli
-from runtime.errors import RequestError, ServerError
+from runtime.errors import ExternalToolMissing, RequestError, ServerError
 from triton_repo import client, protocol
 from triton_repo.bench import run_bench
 from triton_repo.server import free_port, start_server
@@ -330,6 +330,18 @@ def test_start_server_reports_why_a_model_failed_to_load(tmp_path):
     )
     with pytest.raises(ServerError, match="kvq-test: engine dir is unreadable"):
         start_server(tmp_path / "repo", ready_timeout_s=120, log_dir=tmp_path)
+
+
+def test_start_server_refuses_numpy_2_before_starting_anything(tmp_path, monkeypatch):
+    """Under numpy 2 the stub sends every tensor without its bytes: the server must not start."""
+    import numpy
+
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m" backend: "python"')
+    monkeypatch.setattr(numpy, "__version__", "2.5.2")
+    with pytest.raises(ExternalToolMissing, match=r"numpy 2\.5\.2 .*numpy<2"):
+        start_server(tmp_path / "repo", log_dir=tmp_path)
+    assert not list(tmp_path.glob("kvq-triton-*")), "a refused start must leave no server work directory"
 
 
 def test_compare_measures_a_deployment_through_triton(served, engine_dir, tmp_path):

@@ -65,6 +65,20 @@ def tritonserver_binary() -> Path:
     return binary
 
 
+def check_stub_numpy() -> None:
+    """The python backend stub of the tritonserver in nvidia-pytriton 0.7.0 is built for numpy 1 (the
+    wheel requires numpy<2), and the stub imports the numpy this process would import. Under numpy 2
+    every response tensor reaches the client with its shape but no bytes: refuse to start instead."""
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        raise ExternalToolMissing(
+            f"numpy {numpy.__version__} is installed, but tritonserver's python backend stub (nvidia-pytriton) "
+            "is built for numpy 1: every response would arrive without its tokens. Install numpy<2 where kvq "
+            "serves (`pip install 'numpy<2'`, as nvidia-pytriton requires)."
+        )
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -263,6 +277,7 @@ def start_server(
             "create one with `kvq deploy`."
         )
     binary = tritonserver_binary()
+    check_stub_numpy()
     shm_regions.clean_stale()  # what killed servers of ours left in /dev/shm
     shm_prefix = shm_regions.new_prefix()
     workdir = Path(tempfile.mkdtemp(prefix="kvq-triton-", dir=log_dir))
