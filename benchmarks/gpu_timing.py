@@ -18,7 +18,7 @@ _FLUSH: list[torch.Tensor] = []  # 256 MiB touched before every timed call: L2 (
 # cost that no kernel of a decode step meets (the GEMMs before attention leave clean weight lines),
 # and that weighs most on the fastest kernel. "read" reduces the buffer instead: L2 holds clean lines
 # of other data, as it does in a decode step. Both are kept so a run can show the difference.
-# Measured (results/flush_artifact_round15.txt): a 512 MiB read took 140.9 us after the write, 133.0 us
+# Measured on the H200: a 512 MiB read took 140.9 us after the write, 133.0 us
 # after the read; 2 GiB 511 against 504 us; a read of 1 GiB empties L2 no better than 256 MiB.
 FLUSH_MODES = ("read", "write")
 DEFAULT_FLUSH = "read"
@@ -118,6 +118,6 @@ def read_gbps(nbytes: int, flush: str = DEFAULT_FLUSH) -> float:
     three sizes within 3% of it, whole MiB, because PyTorch's reduction has size-dependent launch shapes (at
     0.57 GB, 17/16 of a power of two, it read 4% slower than at 0.55 GB). Below ~1 GB a read's fixed
     costs (launch, ramp-up, the last wave) show: on the H200 ~95% of the 2 GiB figure at 0.54 GB and ~84%
-    at 0.13 GB (`results/read_by_size_round18.jsonl`), so a kernel's share of the same-size read says what is
+    at 0.13 GB (`results/read_by_size.jsonl`), so a kernel's share of the same-size read says what is
     left to gain in the kernel itself."""
     return max(sum_gbps(max(1, round(nbytes * f / 2**20)) * 2**20, flush) for f in (31 / 32, 1.0, 33 / 32))

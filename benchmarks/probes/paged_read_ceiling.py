@@ -1,6 +1,6 @@
 """Read bandwidth of chunks in random order (a paged KV cache's access pattern) against the same chunks in order
-and the contiguous read ceiling (GPU machine). Thirteenth session: 1 KB chunks (an int4 page of 16 tokens, one
-KV head) read at 4308 GB/s against 4272 contiguous, so the page size does not cap int4 decode (KERNEL_NOTES.md).
+and the contiguous read ceiling (GPU machine). Measured on the H200: 1 KB chunks (an int4 page of 16 tokens, one
+KV head) read at 4308 GB/s against 4272 contiguous, so the page size does not cap int4 decode (docs/kernels.md).
 
     python -m benchmarks.probes.paged_read_ceiling --out DIR
 """

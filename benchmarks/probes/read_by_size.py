@@ -1,6 +1,6 @@
 """The read-only reduction's bandwidth against the bytes read (GPU machine): what a read of a decode launch's size
-can reach. Fourteenth session: ~95% of the 2 GiB figure at 0.54 GB (int4 at Llama-3-8B 16 x 32768), ~84% at
-0.13 GB (8-bit at Llama-3-70B TP8 16 x 32768; `results/read_by_size_round18.jsonl`), with a few % of scatter from PyTorch's size-dependent launch shapes
+can reach. Measured on the H200: ~95% of the 2 GiB figure at 0.54 GB (int4 at Llama-3-8B 16 x 32768), ~84% at
+0.13 GB (8-bit at Llama-3-70B TP8 16 x 32768; `results/read_by_size.jsonl`), with a few % of scatter from PyTorch's size-dependent launch shapes
 (`gpu_timing.read_gbps` takes the best of three nearby sizes for that reason).
 
     python -m benchmarks.probes.read_by_size --out DIR
