@@ -94,6 +94,8 @@ def _gather_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
         t = targets[a : a + _LOGSOFTMAX_ROWS]
         lps.append(rows.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(rows, -1))
         arg.append(rows.argmax(-1))
+    if not lps:  # a pass over the unscored context before every window's start
+        return logits.new_empty(0), torch.empty(0, dtype=torch.int64, device=logits.device)
     return torch.cat(lps), torch.cat(arg)
 
 

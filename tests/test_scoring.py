@@ -91,6 +91,20 @@ def test_score_equals_dense_forward_across_windows_and_chunks(tiny):
         eng.shutdown()
 
 
+def test_passes_that_score_nothing(tiny):
+    """A long context scored only at its end (a passkey): the first passes carry no scored token."""
+    eng = _engine(tiny, KVFormat("fp32"))
+    try:
+        ids = _random_ids(150, eng.cfg.vocab_size, 3)
+        passes = []
+        (r,) = eng.score([ids], start=[140], tokens_per_pass=32, on_pass=passes.append)
+        ref = _dense_logprobs(eng.model, ids)[139:]
+        assert len(passes) == 5 and r.logprobs.shape == ref.shape == (10,)
+        assert float((r.logprobs.double() - ref).abs().max()) < 2e-5
+    finally:
+        eng.shutdown()
+
+
 def test_score_rejects_bad_input_naming_the_field(tiny):
     eng = _engine(tiny, KVFormat("fp32"), num_blocks=8)
     v = eng.cfg.vocab_size
