@@ -5,7 +5,7 @@
     kv_format.json         KVFormat fields (absent: unquantized KV in the model dtype)
     kv_scales.safetensors  k_scale, v_scale [layers] or [layers, kv_heads] (static formats)
     engine.json            max_batch_size, max_input_len, max_seq_len, block_size, gpu_memory_fraction,
-                           cuda_graphs, batch_invariant
+                           cuda_graphs, batch_invariant, prefix_caching, tp
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class EngineSettings:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton attention only)
     batch_invariant: bool | None = None  # None: on for CPU engines, off on CUDA (runtime/batch_invariant.py)
     prefix_caching: bool = True  # reuse cached full KV pages across requests (runtime/block_manager.py)
+    tp: int = 1  # tensor-parallel ranks, one process (and GPU) each (runtime/parallel/)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def read_settings(d: Path) -> EngineSettings:
         s = EngineSettings(**{k: v for k, v in raw.items() if k in known and v is not None})
     except TypeError as e:
         raise InputError(f"{p}: {e}") from None
-    for name in ("max_batch_size", "max_input_len", "max_seq_len", "block_size"):
+    for name in ("max_batch_size", "max_input_len", "max_seq_len", "block_size", "tp"):
         v = getattr(s, name)
         if v is not None and (not isinstance(v, int) or v < 1):
             raise InputError(f"{p}: {name} must be a positive integer, got {v!r}; fix engine.json or rebuild.")
