@@ -14,12 +14,12 @@ import torch
 
 from ..config import ModelConfig
 from ..weights import open_weights
-from .group import TPGroup, join
+from .group import TPGroup, close_group, join
 from .sharding import RankShard, check_parallelism, rank_shard, slice_kv_scales
 from .tp_model import TPLlamaModel
 from .tp_runner import TPModelRunner
 
-__all__ = ["RankShard", "TPGroup", "TPLlamaModel", "TPModelRunner", "check_parallelism", "load_rank",
+__all__ = ["RankShard", "TPGroup", "TPLlamaModel", "TPModelRunner", "check_parallelism", "close_group", "load_rank",
            "rank_shard", "slice_kv_scales"]
 
 

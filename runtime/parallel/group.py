@@ -3,22 +3,25 @@
 Two ways to get one:
 
 * the engine starts it: `Engine.from_dir(path, tp=N)` in an ordinary process
-  becomes rank 0 and spawns ranks 1..N-1 (torch.multiprocessing, start method
-  "spawn"), each of which builds its own engine from the same arguments and
-  serves rank 0's steps until rank 0 shuts down;
+  becomes rank 0 and spawns ranks 1..N-1 (start method "spawn"). The group then
+  outlives the engine: the next `from_dir(..., tp=N)` in the process sends its
+  arguments to the waiting ranks instead of starting new processes (one
+  tensor-parallel engine at a time). `close_group()` -- also run at exit --
+  stops the ranks.
 * torchrun starts it: under `torchrun --nproc-per-node N script.py` (RANK,
   WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set) every process calls
   `Engine.from_dir(path, tp=N)`; on ranks other than 0 the call serves until
-  rank 0 shuts down, then returns its stopped engine.
+  rank 0 shuts the engine down, then returns the stopped engine.
 
-gloo on CPU, NCCL on CUDA (rank r on GPU base + local rank). The NVLink
-multicast paths stay off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
-NVSHMEM_DISABLE_NVLS=1 are set (unless the environment sets them) before the
-group exists, in every rank.
+gloo on CPU (each rank takes its share of the cores), NCCL on CUDA (rank r on
+GPU base + local rank). The NVLink multicast paths stay off: NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are set (unless the
+environment sets them) before the group exists, in every rank.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import multiprocessing
@@ -46,9 +49,10 @@ class TPGroup:
     tp: int
     rank: int
     device: torch.device
-    pg: dist.ProcessGroup | None = None  # None: the default (world) group
-    owns_group: bool = True  # this module created the process group and destroys it
+    spawned: bool = False  # rank 0 started the other ranks; they wait for engine arguments between engines
     workers: list = field(default_factory=list)  # processes rank 0 spawned (and must reap)
+    busy: bool = False  # an engine is running on the group
+    pg: dist.ProcessGroup | None = None  # None: the default (world) group
 
     @property
     def is_driver(self) -> bool:
@@ -60,34 +64,61 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
         return int(t.item())
 
+    def send_engine(self, args: tuple[str, dict] | None) -> None:
+        """Rank 0 of a spawned group: the next engine's (path, from_dir arguments), None: exit."""
+        dist.broadcast_object_list([args], 0, group=self.pg, device=self.device)
+
+    def recv_engine(self) -> tuple[str, dict] | None:
+        box = [None]
+        dist.broadcast_object_list(box, 0, group=self.pg, device=self.device)
+        return box[0]
+
     def close(self, abort: bool = False) -> None:
-        """Destroy the group (if ours) and reap the ranks rank 0 spawned; `abort` (rank 0 failed
-        while building its engine): kill them instead of waiting for them to stop."""
-        global _ACTIVE
+        """Stop the spawned ranks (`abort`: kill them, rank 0 failed mid-engine), destroy the group."""
+        global _GROUP
+        if self.is_driver and self.spawned and not abort:
+            try:
+                self.send_engine(None)
+            except Exception:  # noqa: BLE001 - a rank that cannot hear the stop is killed below
+                abort = True
         if abort:
             for p in self.workers:
                 p.kill()
-        if self.owns_group and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
         for p in self.workers:
-            p.join(timeout=TIMEOUT.total_seconds())
+            p.join(timeout=60)
             if p.is_alive():  # a rank that did not stop: never leave it behind
                 p.kill()
                 p.join()
         self.workers = []
-        if _ACTIVE is self:
-            _ACTIVE = None
+        if _GROUP is self:
+            _GROUP = None
+            torch.set_num_threads(_THREADS_BEFORE[0])
 
 
-_ACTIVE: TPGroup | None = None  # the group a spawned rank joined before building its engine
+_ACTIVE: TPGroup | None = None  # a spawned rank's group
+_GROUP: TPGroup | None = None  # the group this process leads (rank 0), or its torchrun rank
+_THREADS_BEFORE = [torch.get_num_threads()]
+
+
+def close_group() -> None:
+    """Stop the tensor-parallel ranks this process started (runs at exit too)."""
+    if _GROUP is not None:
+        _GROUP.close(abort=_GROUP.busy)
+
+
+atexit.register(close_group)
 
 
 def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _rank_device(base: torch.device, local_rank: int) -> torch.device:
+def _rank_device(base: torch.device, local_rank: int, tp: int) -> torch.device:
     if base.type != "cuda":
+        # ranks share the cores: more threads than cores each would spin against the others
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
         return base
     index = (base.index or 0) + local_rank
     if index >= torch.cuda.device_count():
@@ -128,60 +159,75 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, tp: int, device: str, init_method: str, path: str, kwargs: dict) -> None:
-    """Entry of a rank spawned by rank 0: join, build the same engine, serve rank 0's steps."""
+def _worker_main(rank: int, tp: int, device: str, init_method: str) -> None:
+    """Entry of a rank spawned by rank 0: build each engine rank 0 builds, serve its steps."""
     global _ACTIVE
     from ..engine import Engine  # runtime.engine imports this package
 
-    dev = _rank_device(torch.device(device), rank)
+    dev = _rank_device(torch.device(device), rank, tp)
     _init(rank, tp, dev, init_method)
-    _ACTIVE = TPGroup(tp, rank, dev)
+    _ACTIVE = TPGroup(tp, rank, dev, spawned=True)
     try:
-        Engine.from_dir(path, **kwargs)  # returns when rank 0 shuts down
-    except BaseException:
-        log.exception("tensor-parallel rank %d failed", rank)
-        raise
+        while (args := _ACTIVE.recv_engine()) is not None:
+            path, kwargs = args
+            try:
+                Engine.from_dir(path, **kwargs)  # returns when rank 0 shuts the engine down
+            except Exception:  # noqa: BLE001 - rank 0 sees the same error (same arguments, same files)
+                log.exception("tensor-parallel rank %d could not build its engine", rank)
     finally:
-        if _ACTIVE is not None:
-            _ACTIVE.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def join(tp: int, device: torch.device, path: str, kwargs: dict) -> TPGroup:
-    """This process's place in a tp-way group, creating the group (and spawning its other
-    ranks, which rebuild the engine from `path` and `kwargs`) when none exists."""
-    if _ACTIVE is not None:  # a spawned rank
-        if _ACTIVE.tp != tp:
-            raise KvqError(f"rank {_ACTIVE.rank} joined a group of {_ACTIVE.tp}, but its engine asks for tp={tp}.")
-        return _ACTIVE
-    if dist.is_initialized():  # the caller (e.g. a torchrun script) made the group itself
-        if dist.get_world_size() != tp:
-            raise InputError(f"tp={tp} but the process group has {dist.get_world_size()} ranks; "
-                             f"start {tp} processes (torchrun --nproc-per-node {tp}) or pass tp="
-                             f"{dist.get_world_size()}.")
-        rank = dist.get_rank()
-        return TPGroup(tp, rank, _rank_device(device, int(os.environ.get("LOCAL_RANK", rank))), owns_group=False)
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
-        if int(os.environ["WORLD_SIZE"]) != tp:
-            raise InputError(f"tp={tp} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes; "
-                             f"run torchrun --nproc-per-node {tp}.")
-        rank = int(os.environ["RANK"])
-        dev = _rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
-        _init(rank, tp, dev, "env://")
-        return TPGroup(tp, rank, dev)
+def _spawn(tp: int, device: torch.device) -> TPGroup:
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = multiprocessing.get_context("spawn")
     # daemonic: if this process dies, its ranks die with it instead of waiting forever
-    workers = [ctx.Process(target=_worker_main, args=(r, tp, str(device), init_method, path, kwargs),
+    workers = [ctx.Process(target=_worker_main, args=(r, tp, str(device), init_method),
                            name=f"kvq-tp-rank{r}", daemon=True) for r in range(1, tp)]
     with _main_not_reimported():
         for p in workers:
             p.start()
-    dev = _rank_device(device, 0)
-    group = TPGroup(tp, 0, dev, workers=workers)
+    _THREADS_BEFORE[0] = torch.get_num_threads()
+    group = TPGroup(tp, 0, _rank_device(device, 0, tp), spawned=True, workers=workers)
     try:
-        _init(0, tp, dev, init_method)
+        _init(0, tp, group.device, init_method)
     except BaseException:
-        group.owns_group = False
         group.close(abort=True)
         raise
     return group
+
+
+def join(tp: int, device: torch.device, path: str, kwargs: dict) -> TPGroup:
+    """This process's place in a tp-way group for one engine, starting the group when none exists
+    (the spawned ranks then build the engine from `path` and `kwargs`, as this process does)."""
+    global _GROUP
+    if _ACTIVE is not None:  # a spawned rank, building what rank 0 sent
+        if _ACTIVE.tp != tp:
+            raise KvqError(f"rank {_ACTIVE.rank} joined a group of {_ACTIVE.tp}, but its engine asks for tp={tp}.")
+        return _ACTIVE
+    if _GROUP is not None and _GROUP.busy:
+        raise InputError("another tensor-parallel engine is running in this process; shut it down "
+                         "(engine.shutdown()) before building the next one.")
+    if _GROUP is not None and (_GROUP.tp, _GROUP.device.type) != (tp, device.type):
+        close_group()
+    if _GROUP is None and "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
+        if int(os.environ["WORLD_SIZE"]) != tp:
+            raise InputError(f"tp={tp} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes; "
+                             f"run torchrun --nproc-per-node {tp}.")
+        rank = int(os.environ["RANK"])
+        dev = _rank_device(device, int(os.environ.get("LOCAL_RANK", rank)), tp)
+        if not dist.is_initialized():
+            _init(rank, tp, dev, "env://")
+        _GROUP = TPGroup(tp, rank, dev)
+    if _GROUP is None:
+        _GROUP = _spawn(tp, device)
+    if _GROUP.spawned:
+        _GROUP.send_engine((path, kwargs))
+    _GROUP.busy = True
+    return _GROUP
+
+
+def release(group: TPGroup) -> None:
+    """The engine on `group` has shut down: the group takes the next one."""
+    group.busy = False

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..errors import KvqError
 from ..model import PagedBatch
 from ..runner import ModelRunner
+from .group import release
 
 _FIELDS = [f.name for f in dataclasses.fields(PagedBatch)]
 _DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -108,4 +109,4 @@ class TPModelRunner(ModelRunner):
         self._closed = True
         if group.is_driver:
             send_batch(None, group.pg, group.device)
-        group.close()
+        release(group)
