@@ -60,6 +60,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _is_view_of_more(t: torch.Tensor) -> bool:
+    return not t.is_contiguous() or t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 def layer_name(layer: int, name: str) -> str:
     return f"model.layers.{layer}.{name}"
 
@@ -125,12 +129,16 @@ class SafetensorsWeights:
         (a tensor-parallel rank's shard)."""
         if name not in self._where:
             raise InputError(f"{self.dir}: tensor {name!r} is not in the checkpoint.")
+        shape = self._shapes[name]
         r = slice(None) if rows is None else slice(rows.start, rows.stop)
         c = slice(None) if cols is None else slice(cols.start, cols.stop)
         with safe_open(str(self._where[name]), framework="pt", device="cpu") as sf:
             part = sf.get_slice(name)
-            t = part[r] if len(self._shapes[name]) == 1 else part[r, c]
-        return t.to(device=device, dtype=dtype)
+            # a view of the memory-mapped file: only the pages under the slice are read
+            t = (part[r] if len(shape) == 1 else part[r, c]).to(device=device, dtype=dtype)
+        # own exactly the shard's bytes: a view would keep the whole tensor's mapping alive, and
+        # a strided (column) view makes every matmul over it slow
+        return t.clone(memory_format=torch.contiguous_format) if _is_view_of_more(t) else t
 
     @property
     def has_lm_head(self) -> bool:
