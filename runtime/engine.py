@@ -135,10 +135,12 @@ class Engine:
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
         batch_invariant: bool | None = None, prefix_caching: bool | None = None, tp: int | None = None,
+        tp_invariant: bool | None = None,
     ) -> Engine:
         """tp > 1: this process is rank 0 of a tensor-parallel engine and starts the other ranks
         (or, under torchrun, every rank calls this; ranks other than 0 serve until rank 0 shuts
-        down, then return their stopped engine). runtime/parallel/ has the details."""
+        down, then return their stopped engine). tp_invariant: the same bits for every tp
+        (docs/tensor_parallel.md). runtime/parallel/ has the details."""
         rank_args = {k: v for k, v in locals().items() if k not in ("cls", "path")}  # every rank's from_dir
         d = Path(path)
         if not d.is_dir():
@@ -166,8 +168,10 @@ class Engine:
     @classmethod
     def _from_model(cls, model: LlamaModel, d: Path, settings, fmt: KVFormat, k_scales, v_scales, *,
                     max_batch_size, num_blocks, memory_budget, attention, block_size, max_seq_len,
-                    max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, **_) -> Engine:
+                    max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant,
+                    **_) -> Engine:
         cfg, dev = model.cfg, model.device
+        model.exact_row_sums = _pick(tp_invariant, settings.tp_invariant)
         batch = max_batch_size or settings.max_batch_size or (8 if dev.type == "cpu" else 64)
         seq_len = min(max_seq_len or settings.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         step_tokens = max_tokens_per_step or max(2048, settings.max_input_len or 0)

@@ -91,6 +91,9 @@ class LlamaModel:
         # the attention heads this model instance computes: all of them, or a tensor-parallel
         # rank's share (runtime/parallel/tp_model.py)
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        # o and down accumulate in float64 and round once, so a tensor-parallel split of their sums
+        # gives the bits one device gives (runtime/parallel/; the engine's `tp_invariant`)
+        self.exact_row_sums = False
         self.rotary = Rotary(cfg)
         self.embed_tokens = weights.get("model.embed_tokens.weight", dtype, self.device)
         self.final_norm = weights.get("model.norm.weight", dtype, self.device)
@@ -155,9 +158,18 @@ class LlamaModel:
         return q, k, qkv[:, heads * d:].view(t, self.num_kv_heads, d)
 
     def _finish_layer(self, layer: LayerWeights, h: torch.Tensor, attn: torch.Tensor, lin=fast_linear) -> torch.Tensor:
-        h = h + self._reduce(lin(attn.reshape(h.shape[0], -1), layer.o))
+        h = h + self._row_linear(attn.reshape(h.shape[0], -1), layer.o, lin)
         gate, up = lin(self._rms_norm(h, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return h + self._reduce(lin(F.silu(gate) * up, layer.down))
+        return h + self._row_linear(F.silu(gate) * up, layer.down, lin)
+
+    def _row_linear(self, x: torch.Tensor, w: torch.Tensor, lin) -> torch.Tensor:
+        """A matmul whose input dim tensor parallelism splits (o, down): each rank's partial, summed.
+        exact_row_sums: the partials in float64 (products of two 32-bit floats are exact there), so
+        how the sum is split and ordered is lost in the final rounding; a quantized KV cache would
+        otherwise turn the last-bit differences of another split into other codes."""
+        if self.exact_row_sums:
+            return self._reduce(F.linear(x.double(), w.double())).to(x.dtype)
+        return self._reduce(lin(x, w))
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over tensor-parallel ranks of a row-parallel matmul's partial output; one rank holds
