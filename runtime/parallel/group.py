@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import multiprocessing
 import os
@@ -174,6 +175,9 @@ def _worker_main(rank: int, tp: int, device: str, init_method: str) -> None:
                 Engine.from_dir(path, **kwargs)  # returns when rank 0 shuts the engine down
             except Exception:  # noqa: BLE001 - rank 0 sees the same error (same arguments, same files)
                 log.exception("tensor-parallel rank %d could not build its engine", rank)
+            gc.collect()  # the stopped engine's pool goes before the next engine sizes its own
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
