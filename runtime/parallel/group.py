@@ -27,6 +27,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import shutil
 import socket
 import sys
 from contextlib import contextmanager
@@ -154,10 +155,37 @@ def _main_not_reimported():
             setattr(main, k, v)
 
 
+def _python() -> str:
+    """The interpreter the ranks run on: this one, or -- where this process is not a python binary
+    (the Triton python backend's stub embeds Python) -- the first python3 on PATH, which a kvq
+    deployment points at the project's virtual environment."""
+    exe = sys.executable or ""
+    if os.path.basename(exe).startswith("python"):
+        return exe
+    found = shutil.which("python3")
+    if found is None:
+        raise KvqError(f"cannot start tensor-parallel ranks: this process runs {exe!r}, not python, and no "
+                       "python3 is on PATH; put the environment's bin directory first on PATH.")
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when rank 0 dies, even by SIGKILL (a daemonic process is only
+    stopped by its parent's orderly exit)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _worker_main(rank: int, tp: int, device: str, init_method: str) -> None:
@@ -165,6 +193,7 @@ def _worker_main(rank: int, tp: int, device: str, init_method: str) -> None:
     global _ACTIVE
     from ..engine import Engine  # runtime.engine imports this package
 
+    _die_with_parent()
     dev = _rank_device(torch.device(device), rank, tp)
     _init(rank, tp, dev, init_method)
     _ACTIVE = TPGroup(tp, rank, dev, spawned=True)
@@ -186,6 +215,7 @@ def _worker_main(rank: int, tp: int, device: str, init_method: str) -> None:
 def _spawn(tp: int, device: torch.device) -> TPGroup:
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = multiprocessing.get_context("spawn")
+    ctx.set_executable(_python())
     # daemonic: if this process dies, its ranks die with it instead of waiting forever
     workers = [ctx.Process(target=_worker_main, args=(r, tp, str(device), init_method),
                            name=f"kvq-tp-rank{r}", daemon=True) for r in range(1, tp)]
