@@ -42,9 +42,13 @@ from runtime.engine import Engine
 from runtime.kv_format import KVFormat, kv_bytes_per_token
 from runtime.model import PagedBatch
 
-from .headline import FORMATS, decode_batch, fill_pool, sync
+from .headline import FORMATS as HEADLINE_FORMATS
+from .headline import decode_batch, fill_pool, sync
 
 GIB = 2**30
+# the headline's formats, and per-head static scales (sliced per rank)
+FORMATS = {**HEADLINE_FORMATS, "int8-per_head": KVFormat("int8", "per_head"),
+           "fp8_e4m3-per_head": KVFormat("fp8_e4m3", "per_head")}
 
 
 def make_engine_dir(root: Path, name: str, fmt: KVFormat, args) -> Path:
@@ -83,7 +87,22 @@ def planner_concurrency(args, fmt_name: str, tp: int) -> int | None:
     return None if row is None else row.max_concurrency[args.prompt + args.output]
 
 
-def measure(args, root: Path, tp: int, name: str) -> dict:
+def time_step(engine: Engine, batch: PagedBatch, steps: int) -> float:
+    """Median seconds of one decode step through the engine's runner (after capture and warm-up)."""
+    for _ in range(2):
+        engine.runner.forward(batch)
+    times = []
+    for _ in range(steps):
+        sync(engine.model.device)
+        t = time.perf_counter()
+        engine.runner.forward(batch)
+        sync(engine.model.device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(args, root: Path, tp: int, name: str, equal_load: int | None) -> dict:
+    """equal_load: tp=1's concurrency for this format, also timed here (the same load on more GPUs)."""
     fmt = FORMATS[name]
     cfg = PRESETS[args.preset]
     d = make_engine_dir(root, f"tp{tp}-{name}", fmt, args)
@@ -102,18 +121,11 @@ def measure(args, root: Path, tp: int, name: str) -> dict:
                "max_concurrency": engine.stats.pool_blocks // per_req, "measured_concurrency": conc,
                "planner_concurrency": planner_concurrency(args, fmt.name, tp), "cuda_graphs": engine.stats.cuda_graphs}
         tables, _ = fill_pool(engine, conc, args.prompt)
-        batch: PagedBatch = decode_batch(engine, tables, args.prompt)
-        for _ in range(2):  # capture (every rank) and warm up
-            engine.runner.forward(batch)
-        times = []
-        for _ in range(args.steps):
-            sync(engine.model.device)
-            t = time.perf_counter()
-            engine.runner.forward(batch)
-            sync(engine.model.device)
-            times.append(time.perf_counter() - t)
-        step = statistics.median(times)
+        step = time_step(engine, decode_batch(engine, tables, args.prompt), args.steps)
         row.update(decode_step_ms=step * 1e3, decode_tok_s=conc / step)
+        eq = min(equal_load or conc, conc)
+        step_eq = step if eq == conc else time_step(engine, decode_batch(engine, tables[:eq], args.prompt), args.steps)
+        row.update(equal_load=eq, decode_tok_s_equal_load=eq / step_eq)
         return row
     finally:
         engine.shutdown()
@@ -125,16 +137,18 @@ def measure(args, root: Path, tp: int, name: str) -> dict:
 
 def render(rows: list[dict]) -> str:
     head = ("| preset | tp | KV format | bytes/token/rank | pool tokens/rank | max concurrency (planner) "
-            "| decode tok/s | step ms | speed-up vs tp=1 |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| decode tok/s at max | step ms | vs tp=1 | tok/s at tp=1's load | vs tp=1 |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     base = {(r["preset"], r["format"]): r["decode_tok_s"] for r in rows if r["tp"] == 1}
     lines = []
     for r in rows:
         b = base.get((r["preset"], r["format"]))
         speedup = "" if b is None else f"{r['decode_tok_s'] / b:.2f}x"
+        speedup_eq = "" if b is None else f"{r['decode_tok_s_equal_load'] / b:.2f}x"
         lines.append(f"| {r['preset']} | {r['tp']} | {r['format']} | {r['bytes_per_token_per_rank']:.0f} | "
                      f"{r['pool_tokens_per_rank']} | {r['max_concurrency']} ({r['planner_concurrency']}) | "
                      f"{r['decode_tok_s']:.0f} | {r['decode_step_ms']:.1f} | "
-                     f"{speedup} |")
+                     f"{speedup} | {r['decode_tok_s_equal_load']:.0f} | {speedup_eq} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -164,7 +178,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for tp in (int(t) for t in args.tp.split(",")):
             for name in args.formats.split(","):
-                row = measure(args, Path(tmp), tp, name)
+                base = next((r["measured_concurrency"] for r in rows if r["tp"] == 1 and r["format"] == name), None)
+                row = measure(args, Path(tmp), tp, name, base)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 (args.out / "tp_scaling.json").write_text(json.dumps(rows, indent=1))
