@@ -155,7 +155,7 @@ class Engine:
         k_scales, v_scales = resolve_scales(fmt, kv_scales, d, cfg)
         tp = _pick(tp, settings.tp)
         if tp > 1:
-            model = parallel.load_rank(cfg, d, dev, torch_dtype, tp, rank_args)
+            model = parallel.load_rank(cfg, d, dev, torch_dtype, tp, rank_args, cls.from_dir)
             k_scales, v_scales = (parallel.slice_kv_scales(s, model.shard) for s in (k_scales, v_scales))
             try:
                 return cls._from_model(model, d, settings, fmt, k_scales, v_scales, **{**rank_args, "tp": tp})

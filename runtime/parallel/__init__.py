@@ -24,11 +24,11 @@ __all__ = ["RankShard", "TPGroup", "TPLlamaModel", "TPModelRunner", "check_paral
 
 
 def load_rank(cfg: ModelConfig, path: Path, device: torch.device, dtype: torch.dtype, tp: int,
-              engine_args: dict) -> TPLlamaModel:
+              engine_args: dict, build) -> TPLlamaModel:
     """This process's rank of a tp-way model, joining (or starting) the group first; the other
-    ranks build their engines from `Engine.from_dir(path, **engine_args)`."""
+    ranks build their engines with `build(path, **engine_args)` (Engine.from_dir)."""
     check_parallelism(cfg, tp, even=False)  # before any process starts
-    group = join(tp, device, str(path), engine_args)
+    group = join(tp, device, str(path), engine_args, build)
     try:
         return TPLlamaModel(cfg, open_weights(path, cfg), group, dtype)
     except BaseException:

@@ -188,11 +188,10 @@ def _die_with_parent() -> None:
             pass
 
 
-def _worker_main(rank: int, tp: int, device: str, init_method: str) -> None:
-    """Entry of a rank spawned by rank 0: build each engine rank 0 builds, serve its steps."""
+def _worker_main(rank: int, tp: int, device: str, init_method: str, build) -> None:
+    """Entry of a rank spawned by rank 0: build each engine rank 0 builds (`build`: Engine.from_dir,
+    passed in because runtime.engine imports this package), serve its steps."""
     global _ACTIVE
-    from ..engine import Engine  # runtime.engine imports this package
-
     _die_with_parent()
     dev = _rank_device(torch.device(device), rank, tp)
     _init(rank, tp, dev, init_method)
@@ -201,7 +200,7 @@ def _worker_main(rank: int, tp: int, device: str, init_method: str) -> None:
         while (args := _ACTIVE.recv_engine()) is not None:
             path, kwargs = args
             try:
-                Engine.from_dir(path, **kwargs)  # returns when rank 0 shuts the engine down
+                build(path, **kwargs)  # returns when rank 0 shuts the engine down
             except Exception:  # noqa: BLE001 - rank 0 sees the same error (same arguments, same files)
                 log.exception("tensor-parallel rank %d could not build its engine", rank)
             gc.collect()  # the stopped engine's pool goes before the next engine sizes its own
@@ -212,12 +211,12 @@ def _worker_main(rank: int, tp: int, device: str, init_method: str) -> None:
             dist.destroy_process_group()
 
 
-def _spawn(tp: int, device: torch.device) -> TPGroup:
+def _spawn(tp: int, device: torch.device, build) -> TPGroup:
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = multiprocessing.get_context("spawn")
     ctx.set_executable(_python())
     # daemonic: if this process dies, its ranks die with it instead of waiting forever
-    workers = [ctx.Process(target=_worker_main, args=(r, tp, str(device), init_method),
+    workers = [ctx.Process(target=_worker_main, args=(r, tp, str(device), init_method, build),
                            name=f"kvq-tp-rank{r}", daemon=True) for r in range(1, tp)]
     with _main_not_reimported():
         for p in workers:
@@ -232,9 +231,9 @@ def _spawn(tp: int, device: torch.device) -> TPGroup:
     return group
 
 
-def join(tp: int, device: torch.device, path: str, kwargs: dict) -> TPGroup:
+def join(tp: int, device: torch.device, path: str, kwargs: dict, build) -> TPGroup:
     """This process's place in a tp-way group for one engine, starting the group when none exists
-    (the spawned ranks then build the engine from `path` and `kwargs`, as this process does)."""
+    (the spawned ranks then call `build(path, **kwargs)`, as this process did)."""
     global _GROUP
     if _ACTIVE is not None:  # a spawned rank, building what rank 0 sent
         if _ACTIVE.tp != tp:
@@ -255,7 +254,7 @@ def join(tp: int, device: torch.device, path: str, kwargs: dict) -> TPGroup:
             _init(rank, tp, dev, "env://")
         _GROUP = TPGroup(tp, rank, dev)
     if _GROUP is None:
-        _GROUP = _spawn(tp, device)
+        _GROUP = _spawn(tp, device, build)
     if _GROUP.spawned:
         _GROUP.send_engine((path, kwargs))
     _GROUP.busy = True
