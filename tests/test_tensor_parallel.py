@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
+import re
+from pathlib import Path
 
 import helpers_runtime as H
 import pytest
@@ -222,3 +224,67 @@ def test_smollm2(tmp_path_factory, fmt):
         reference = fp64_logprobs(copy.deepcopy(H.smollm2_hf(tmp_path_factory)).double(), scored)
     assert_tp_matches(d, fmt, prompts, scored, 8, reference=reference, max_seq_len=512,
                       tp_invariant=fmt != "fp32")
+
+
+@pytest.mark.slow
+def test_kvq_serve_runs_a_tensor_parallel_engine(tmp_path_factory, tmp_path):
+    """engine.json "tp": 2 deployed with `kvq deploy` and served by the real tritonserver: the python
+    backend's model instance is rank 0 and starts rank 1; the answer is the tp=1 engine's own."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from click.testing import CliRunner
+
+    from builder.cli import cli
+    from triton_repo import client, protocol
+    from triton_repo.server import free_port
+
+    src = H.smollm2_dir(tmp_path_factory)
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    for f in src.iterdir():
+        (eng / f.name).symlink_to(f)
+    (eng / "engine.json").write_text(json.dumps({"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
+                                                 "block_size": 16, "tp": 2}))
+    question = H.CHAT_QUESTIONS[0]
+    direct = Engine.from_dir(eng, device="cpu", tp=1)
+    try:
+        ids = protocol.encode_prompt(direct.tokenizer, question, chat=True)
+        want = direct.generate([ids], max_tokens=12)[0].text
+    finally:
+        direct.shutdown()
+    repo = tmp_path / "repo"
+    r = CliRunner().invoke(cli, ["deploy", str(eng), "--out", str(repo), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    ports = {k: free_port() for k in ("http", "grpc", "metrics")}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "kvq"), "serve", str(repo), "--log-dir", str(tmp_path),
+                             *(a for k, p in ports.items() for a in (f"--{k}-port", str(p)))],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(ln.startswith("ready") for ln in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.5)
+        got = client.generate(f"127.0.0.1:{ports['http']}",
+                              client.GenerateRequest(question, max_tokens=12, apply_chat_template=True))
+        assert got == want
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+    server_pid = int(re.search(r"tritonserver pid (\d+)", "".join(lines)).group(1))
+    deadline = time.monotonic() + 30
+    while True:  # neither the server nor its stub nor the stub's rank is left
+        try:
+            os.killpg(server_pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, f"a process of tritonserver's group {server_pid} outlived kvq serve"
+        time.sleep(0.2)
