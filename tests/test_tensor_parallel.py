@@ -21,6 +21,7 @@ from pathlib import Path
 import helpers_runtime as H
 import pytest
 import torch
+from helpers_convert import write_tiny_tokenizer
 
 from runtime import parallel
 from runtime.config import ModelConfig
@@ -288,3 +289,19 @@ def test_kvq_serve_runs_a_tensor_parallel_engine(tmp_path_factory, tmp_path):
             break
         assert time.monotonic() < deadline, f"a process of tritonserver's group {server_pid} outlived kvq serve"
         time.sleep(0.2)
+
+
+def test_deploy_refuses_several_instances_of_a_tensor_parallel_engine(tiny_gqa, tmp_path):
+    from triton_repo.repo_torch import write_repository
+
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    for f in tiny_gqa.iterdir():
+        (eng / f.name).symlink_to(f)
+    (eng / "engine.json").write_text('{"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "tp": 2}')
+    write_tiny_tokenizer(eng, ModelConfig.from_dir(eng).vocab_size)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    with pytest.raises(InputError, match="instance_count 2: the engine is tensor-parallel"):
+        write_repository(eng, repo, {"instance_count": 2})
+    assert not any(repo.iterdir())
