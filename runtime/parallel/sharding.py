@@ -100,7 +100,7 @@ def slice_kv_scales(scales: torch.Tensor | None, shard: RankShard) -> torch.Tens
     return scales[:, shard.kv_heads.start:shard.kv_heads.stop].contiguous()
 
 
-# HF tensor name suffix -> (which dim is split, which of the shard's ranges, rows per range index)
+# HF tensor name suffix -> (the dim that is split, the shard range it takes; heads count head_dim rows)
 _SPLITS = {
     "self_attn.q_proj.weight": (0, "q_heads"),
     "self_attn.k_proj.weight": (0, "kv_heads"),
