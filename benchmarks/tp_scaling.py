@@ -108,7 +108,7 @@ def measure(args, root: Path, tp: int, name: str, equal_load: int | None) -> dic
     d = make_engine_dir(root, f"tp{tp}-{name}", fmt, args)
     budget = None if args.kv_gib is None else int(args.kv_gib * GIB)
     t0 = time.perf_counter()
-    engine = Engine.from_dir(d, device=args.device, tp=tp, memory_budget=budget)
+    engine = Engine.from_dir(d, device=args.device, tp=tp, memory_budget=budget, cuda_graphs=not args.eager)
     load_s = time.perf_counter() - t0
     try:
         per_req = math.ceil((args.prompt + args.output) / args.block)
@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.9, help="gpu_memory_fraction of the engines")
     ap.add_argument("--kv-gib", type=float, default=None, help="fixed KV budget per rank (CPU smoke runs)")
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per engine")
+    ap.add_argument("--eager", action="store_true", help="decode without CUDA graphs (every rank)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     unknown = set(args.formats.split(",")) - set(FORMATS)
