@@ -69,22 +69,23 @@ def make_engine_dir(root: Path, name: str, fmt: KVFormat, args) -> Path:
     return d
 
 
-def planner_concurrency(args, fmt_name: str, tp: int) -> int | None:
-    """The planner's maximum concurrency for this GPU's memory at `args.prompt` tokens, or None where
-    the planner (recipes: pydantic) does not import."""
+def planner_concurrency(args, fmt: KVFormat, tp: int, gpu_memory: int | None) -> int | None:
+    """The planner's maximum concurrency (`kvq plan`'s make_plan) for `gpu_memory` bytes per GPU at
+    prompt + output tokens, or None without a GPU or where the planner (recipes: pydantic) does not import."""
     try:
         from builder.planner import make_plan
         from recipes import load_recipe
     except ImportError:
         return None
-    if not torch.cuda.is_available():
+    if gpu_memory is None:
         return None
-    mem = torch.cuda.get_device_properties(0).total_memory
+    kv = [f"kv.dtype={fmt.dtype}", f"kv.granularity={fmt.granularity}", f"kv.symmetric={str(fmt.symmetric).lower()}"]
     recipe = load_recipe("llama70b-fp8kv", [f"model.preset={args.preset}", "model.dtype=bf16",
-                                            f"build.gpu_memory_fraction={args.fraction}"])
-    plan = make_plan(recipe, contexts=[args.prompt + args.output], gpu_memory=mem, gpus=tp)
-    row = next((f for f in plan.formats if f.format == fmt_name), None)
-    return None if row is None else row.max_concurrency[args.prompt + args.output]
+                                            f"build.gpu_memory_fraction={args.fraction}", "backend=torch",
+                                            *(kv if fmt.quantized else ["kv.dtype=bf16"])])
+    ctx = args.prompt + args.output
+    plan = make_plan(recipe, contexts=[ctx], gpu_memory=gpu_memory, gpus=tp)
+    return next(f.max_concurrency[ctx] for f in plan.formats if f.recipe_format)
 
 
 def time_step(engine: Engine, batch: PagedBatch, steps: int) -> float:
@@ -107,6 +108,7 @@ def measure(args, root: Path, tp: int, name: str, equal_load: int | None) -> dic
     cfg = PRESETS[args.preset]
     d = make_engine_dir(root, f"tp{tp}-{name}", fmt, args)
     budget = None if args.kv_gib is None else int(args.kv_gib * GIB)
+    gpu_memory = torch.cuda.get_device_properties(0).total_memory if args.device.startswith("cuda") else None
     t0 = time.perf_counter()
     engine = Engine.from_dir(d, device=args.device, tp=tp, memory_budget=budget, cuda_graphs=not args.eager)
     load_s = time.perf_counter() - t0
@@ -119,7 +121,8 @@ def measure(args, root: Path, tp: int, name: str, equal_load: int | None) -> dic
                "weight_bytes_rank0": engine.stats.weight_bytes, "pool_blocks": engine.stats.pool_blocks,
                "pool_tokens_per_rank": engine.stats.pool_tokens, "pool_gib_per_rank": engine.stats.pool_bytes / GIB,
                "max_concurrency": engine.stats.pool_blocks // per_req, "measured_concurrency": conc,
-               "planner_concurrency": planner_concurrency(args, fmt.name, tp), "cuda_graphs": engine.stats.cuda_graphs}
+               "planner_concurrency": planner_concurrency(args, fmt, tp, gpu_memory),
+               "cuda_graphs": engine.stats.cuda_graphs}
         tables, _ = fill_pool(engine, conc, args.prompt)
         step = time_step(engine, decode_batch(engine, tables, args.prompt), args.steps)
         row.update(decode_step_ms=step * 1e3, decode_tok_s=conc / step)
