@@ -79,7 +79,7 @@ def fill_pool(engine: Engine, n_seqs: int, ctx: int, chunk: int = 32768) -> tupl
     slots = torch.tensor([t[p // bs] * bs + p % bs for t in tables for p in range(ctx)], dtype=torch.int64,
                          device=dev)
     g = torch.Generator(device=dev).manual_seed(0)
-    kvh, d = cfg.num_kv_heads, cfg.head_dim
+    kvh, d = engine.model.num_kv_heads, cfg.head_dim  # this rank's heads under tensor parallelism
     sync(dev)
     t0 = time.perf_counter()
     for layer in engine.runner.caches:

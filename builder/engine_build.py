@@ -108,10 +108,10 @@ def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
         outputs["scale_range"] = [float(min(k.min(), v.min())), float(max(k.max(), v.max()))]
     # a runtime setting of kvq's own engine only: trtllm-build has no such flag
     settings = {**engine_settings(ctx), "batch_invariant": ctx.recipe.build.batch_invariant,
-                "prefix_caching": ctx.recipe.build.prefix_caching}
+                "prefix_caching": ctx.recipe.build.prefix_caching, "tp": ctx.recipe.build.tp}
     _write_json(out / "engine.json", settings)
     outputs["engine"] = settings
-    outputs["summary"] = f"torch engine, KV {fmt.name}"
+    outputs["summary"] = f"torch engine{f' TP{ctx.recipe.build.tp}' if ctx.recipe.build.tp > 1 else ''}, KV {fmt.name}"
     return outputs
 
 

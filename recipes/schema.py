@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from runtime.config import PRESETS, ModelConfig
 from runtime.errors import UnsupportedError
 from runtime.kv_format import GRANULARITIES, KV_DTYPES, SCALE_DTYPES, KVFormat
+from runtime.parallel.sharding import check_parallelism
 
 KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 Granularity = Literal[GRANULARITIES]  # type: ignore[valid-type]
@@ -69,7 +70,8 @@ class BuildSection(Section):
     max_input_len: int = Field(1024, ge=1)
     max_seq_len: int = Field(2048, ge=2)
     max_num_tokens: int = Field(8192, ge=1)
-    tp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1, description="Tensor-parallel ranks (GPUs): TensorRT-LLM's mapping, or the embedded "
+                    "engine's process group (runtime/parallel/).")
     pp: int = Field(1, ge=1)
     trtllm_version: str | None = Field(
         None, description="backend tensorrt-llm: the TensorRT-LLM release that will build the engine, when it "
@@ -167,9 +169,9 @@ class Recipe(Section):
                 f"build.max_input_len ({b.max_input_len}) exceeds build.max_seq_len ({b.max_seq_len}); "
                 "raise max_seq_len or lower max_input_len."
             )
-        if self.backend == "torch" and (b.tp > 1 or b.pp > 1):
-            raise ValueError("build.tp/pp: the embedded torch engine runs on one device; set tp: 1 and pp: 1 "
-                             "(tp/pp apply to backend: tensorrt-llm and to `kvq plan`).")
+        if self.backend == "torch" and b.pp > 1:
+            raise ValueError("build.pp: the embedded torch engine has no pipeline parallelism; set pp: 1 and "
+                             "spread the model with build.tp (or use backend: tensorrt-llm).")
         geo = self.geometry()
         if geo is not None:
             self._check_geometry(geo)
@@ -177,11 +179,16 @@ class Recipe(Section):
 
     def _check_geometry(self, geo: ModelConfig) -> None:
         b = self.build
-        if geo.num_heads % b.tp:
+        even = self.backend == "tensorrt-llm"  # the embedded engine also splits heads unevenly
+        if even and geo.num_heads % b.tp:
             raise ValueError(
                 f"build.tp: tensor parallelism {b.tp} must divide the {geo.num_heads} attention heads; "
                 f"choose one of {[t for t in range(1, geo.num_heads + 1) if geo.num_heads % t == 0][:8]}."
             )
+        try:
+            check_parallelism(geo, b.tp, even=even)
+        except UnsupportedError as e:
+            raise ValueError(f"build.tp: {e}") from None
         if b.pp > geo.num_layers:
             raise ValueError(f"build.pp: {b.pp} pipeline stages for {geo.num_layers} layers; use pp <= layers.")
         if self.kv.dtype == "int4" and geo.head_dim % 2:

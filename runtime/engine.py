@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import batch_invariant, scoring
+from . import batch_invariant, parallel, scoring
 from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
@@ -96,14 +96,15 @@ class Engine:
                 raise InputError("the batch-invariant mode runs its own attention ops; pass attention='auto' "
                                  "or batch_invariant=False to use the Triton kernels.")
             self.backend = batch_invariant_backend(model)
-        caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales)
+        caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales, model.num_kv_heads)
         # the page key's salt: K/V of another format, scales, model or dtype never match
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, prefix_caching=prefix_caching,
                                    salt=_cache_salt(model, fmt, k_scales, v_scales))
         graphs = None
         if cuda_graphs and model.device.type == "cuda" and can_capture(self.backend):
             graphs = DecodeGraphs(model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size)
-        self.runner = ModelRunner(model, caches, self.blocks, self.backend, graphs)
+        runner = parallel.TPModelRunner if isinstance(model, parallel.TPLlamaModel) else ModelRunner
+        self.runner = runner(model, caches, self.blocks, self.backend, graphs)
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step)
         self.stats = EngineStats(
             device=str(model.device), dtype=str(model.dtype).replace("torch.", ""), kv_format=fmt.name,
@@ -133,8 +134,14 @@ class Engine:
         max_batch_size: int | None = None, num_blocks: int | None = None, memory_budget: int | None = None,
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
-        batch_invariant: bool | None = None, prefix_caching: bool | None = None,
+        batch_invariant: bool | None = None, prefix_caching: bool | None = None, tp: int | None = None,
+        tp_invariant: bool | None = None,
     ) -> Engine:
+        """tp > 1: this process is rank 0 of a tensor-parallel engine and starts the other ranks
+        (or, under torchrun, every rank calls this; ranks other than 0 serve until rank 0 shuts
+        down, then return their stopped engine). tp_invariant: the same bits for every tp
+        (docs/tensor_parallel.md). runtime/parallel/ has the details."""
+        rank_args = {k: v for k, v in locals().items() if k not in ("cls", "path")}  # every rank's from_dir
         d = Path(path)
         if not d.is_dir():
             raise InputError(f"{d} is not a directory; point to an engine or converted model directory.")
@@ -146,7 +153,25 @@ class Engine:
         torch_dtype = resolve_dtype(dtype, dev, d)
         fmt = resolve_kv_format(kv_format, d, torch_dtype)
         k_scales, v_scales = resolve_scales(fmt, kv_scales, d, cfg)
+        tp = _pick(tp, settings.tp)
+        if tp > 1:
+            model = parallel.load_rank(cfg, d, dev, torch_dtype, tp, rank_args, cls.from_dir)
+            k_scales, v_scales = (parallel.slice_kv_scales(s, model.shard) for s in (k_scales, v_scales))
+            try:
+                return cls._from_model(model, d, settings, fmt, k_scales, v_scales, **{**rank_args, "tp": tp})
+            except BaseException:
+                model.group.close(abort=True)
+                raise
         model = LlamaModel(cfg, open_weights(d, cfg), dev, torch_dtype)
+        return cls._from_model(model, d, settings, fmt, k_scales, v_scales, **{**rank_args, "tp": tp})
+
+    @classmethod
+    def _from_model(cls, model: LlamaModel, d: Path, settings, fmt: KVFormat, k_scales, v_scales, *,
+                    max_batch_size, num_blocks, memory_budget, attention, block_size, max_seq_len,
+                    max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant,
+                    **_) -> Engine:
+        cfg, dev = model.cfg, model.device
+        model.exact_row_sums = _pick(tp_invariant, settings.tp_invariant)
         batch = max_batch_size or settings.max_batch_size or (8 if dev.type == "cpu" else 64)
         seq_len = min(max_seq_len or settings.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         step_tokens = max_tokens_per_step or max(2048, settings.max_input_len or 0)
@@ -154,14 +179,20 @@ class Engine:
         gpu_budget = None
         if dev.type == "cuda" and num_blocks is None and memory_budget is None:
             gpu_budget = _gpu_pool_budget(model, step_tokens, settings.gpu_memory_fraction)
+            if tp > 1:  # every rank's pool holds the same blocks: the smallest budget
+                gpu_budget = model.group.min_int(gpu_budget)
         plan = plan_pool(cfg, fmt, bsz, num_blocks=num_blocks, memory_budget=memory_budget,
-                         gpu_free_budget=gpu_budget, default_tokens=batch * seq_len)
-        return cls(model, fmt, plan, k_scales, v_scales, tokenizer=load_tokenizer(d), max_batch_size=batch,
+                         gpu_free_budget=gpu_budget, default_tokens=batch * seq_len, tp=tp)
+        engine = cls(model, fmt, plan, k_scales, v_scales, tokenizer=load_tokenizer(d), max_batch_size=batch,
                    max_seq_len=seq_len, max_tokens_per_step=step_tokens, attention=attention,
                    max_input_len=settings.max_input_len,
                    cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
                    batch_invariant=_pick(batch_invariant, settings.batch_invariant, dev.type == "cpu"),
                    prefix_caching=_pick(prefix_caching, settings.prefix_caching))
+        if isinstance(engine.runner, parallel.TPModelRunner) and not model.group.is_driver:
+            engine.runner.serve()  # until rank 0 shuts down
+            engine.shutdown()
+        return engine
 
     # ----------------------------------------------------------- requests
     def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:
@@ -238,6 +269,7 @@ class Engine:
             self._cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        self.runner.close()
         for seq in list(self._live.values()):
             self._emit(seq, None, "cancelled")
         self._live.clear()

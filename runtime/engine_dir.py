@@ -5,7 +5,7 @@
     kv_format.json         KVFormat fields (absent: unquantized KV in the model dtype)
     kv_scales.safetensors  k_scale, v_scale [layers] or [layers, kv_heads] (static formats)
     engine.json            max_batch_size, max_input_len, max_seq_len, block_size, gpu_memory_fraction,
-                           cuda_graphs, batch_invariant
+                           cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class EngineSettings:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton attention only)
     batch_invariant: bool | None = None  # None: on for CPU engines, off on CUDA (runtime/batch_invariant.py)
     prefix_caching: bool = True  # reuse cached full KV pages across requests (runtime/block_manager.py)
+    tp: int = 1  # tensor-parallel ranks, one process (and GPU) each (runtime/parallel/)
+    tp_invariant: bool = False  # outputs bit-identical for every tp (float64 row-parallel sums; slower)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -59,13 +61,13 @@ def read_settings(d: Path) -> EngineSettings:
         s = EngineSettings(**{k: v for k, v in raw.items() if k in known and v is not None})
     except TypeError as e:
         raise InputError(f"{p}: {e}") from None
-    for name in ("max_batch_size", "max_input_len", "max_seq_len", "block_size"):
+    for name in ("max_batch_size", "max_input_len", "max_seq_len", "block_size", "tp"):
         v = getattr(s, name)
         if v is not None and (not isinstance(v, int) or v < 1):
             raise InputError(f"{p}: {name} must be a positive integer, got {v!r}; fix engine.json or rebuild.")
     if not 0 < s.gpu_memory_fraction <= 1:
         raise InputError(f"{p}: gpu_memory_fraction must be in (0, 1], got {s.gpu_memory_fraction!r}.")
-    for name in ("cuda_graphs", "batch_invariant", "prefix_caching"):
+    for name in ("cuda_graphs", "batch_invariant", "prefix_caching", "tp_invariant"):
         v = getattr(s, name)
         if not isinstance(v, bool) and not (name == "batch_invariant" and v is None):
             raise InputError(f"{p}: {name} must be true or false, got {v!r}; fix engine.json or rebuild.")

@@ -88,6 +88,12 @@ class LlamaModel:
         self.dtype = dtype
         self.weights = weights
         self.sm_scale = cfg.head_dim**-0.5
+        # the attention heads this model instance computes: all of them, or a tensor-parallel
+        # rank's share (runtime/parallel/tp_model.py)
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        # o and down accumulate in float64 and round once, so a tensor-parallel split of their sums
+        # gives the bits one device gives (runtime/parallel/; the engine's `tp_invariant`)
+        self.exact_row_sums = False
         self.rotary = Rotary(cfg)
         self.embed_tokens = weights.get("model.embed_tokens.weight", dtype, self.device)
         self.final_norm = weights.get("model.norm.weight", dtype, self.device)
@@ -140,21 +146,35 @@ class LlamaModel:
     def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lin=fast_linear):
         """h [T, hidden] -> q [T, heads, D], k, v [T, kv_heads, D], RoPE applied to q and k.
         lin: the matmul (batch_invariant.linear in the batch-invariant mode)."""
-        c = self.cfg
+        d = self.cfg.head_dim
         t = h.shape[0]
         qkv = lin(self._rms_norm(h, layer.input_norm), layer.qkv)
-        heads = c.num_heads + c.num_kv_heads
+        heads = self.num_heads + self.num_kv_heads
         # q and k side by side take RoPE as one tensor: half the small ops of a decode step's layer
-        qk = apply_rotary(qkv[:, : heads * c.head_dim].view(t, heads, c.head_dim), cos, sin)
-        q, k = qk.split([c.num_heads, c.num_kv_heads], 1)
+        qk = apply_rotary(qkv[:, : heads * d].view(t, heads, d), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], 1)
         if q.is_cuda:  # the Triton kernels take q and k with whole rows of heads
             q, k = q.contiguous(), k.contiguous()
-        return q, k, qkv[:, heads * c.head_dim:].view(t, c.num_kv_heads, c.head_dim)
+        return q, k, qkv[:, heads * d:].view(t, self.num_kv_heads, d)
 
     def _finish_layer(self, layer: LayerWeights, h: torch.Tensor, attn: torch.Tensor, lin=fast_linear) -> torch.Tensor:
-        h = h + lin(attn.reshape(h.shape[0], -1), layer.o)
+        h = h + self._row_linear(attn.reshape(h.shape[0], -1), layer.o, lin)
         gate, up = lin(self._rms_norm(h, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return h + lin(F.silu(gate) * up, layer.down)
+        return h + self._row_linear(F.silu(gate) * up, layer.down, lin)
+
+    def _row_linear(self, x: torch.Tensor, w: torch.Tensor, lin) -> torch.Tensor:
+        """A matmul whose input dim tensor parallelism splits (o, down): each rank's partial, summed.
+        exact_row_sums: the partials in float64 (products of two 32-bit floats are exact there), so
+        how the sum is split and ordered is lost in the final rounding; a quantized KV cache would
+        otherwise turn the last-bit differences of another split into other codes."""
+        if self.exact_row_sums:
+            return self._reduce(F.linear(x.double(), w.double())).to(x.dtype)
+        return self._reduce(lin(x, w))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over tensor-parallel ranks of a row-parallel matmul's partial output; one rank holds
+        the whole sum already (runtime/parallel/tp_model.py all-reduces)."""
+        return x
 
     # -------------------------------------------------------------- dense
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -53,10 +53,12 @@ def plan_pool(
     memory_budget: int | None = None,
     gpu_free_budget: int | None = None,
     default_tokens: int = 0,
+    tp: int = 1,
 ) -> PoolPlan:
     """Blocks for the pool, from (first given wins) an explicit count, a byte budget,
-    the measured free GPU memory, or a default token count capped for the CPU."""
-    bpt = kv_bytes_per_token(cfg, fmt)
+    the measured free GPU memory, or a default token count capped for the CPU.
+    With tp ranks, bytes are per rank: the most loaded rank's share of the KV heads."""
+    bpt = kv_bytes_per_token(cfg, fmt, tp)
     per_block = block_size * bpt
     if num_blocks is not None:
         n, src = int(num_blocks), "num_blocks"
@@ -82,11 +84,13 @@ def allocate_pool(
     device: torch.device,
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
+    kv_heads: int | None = None,
 ) -> list[LayerCache]:
-    """One LayerCache per layer; static scales are [layers] or [layers, kv_heads]."""
+    """One LayerCache per layer; static scales are [layers] or [layers, kv_heads].
+    kv_heads: the heads this process caches (a tensor-parallel rank's share), default all."""
     return [
         allocate_layer(
-            fmt, plan.num_blocks, plan.block_size, cfg.num_kv_heads, cfg.head_dim, device,
+            fmt, plan.num_blocks, plan.block_size, kv_heads or cfg.num_kv_heads, cfg.head_dim, device,
             k_scales[i] if k_scales is not None else None,
             v_scales[i] if v_scales is not None else None,
         )
@@ -174,3 +178,6 @@ class ModelRunner:
                 "instead of float16, or check the KV scales (calibrate stage)."
             )
         return logits
+
+    def close(self) -> None:
+        """Release what the runner holds beyond its tensors (a tensor-parallel group's ranks)."""

@@ -60,6 +60,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _is_view_of_more(t: torch.Tensor) -> bool:
+    return not t.is_contiguous() or t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 def layer_name(layer: int, name: str) -> str:
     return f"model.layers.{layer}.{name}"
 
@@ -119,6 +123,23 @@ class SafetensorsWeights:
             t = sf.get_tensor(name)
         return t.to(device=device, dtype=dtype)
 
+    def get_slice(self, name: str, rows: range | None, cols: range | None, dtype: torch.dtype,
+                  device: torch.device | str) -> torch.Tensor:
+        """Rows and/or columns of one tensor, read from the file without loading the rest of it
+        (a tensor-parallel rank's shard)."""
+        if name not in self._where:
+            raise InputError(f"{self.dir}: tensor {name!r} is not in the checkpoint.")
+        shape = self._shapes[name]
+        r = slice(None) if rows is None else slice(rows.start, rows.stop)
+        c = slice(None) if cols is None else slice(cols.start, cols.stop)
+        with safe_open(str(self._where[name]), framework="pt", device="cpu") as sf:
+            part = sf.get_slice(name)
+            # a view of the memory-mapped file: only the pages under the slice are read
+            t = (part[r] if len(shape) == 1 else part[r, c]).to(device=device, dtype=dtype)
+        # own exactly the shard's bytes: a view would keep the whole tensor's mapping alive, and
+        # a strided (column) view makes every matmul over it slow
+        return t.clone(memory_format=torch.contiguous_format) if _is_view_of_more(t) else t
+
     @property
     def has_lm_head(self) -> bool:
         return "lm_head.weight" in self._where
@@ -141,6 +162,22 @@ class SyntheticWeights:
         g.manual_seed(self.seed * 1_000_003 + self._order[name])
         t = torch.empty(shape, dtype=dtype, device=device)
         return t.normal_(0.0, 0.02, generator=g)
+
+    def get_slice(self, name: str, rows: range | None, cols: range | None, dtype: torch.dtype,
+                  device: torch.device | str) -> torch.Tensor:
+        """A shard drawn on its own (seeded by name and offsets), so no rank ever creates a full
+        tensor: shards of a tensor-parallel engine are random weights, not slices of `get`'s."""
+        if rows is None and cols is None:
+            return self.get(name, dtype, device)
+        shape = self._shapes[name]
+        r = range(shape[0]) if rows is None else rows
+        c = range(shape[1]) if cols is None and len(shape) > 1 else cols
+        part = (len(r),) if len(shape) == 1 else (len(r), len(c))
+        if name.endswith("norm.weight"):
+            return torch.ones(part, dtype=dtype, device=device)
+        g = torch.Generator(device=device)
+        g.manual_seed(hash((self.seed, self._order[name], r.start, c.start if c else 0)) % 2**62)
+        return torch.empty(part, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
 
     @property
     def has_lm_head(self) -> bool:

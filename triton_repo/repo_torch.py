@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from runtime.engine_dir import read_settings
 from runtime.errors import InputError
 
 from . import protocol
@@ -109,6 +110,11 @@ def write_repository(
     max_batch = int(s["max_batch_size"] or limits.max_batch_size)
     if max_batch < 1:
         raise InputError(f"deploy max_batch_size must be >= 1, got {max_batch}.")
+    tp = read_settings(engine_dir).tp
+    if tp > 1 and int(s["instance_count"]) > 1:
+        raise InputError(f"deploy setting instance_count {s['instance_count']}: the engine is tensor-parallel "
+                         f"(engine.json tp={tp}) and one instance runs all of its ranks on GPUs 0..{tp - 1}; "
+                         "set instance_count 1.")
     streaming = bool(s["streaming"])
     pre_post = int(s["pre_post_instance_count"])
     engine = engine_model_spec(engine_dir, max_batch, s)
@@ -133,6 +139,7 @@ def write_repository(
         "streaming": streaming,
         "decoupled": True,
         "instance_count": int(s["instance_count"]),
+        "tp": tp,
         "max_queue_delay_us": int(s["max_queue_delay_us"]),
         "limits": {"max_input_len": limits.max_input_len, "max_seq_len": limits.max_seq_len},
         "files": files,

@@ -7,7 +7,8 @@ TensorRT-LLM's llama/convert.py:
 * `mlp.fc` holds HF `gate_proj` and `mlp.gate` holds `up_proj` (swapped names).
 * qkv per rank is [q_r; k_r; v_r]: q, k, v are each split into tp chunks; when
   kv_heads < tp each KV head is first repeated tp/kv_heads times
-  (`dup_kv_weight`), so rank r holds KV head r // (tp/kv_heads).
+  (`dup_kv_weight`), so rank r holds KV head r // (tp/kv_heads)
+  (`runtime.parallel.sharding.rank_shard`, the embedded engine's split too).
 * o_proj/down_proj split along dim 1 (row-parallel), fc/gate/qkv along dim 0.
 * lm_head is zero-padded to a multiple of tp rows, then split along dim 0.
 * rank = pp_rank * tp + tp_rank; layer indices are local to the PP stage; the
@@ -29,9 +30,10 @@ from typing import Any
 import torch
 
 from calibration.files import write_json_atomic
-from runtime.config import ModelConfig, ceil_div
+from runtime.config import ModelConfig
 from runtime.errors import InputError, NumericsError, UnsupportedError
 from runtime.kv_format import KVFormat, static_scale_from_amax
+from runtime.parallel.sharding import check_parallelism, rank_shard
 
 from ..convert.hf import HFCheckpoint
 from ..convert.writer import TensorSpec, weight_dtype, write_streaming
@@ -44,26 +46,6 @@ def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
     """Layers of each pipeline stage (TensorRT-LLM's Mapping.pp_layers: torch.tensor_split)."""
     parts = torch.tensor_split(torch.arange(num_layers), pp)
     return [range(int(p[0]), int(p[-1]) + 1) if len(p) else range(0) for p in parts]
-
-
-def check_parallelism(cfg: ModelConfig, tp: int, pp: int) -> None:
-    problems = []
-    if tp < 1 or pp < 1:
-        problems.append(f"tp ({tp}) and pp ({pp}) must be >= 1")
-    else:
-        if cfg.num_heads % tp:
-            problems.append(f"num_attention_heads {cfg.num_heads} is not divisible by tp {tp}")
-        if cfg.num_kv_heads >= tp and cfg.num_kv_heads % tp:
-            problems.append(f"num_key_value_heads {cfg.num_kv_heads} is not divisible by tp {tp}")
-        if cfg.num_kv_heads < tp and tp % cfg.num_kv_heads:
-            problems.append(f"tp {tp} is not a multiple of num_key_value_heads {cfg.num_kv_heads} "
-                            "(KV heads are duplicated across ranks)")
-        if cfg.intermediate_size % tp:
-            problems.append(f"intermediate_size {cfg.intermediate_size} is not divisible by tp {tp}")
-        if pp > cfg.num_layers:
-            problems.append(f"pp {pp} exceeds the number of layers {cfg.num_layers}")
-    if problems:
-        raise UnsupportedError("cannot shard this model: " + "; ".join(problems) + ". Choose another tp/pp.")
 
 
 def kv_cache_scales(kv_dtype: str, k_amax: torch.Tensor | None, v_amax: torch.Tensor | None,
@@ -125,46 +107,46 @@ def _rank_plan(src: HFCheckpoint, tp: int, tp_rank: int, layers: range, first: b
                dtype: torch.dtype, scales: torch.Tensor | None) -> list[tuple[TensorSpec, Callable[[], torch.Tensor]]]:
     """(spec, producer) for every tensor of one rank, in file order."""
     cfg = src.cfg
-    h, d, r = cfg.hidden_size, cfg.head_dim, tp_rank
-    q_rows = cfg.num_heads // tp * d
-    kv_rows = max(cfg.num_kv_heads // tp, 1) * d
-    # KV head block this rank holds: its own chunk, or the head it duplicates when kv_heads < tp.
-    kv_block = r if cfg.num_kv_heads >= tp else r // (tp // cfg.num_kv_heads)
-    inter = cfg.intermediate_size // tp
+    h, d = cfg.hidden_size, cfg.head_dim
+    # the embedded engine's split (runtime/parallel/sharding.py), in equal blocks (check_parallelism)
+    shard = rank_shard(cfg, tp, tp_rank)
+    q = range(shard.q_heads.start * d, shard.q_heads.stop * d)
+    kv = range(shard.kv_heads.start * d, shard.kv_heads.stop * d)
+    mlp = shard.intermediate
+    q_rows, kv_rows, inter = len(q), len(kv), len(mlp)
     plan: list[tuple[TensorSpec, Callable[[], torch.Tensor]]] = []
 
     def add(name, shape, fn, dt=dtype):
         plan.append((TensorSpec(name, tuple(shape), dt), fn))  # the writer casts to dt
 
-    def rows(name, block, size):
-        return lambda: src.load(name, rows=slice(block * size, (block + 1) * size))
+    def rows(name, part: range):
+        return lambda: src.load(name, rows=slice(part.start, part.stop))
 
-    def cols(name, block, size):
-        return lambda: src.load(name)[:, block * size:(block + 1) * size]
+    def cols(name, part: range):
+        return lambda: src.load(name)[:, part.start:part.stop]
 
     if first:
         add("transformer.vocab_embedding.weight", (cfg.vocab_size, h), lambda: src.load("model.embed_tokens.weight"))
     for local, layer in enumerate(layers):
         hf, trt = f"model.layers.{layer}.", f"transformer.layers.{local}."
         a = hf + "self_attn."
-        qkv = (rows(a + "q_proj.weight", r, q_rows), rows(a + "k_proj.weight", kv_block, kv_rows),
-               rows(a + "v_proj.weight", kv_block, kv_rows))
+        qkv = (rows(a + "q_proj.weight", q), rows(a + "k_proj.weight", kv), rows(a + "v_proj.weight", kv))
         add(trt + "input_layernorm.weight", (h,), lambda n=hf + "input_layernorm.weight": src.load(n))
         add(trt + "attention.qkv.weight", (q_rows + 2 * kv_rows, h), lambda f=qkv: torch.cat([g() for g in f]))
-        add(trt + "attention.dense.weight", (h, q_rows), cols(a + "o_proj.weight", r, q_rows))
+        add(trt + "attention.dense.weight", (h, q_rows), cols(a + "o_proj.weight", q))
         if scales is not None:
             add(trt + "attention.kv_cache_scaling_factor", (1,), lambda s=scales[layer]: s.reshape(1), torch.float32)
         add(trt + "post_layernorm.weight", (h,), lambda n=hf + "post_attention_layernorm.weight": src.load(n))
-        add(trt + "mlp.fc.weight", (inter, h), rows(hf + "mlp.gate_proj.weight", r, inter))
-        add(trt + "mlp.gate.weight", (inter, h), rows(hf + "mlp.up_proj.weight", r, inter))
-        add(trt + "mlp.proj.weight", (h, inter), cols(hf + "mlp.down_proj.weight", r, inter))
+        add(trt + "mlp.fc.weight", (inter, h), rows(hf + "mlp.gate_proj.weight", mlp))
+        add(trt + "mlp.gate.weight", (inter, h), rows(hf + "mlp.up_proj.weight", mlp))
+        add(trt + "mlp.proj.weight", (h, inter), cols(hf + "mlp.down_proj.weight", mlp))
     if last:
         add("transformer.ln_f.weight", (h,), lambda: src.load("model.norm.weight"))
-        per_rank = ceil_div(cfg.vocab_size, tp)
+        per_rank = shard.vocab_per_rank
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
 
         def lm_head() -> torch.Tensor:
-            lo, hi = r * per_rank, min((r + 1) * per_rank, cfg.vocab_size)
+            lo, hi = shard.vocab.start, shard.vocab.stop
             part = src.load(head, rows=slice(lo, hi)) if hi > lo else torch.empty(0, h)
             pad = torch.zeros(per_rank - part.shape[0], h, dtype=part.dtype)  # padded vocab rows
             return torch.cat([part, pad])

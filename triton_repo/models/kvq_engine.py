@@ -24,6 +24,7 @@ from collections import Counter
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from runtime import parallel
 from runtime.engine import Engine
 from runtime.errors import KvqError, RequestError
 from runtime.sampling import SamplingParams
@@ -341,6 +342,7 @@ class TritonPythonModel:
         self.stopping.set()
         self.watcher.join(timeout=5)
         self.engine.shutdown()
+        parallel.close_group()  # a tensor-parallel engine's ranks (engine.json "tp") stop with the model
         # Metrics must go before their families (the stub crashes at exit otherwise).
         self.step_metrics.clear()
         self.tokens_metric = self.cancel_metric = None
