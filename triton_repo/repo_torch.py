@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import InputError
+from runtime.layer_formats import formats_name
 
 from . import protocol
 from .pbtxt import ModelSpec, TensorSpec
@@ -59,6 +60,18 @@ def _settings(settings: dict[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
+def engine_kv_format(engine_dir: Path) -> str:
+    """The engine directory's KV format name (a mixed engine: its layer runs, runtime/layer_formats.py)."""
+    import torch
+
+    from runtime.config import ModelConfig
+    from runtime.engine_dir import resolve_dtype, resolve_layer_formats
+
+    cfg = ModelConfig.from_dir(engine_dir)
+    dtype = resolve_dtype(None, torch.device("cuda"), engine_dir)  # an unquantized engine stores its serving dtype
+    return formats_name(resolve_layer_formats(None, engine_dir, dtype, cfg.num_layers))
+
+
 def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) -> ModelSpec:
     """kvq_engine's inputs and outputs carry tensorrt_llm's names, data types and dims."""
     ragged = {"input_ids", "stop_words_list", "bad_words_list", "lora_weights", "lora_config"}
@@ -83,6 +96,8 @@ def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) 
         outputs=tuple(outputs),
         parameters={
             "engine_dir": str(engine_dir),
+            # what the engine stores, for whoever reads the repository (one name, or the per-layer runs)
+            "kv_format": engine_kv_format(engine_dir),
             "device": s["device"] or "auto",
             # tensorrt_llm's model-level default, which a request's exclude_input_in_output overrides
             "exclude_input_in_output": "true",
@@ -127,6 +142,7 @@ def write_repository(
     return {
         "backend": "torch",
         "engine_dir": str(engine_dir),
+        "kv_format": engine_kv_format(engine_dir),
         "models": [spec.name for spec, _ in specs],
         "entry_model": protocol.ENSEMBLE,
         "max_batch_size": max_batch,

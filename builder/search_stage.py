@@ -1,0 +1,137 @@
+"""The `search` stage (kv.dtype: auto): a KV format per layer, chosen through the engine.
+
+Between calibrate and build: per-layer sensitivities on calibration data, the choice under the
+recipe's budget (accuracy.max_perplexity_increase_pct) or size (kv.target_bits_per_element), then
+the choice and every candidate as a uniform format scored on held-out text (accuracy.eval_data).
+A choice that misses its perplexity budget on held-out text is recorded as a violation, which
+stops kvq-build (AccuracyBudgetError) unless --allow-accuracy-regression.
+calibration/layer_search.py holds the method; this file wires it to the recipe and writes:
+
+    kv_format.json      the chosen per-layer formats (what the build stage copies into the engine)
+    recipe_kv.yaml      the same choice as a recipe's `kv:` section, to pin it
+    search.json         sensitivities, rounds, held-out results, the chosen formats
+    search.md, search.png   the report: layer x format table, accuracy vs bytes against every uniform format
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runtime.layer_formats import bits_per_element, formats_name, formats_to_json
+
+from .pipeline import Context
+
+CHOICE = "auto"
+
+
+def _static_scales(ctx: Context, candidates) -> dict:
+    from calibration.calibrate import scales_for
+
+    static = [f for f in candidates if f.static]
+    if not static:
+        return {}
+    return {f: scales_for(ctx.dirs["calibrate"], f, ctx.recipe.calibration.policy) for f in static}
+
+
+def run_search(ctx: Context, out: Path) -> dict[str, Any]:
+    from calibration.calibrate import calibration_windows
+    from calibration.layer_search import EngineScorer, heldout_change, measure_sensitivity, search
+    from calibration.loading import load_model, load_tokenizer
+    from calibration.perplexity import eval_windows
+    from calibration.progress import work_progress
+    from runtime.config import ModelConfig
+
+    r = ctx.recipe
+    model_dir = ctx.dirs["convert"]
+    cfg = ModelConfig.from_dir(model_dir)
+    candidates = r.search.candidates()
+    scales = _static_scales(ctx, candidates)
+    windows, source = calibration_windows(model_dir, cfg, r.calibration.dataset, r.search.num_samples,
+                                          r.search.seq_len, r.calibration.seed)
+    model = load_model(model_dir, device=ctx.device)
+    scorer = EngineScorer(model, model_dir, windows, scales)
+    with work_progress(ctx.spinner) as bars:
+        sens = measure_sensitivity(scorer, candidates,
+                                   bars.task("layer sensitivity", cfg.num_layers * (len(candidates) - 1), "runs"))
+    max_pct = None if r.kv.target_bits_per_element else r.accuracy.max_perplexity_increase_pct
+    choice, rounds = search(scorer, sens, max_pct=max_pct, target_bits=r.kv.target_bits_per_element,
+                            max_rounds=r.search.max_rounds)
+    formats = sens.formats(choice)
+
+    acc = r.accuracy
+    held_windows = eval_windows(load_tokenizer(model_dir), acc.perplexity_tokens, min(acc.perplexity_tokens, 1024),
+                                acc.eval_data)
+    held = EngineScorer(model, model_dir, held_windows, scales)
+    configs = {CHOICE: formats, **{f.name: (f,) * cfg.num_layers for f in sens.candidates}}
+    heldout = heldout_change(held, configs)
+    result = {
+        "mode": "size" if max_pct is None else "budget",
+        "max_perplexity_increase_pct": max_pct,
+        "target_bits_per_element": r.kv.target_bits_per_element,
+        "calibration_data": source, "num_samples": r.search.num_samples, "seq_len": r.search.seq_len,
+        "eval_data": acc.eval_data, "eval_tokens": int(held_windows.numel()),
+        "sensitivity": sens.to_dict(),
+        "rounds": [{"formats": formats_name(sens.formats(x.choice)), "predicted_pct": _pct(x.predicted_nll),
+                    "measured_pct": _pct(x.measured_nll), "budget_pct": _pct(x.budget_nll)} for x in rounds],
+        "layer_formats": [f.name for f in formats],
+        "kv_format": formats_name(formats),
+        "bytes_per_token": heldout[CHOICE]["bytes_per_token"],
+        "bits_per_element": bits_per_element(cfg, formats),
+        "heldout": heldout,
+        "engine_runs": scorer.passes + held.passes,
+    }
+    result["uniform"] = best_uniform(result, max_pct)
+    (out / "kv_format.json").write_text(json.dumps(formats_to_json(formats), indent=2))
+    (out / "recipe_kv.yaml").write_text(yaml.safe_dump({"kv": {"layers": layer_ranges_of(formats)}},
+                                                       sort_keys=False))
+    (out / "search.json").write_text(json.dumps(result, indent=1))
+    from .search_report import write_report
+
+    write_report(result, cfg, out)
+    change = heldout[CHOICE]["ppl_change_pct"]
+    violations = []
+    if max_pct is not None and change > max_pct:
+        violations.append(
+            f"the per-layer KV formats chosen for {r.name} ({result['kv_format']}) raise held-out perplexity by "
+            f"{change:+.2f}%, over accuracy.max_perplexity_increase_pct={max_pct:g}% (on calibration data "
+            f"{result['rounds'][-1]['measured_pct']:+.2f}%). Raise search.num_samples / search.seq_len so the "
+            "sensitivities describe your text, set calibration.dataset to data like accuracy.eval_data, or "
+            "loosen the budget.")
+    summary = f"{result['kv_format']}: {result['bits_per_element']:.2f} bits/element, held-out ppl {change:+.2f}%"
+    u = result["uniform"]
+    if u.get("best"):
+        summary += f"; {u['saving_pct']:.0f}% fewer bytes than the best uniform format ({u['best']})"
+    return {**{k: result[k] for k in ("mode", "kv_format", "layer_formats", "bytes_per_token", "bits_per_element",
+                                     "max_perplexity_increase_pct", "target_bits_per_element", "uniform")},
+            "heldout_ppl_change_pct": change, "violations": violations, "summary": summary}
+
+
+def best_uniform(result: dict[str, Any], max_pct: float | None) -> dict[str, Any]:
+    """The smallest uniform candidate within the budget on held-out text, and what the choice saves against it."""
+    held = result["heldout"]
+    names = [n for n in result["sensitivity"]["candidates"] if n in held]
+    if max_pct is None:
+        return {}
+    fitting = [n for n in names if held[n]["ppl_change_pct"] <= max_pct]
+    if not fitting:
+        return {"best": None, "note": "no uniform candidate meets the budget"}
+    best = min(fitting, key=lambda n: (held[n]["bytes_per_token"], held[n]["ppl_change_pct"]))
+    ub, mb = held[best]["bytes_per_token"], held[CHOICE]["bytes_per_token"]
+    return {"best": best, "best_bytes_per_token": ub, "best_ppl_change_pct": held[best]["ppl_change_pct"],
+            "saving_pct": 100.0 * (1 - mb / ub)}
+
+
+def layer_ranges_of(formats) -> dict[str, str]:
+    from recipes.schema import layer_ranges
+
+    return layer_ranges(formats)
+
+
+def _pct(nll: float) -> float | None:
+    from calibration.layer_search import nll_to_pct
+
+    return None if nll != nll else nll_to_pct(nll)  # NaN: no budget in size mode
