@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from runtime.layer_formats import bits_per_element, formats_name, formats_to_json
@@ -40,8 +41,8 @@ def _static_scales(ctx: Context, candidates) -> dict:
 def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     from calibration.calibrate import calibration_windows
     from calibration.layer_search import EngineScorer, heldout_change, measure_sensitivity, search
-    from calibration.loading import load_model, load_tokenizer
-    from calibration.perplexity import eval_windows
+    from calibration.loading import is_synthetic, load_model, load_tokenizer
+    from calibration.perplexity import EVAL_SEED, eval_windows
     from calibration.progress import work_progress
     from runtime.config import ModelConfig
 
@@ -63,8 +64,12 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     formats = sens.formats(choice)
 
     acc = r.accuracy
-    held_windows = eval_windows(load_tokenizer(model_dir), acc.perplexity_tokens, min(acc.perplexity_tokens, 1024),
-                                acc.eval_data)
+    window = min(acc.perplexity_tokens, 1024)
+    if is_synthetic(model_dir):  # random weights, no tokenizer: held-out random ids of another seed
+        g = torch.Generator().manual_seed(EVAL_SEED)
+        held_windows = torch.randint(0, cfg.vocab_size, (-(-acc.perplexity_tokens // window), window), generator=g)
+    else:
+        held_windows = eval_windows(load_tokenizer(model_dir), acc.perplexity_tokens, window, acc.eval_data)
     held = EngineScorer(model, model_dir, held_windows, scales)
     configs = {CHOICE: formats, **{f.name: (f,) * cfg.num_layers for f in sens.candidates}}
     heldout = heldout_change(held, configs)
