@@ -168,8 +168,8 @@ def test_choose_skips_dominated_formats_and_counts_noise_as_zero():
 # -------------------------------------------------------------------- search
 def test_search_on_a_tiny_model_is_deterministic(tiny4):
     g = torch.Generator().manual_seed(0)
-    windows = torch.randint(3, 500, (2, 48), generator=g)
-    cands = [FP32, INT8_TOK, INT4, KVFormat("int4", "per_token")]
+    windows = torch.randint(3, 500, (2, 32), generator=g)
+    cands = [INT4, FP32, INT8_TOK]  # any order: the ladder sorts them by bytes
 
     def run():
         scorer = EngineScorer(load_model(tiny4), tiny4, windows, {}, batch_invariant=True)
@@ -184,5 +184,56 @@ def test_search_on_a_tiny_model_is_deterministic(tiny4):
     assert a[0].sens == b[0].sens and a[0].base_nll == b[0].base_nll
     assert a[1] == b[1] and [r.measured_nll for r in a[2]] == [r.measured_nll for r in b[2]]
     s, choice, rounds, passes = a
-    assert s.candidates[0] == FP32 and passes == 2 + 4 * 3 + len(rounds)
+    assert s.candidates == (FP32, INT8_TOK, INT4) and passes == 2 + 4 * 2 + len(rounds)
     assert len(set(choice)) > 1  # the budget admits some int4 layers, not all
+
+
+# ------------------------------------------------------------------ pipeline
+TINY_AUTO = ["--recipe", "synthetic-8b-int8kv", "--set", "model.preset=tiny-llama3", "--set", "model.dtype=fp32",
+             "--set", "kv.dtype=auto", "--set", "search.formats=[fp32, int8-per_head, int4-per_token-asym]",
+             "--set", "search.num_samples=2", "--set", "search.seq_len=32", "--set", "accuracy.perplexity_tokens=64",
+             "--set", "build.max_batch_size=2", "--set", "build.max_input_len=64", "--set", "build.max_seq_len=128",
+             "--set", "build.block_size=16", "--device", "cpu"]
+
+
+def test_search_stage_builds_the_chosen_engine(tmp_path, capsys):
+    from helpers_cli import run_cli
+
+    from builder.pipeline import read_manifest
+    from builder.planner import make_plan
+    from triton_repo.repo_torch import engine_kv_format, engine_model_spec
+
+    work = ["--work-dir", str(tmp_path)]
+    code, out = run_cli(["build", *TINY_AUTO, *work, "--dry-run"], capsys)
+    assert code == 0 and "search" in out and "would run" in out, out
+    code, out = run_cli(["build", *TINY_AUTO, *work, "--until", "build"], capsys)
+    assert code == 0, out
+    search_dir = tmp_path / "engines" / "synthetic-8b-int8kv" / "search"
+    engine_dir = search_dir.parent / "engine"
+    result = json.loads((search_dir / "search.json").read_text())
+    assert (search_dir / "search.png").stat().st_size > 0 and "| layer | format |" in (search_dir / "search.md").read_text()
+    # the engine stores what the search chose, and the choice meets its budget on held-out data
+    assert json.loads((engine_dir / "kv_format.json").read_text()) == json.loads((search_dir / "kv_format.json").read_text())
+    assert result["heldout"]["auto"]["ppl_change_pct"] <= 1.0
+    assert set(result["heldout"]) == {"auto", "_baseline", "fp32", "int8-per_head", "int4-per_token-asym"}
+    eng = Engine.from_dir(engine_dir, num_blocks=4)
+    try:
+        assert [f.name for f in eng.formats] == result["layer_formats"]
+        assert eng.stats.kv_bytes_per_token == result["bytes_per_token"]
+        assert eng.stats.pool_allocated_bytes == 4 * 16 * result["bytes_per_token"]
+    finally:
+        eng.shutdown()
+    assert engine_kv_format(engine_dir) == result["kv_format"]
+    assert engine_model_spec(engine_dir, 2, {"device": "", "instance_count": 1, "max_queue_delay_us": 0}
+                             ).parameters["kv_format"] == result["kv_format"]
+    # the choice pinned as a recipe (recipe_kv.yaml) plans the same bytes per token
+    import yaml
+
+    pinned = yaml.safe_load((search_dir / "recipe_kv.yaml").read_text())["kv"]["layers"]
+    sets = [v for k, v in zip(TINY_AUTO, TINY_AUTO[1:]) if k == "--set" and v.startswith(("model.", "build."))]
+    r = load_recipe("synthetic-8b-int8kv", [*sets, f"kv.layers={json.dumps(pinned)}"])
+    row = next(p for p in make_plan(r).formats if p.recipe_format)
+    assert row.bytes_per_token == result["bytes_per_token"]
+    code, out = run_cli(["build", *TINY_AUTO, *work, "--until", "build"], capsys)
+    assert code == 0 and read_manifest(search_dir)["stage"] == "search"
+    assert out.count("up to date") >= 4, out  # convert, calibrate, search, build
