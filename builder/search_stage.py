@@ -40,7 +40,7 @@ def _static_scales(ctx: Context, candidates) -> dict:
 
 def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     from calibration.calibrate import calibration_windows
-    from calibration.layer_search import EngineScorer, heldout_change, measure_sensitivity, search
+    from calibration.layer_search import EngineScorer, best_uniform, heldout_change, measure_sensitivity, search
     from calibration.loading import is_synthetic, load_model, load_tokenizer
     from calibration.perplexity import EVAL_SEED, eval_windows
     from calibration.progress import work_progress
@@ -89,7 +89,8 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
         "heldout": heldout,
         "engine_runs": scorer.passes + held.passes,
     }
-    result["uniform"] = best_uniform(result, max_pct)
+    result["uniform"] = {} if max_pct is None else best_uniform(heldout, [f.name for f in sens.candidates], max_pct,
+                                                                 CHOICE)
     (out / "kv_format.json").write_text(json.dumps(formats_to_json(formats), indent=2))
     (out / "recipe_kv.yaml").write_text(yaml.safe_dump({"kv": {"layers": layer_ranges_of(formats)}},
                                                        sort_keys=False))
@@ -113,21 +114,6 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     return {**{k: result[k] for k in ("mode", "kv_format", "layer_formats", "bytes_per_token", "bits_per_element",
                                      "max_perplexity_increase_pct", "target_bits_per_element", "uniform")},
             "heldout_ppl_change_pct": change, "violations": violations, "summary": summary}
-
-
-def best_uniform(result: dict[str, Any], max_pct: float | None) -> dict[str, Any]:
-    """The smallest uniform candidate within the budget on held-out text, and what the choice saves against it."""
-    held = result["heldout"]
-    names = [n for n in result["sensitivity"]["candidates"] if n in held]
-    if max_pct is None:
-        return {}
-    fitting = [n for n in names if held[n]["ppl_change_pct"] <= max_pct]
-    if not fitting:
-        return {"best": None, "note": "no uniform candidate meets the budget"}
-    best = min(fitting, key=lambda n: (held[n]["bytes_per_token"], held[n]["ppl_change_pct"]))
-    ub, mb = held[best]["bytes_per_token"], held[CHOICE]["bytes_per_token"]
-    return {"best": best, "best_bytes_per_token": ub, "best_ppl_change_pct": held[best]["ppl_change_pct"],
-            "saving_pct": 100.0 * (1 - mb / ub)}
 
 
 def layer_ranges_of(formats) -> dict[str, str]:

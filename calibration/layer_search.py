@@ -245,3 +245,15 @@ def heldout_change(scorer: EngineScorer, configs: dict[str, LayerFormats]) -> di
                      "bytes_per_token": kv_bytes_per_token(scorer.model.cfg, formats)}
     out["_baseline"] = {"nll_per_token": base, "perplexity": math.exp(base)}
     return out
+
+
+def best_uniform(held: dict[str, dict], names: Sequence[str], max_pct: float, choice: str) -> dict:
+    """The smallest uniform format (of `names`, keys of `held`) within `max_pct` on held-out text,
+    and how many fewer bytes the per-layer `choice` takes than it."""
+    fitting = [n for n in names if held[n]["ppl_change_pct"] <= max_pct]
+    if not fitting:
+        return {"best": None, "note": "no uniform candidate meets the budget"}
+    best = min(fitting, key=lambda n: (held[n]["bytes_per_token"], held[n]["ppl_change_pct"]))
+    ub, mb = held[best]["bytes_per_token"], held[choice]["bytes_per_token"]
+    return {"best": best, "best_bytes_per_token": ub, "best_ppl_change_pct": held[best]["ppl_change_pct"],
+            "saving_pct": 100.0 * (1 - mb / ub)}
