@@ -28,7 +28,14 @@ from pathlib import Path
 import torch
 
 from calibration.calibrate import calibration_windows, run_calibration, scales_for
-from calibration.layer_search import EngineScorer, heldout_change, measure_sensitivity, nll_to_pct, search
+from calibration.layer_search import (
+    EngineScorer,
+    heldout_change,
+    layer_scales,
+    measure_sensitivity,
+    nll_to_pct,
+    search,
+)
 from calibration.loading import load_model, load_tokenizer
 from calibration.perplexity import eval_windows
 from recipes.schema import DEFAULT_SEARCH_FORMATS, layer_ranges
@@ -53,7 +60,7 @@ def decode_speed(model, model_dir, formats, scales, concurrency: int, prompt_len
     from calibration.engine_check import evaluation_engine
     from runtime.sampling import SamplingParams
 
-    k, v = EngineScorer(model, model_dir, torch.zeros(1, 2, dtype=torch.long), scales).layer_scales(formats)
+    k, v = layer_scales(formats, scales)
     eng = evaluation_engine(model, model_dir, formats, k, v, longest=prompt_len + new_tokens, batch=concurrency,
                             batch_invariant=False)
     try:
@@ -110,6 +117,8 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--ood", type=Path, default=None, help="out-of-domain .txt/.jsonl file or directory")
     ap.add_argument("--max-rounds", type=int, default=3)
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="score through the engine's default ops instead of its batch-invariant mode")
     ap.add_argument("--speed", action="store_true", help="also time greedy decode per configuration")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -136,13 +145,14 @@ def main() -> None:
     model = load_model(model_dir, device=args.device)
     tok = load_tokenizer(model_dir)
     windows, _ = calibration_windows(model_dir, cfg, "builtin", args.num_samples, args.seq_len, 0)
-    scorer = EngineScorer(model, model_dir, windows, scales)
+    bi = not args.no_batch_invariant
+    scorer = EngineScorer(model, model_dir, windows, scales, batch_invariant=bi)
     sens = measure_sensitivity(scorer, candidates)
     print(f"sensitivity: {scorer.passes} engine runs, {time.perf_counter() - t0:.0f} s", flush=True)
     ood = args.ood or default_ood()
     texts = {"builtin": ("builtin", "the built-in corpus's evaluation split"), "out_of_domain": (str(ood), ood.name)}
-    scorers = {n: EngineScorer(model, model_dir, eval_windows(tok, args.eval_tokens, 1024, src), scales)
-               for n, (src, _) in texts.items()}
+    scorers = {n: EngineScorer(model, model_dir, eval_windows(tok, args.eval_tokens, 1024, src), scales,
+                               batch_invariant=bi) for n, (src, _) in texts.items()}
     configs = {f.name: (f,) * cfg.num_layers for f in sens.candidates}
     budgets = [float(b) for b in args.budgets.split(",")]
     choices = {}
@@ -182,7 +192,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or
             "cpu", "torch": torch.__version__, "python": sys.version.split()[0], "formats": [f.name for f in
             sens.candidates], "num_samples": args.num_samples, "seq_len": args.seq_len,
-            "engine_runs": scorer.passes, "speed": args.speed,
+            "engine_runs": scorer.passes, "speed": args.speed, "batch_invariant": bi,
             "texts": {n: {"source": d, "tokens": int(scorers[n].windows.numel())} for n, (_, d) in texts.items()},
             "sensitivity": sens.to_dict(), "wall_s": round(time.perf_counter() - t0, 1)}
     if args.speed:

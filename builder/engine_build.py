@@ -112,14 +112,6 @@ def layer_formats(ctx: Context) -> tuple[KVFormat, ...]:
         raise RecipeError(str(e)) from None
 
 
-def layer_scales(ctx: Context, formats: tuple[KVFormat, ...]) -> tuple[list, list]:
-    """Each static layer's calibrated scales, taken from its format's [layers(, kv_heads)] scales."""
-    per_format = {f: calibrated_scales(ctx, f) for f in set(formats) if f.static}
-    k = [per_format[f][0][i] if f.static else None for i, f in enumerate(formats)]
-    v = [per_format[f][1][i] if f.static else None for i, f in enumerate(formats)]
-    return k, v
-
-
 def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
     formats = layer_formats(ctx)
     name = formats_name(formats)
@@ -129,7 +121,9 @@ def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
     if uniform_format(formats) is None:
         outputs["layer_formats"] = [f.name for f in formats]
     if any(f.static for f in formats):
-        k, v = layer_scales(ctx, formats)
+        from calibration.layer_search import layer_scales
+
+        k, v = layer_scales(formats, {f: calibrated_scales(ctx, f) for f in set(formats) if f.static})
         save_file(scales_to_tensors(formats, k, v), str(out / "kv_scales.safetensors"))
         ks = [t for t in k + v if t is not None]
         outputs["scale_range"] = [float(min(t.min() for t in ks)), float(max(t.max() for t in ks))]

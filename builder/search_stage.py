@@ -30,12 +30,10 @@ CHOICE = "auto"
 
 
 def _static_scales(ctx: Context, candidates) -> dict:
-    from calibration.calibrate import scales_for
+    """The static candidates' scales, exactly as the build stage will store them."""
+    from .engine_build import calibrated_scales
 
-    static = [f for f in candidates if f.static]
-    if not static:
-        return {}
-    return {f: scales_for(ctx.dirs["calibrate"], f, ctx.recipe.calibration.policy) for f in static}
+    return {f: calibrated_scales(ctx, f) for f in candidates if f.static}
 
 
 def run_search(ctx: Context, out: Path) -> dict[str, Any]:

@@ -82,6 +82,18 @@ class Sensitivity:
 
 
 # ------------------------------------------------------------------ scoring
+def layer_scales(formats: LayerFormats, scales: Scales) -> tuple[list | None, list | None]:
+    """Each static layer's scales, from its format's calibrated [layers(, kv_heads)] ones (None where dynamic)."""
+    if not any(f.static for f in formats):
+        return None, None
+    missing = sorted({f.name for f in formats if f.static and f not in scales})
+    if missing:
+        raise InputError(f"{', '.join(missing)} need calibrated scales; run the calibrate stage first.")
+    k = [scales[f][0][i] if f.static else None for i, f in enumerate(formats)]
+    v = [scales[f][1][i] if f.static else None for i, f in enumerate(formats)]
+    return k, v
+
+
 class EngineScorer:
     """Mean NLL of fixed windows through an engine of the given per-layer formats (one shared model)."""
 
@@ -91,18 +103,8 @@ class EngineScorer:
         self.batch_invariant, self.attention = batch_invariant, attention
         self.passes = 0
 
-    def layer_scales(self, formats: LayerFormats) -> tuple[list | None, list | None]:
-        if not any(f.static for f in formats):
-            return None, None
-        missing = sorted({f.name for f in formats if f.static and f not in self.scales})
-        if missing:
-            raise InputError(f"{', '.join(missing)} need calibrated scales; run the calibrate stage first.")
-        k = [self.scales[f][0][i] if f.static else None for i, f in enumerate(formats)]
-        v = [self.scales[f][1][i] if f.static else None for i, f in enumerate(formats)]
-        return k, v
-
     def nll(self, formats: LayerFormats) -> float:
-        k, v = self.layer_scales(formats)
+        k, v = layer_scales(formats, self.scales)
         eng = evaluation_engine(self.model, self.model_dir, formats, k, v, longest=int(self.windows.shape[1]),
                                 batch=max(1, int(self.windows.shape[0])), batch_invariant=self.batch_invariant,
                                 attention=self.attention)
