@@ -130,7 +130,8 @@ def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
     # a runtime setting of kvq's own engine only: trtllm-build has no such flag
     settings = {**engine_settings(ctx), "batch_invariant": ctx.recipe.build.batch_invariant,
                 "prefix_caching": ctx.recipe.build.prefix_caching}
-    _write_json(out / "engine.json", settings)
+    # for readers of the directory; the engine itself reads kv_format.json
+    _write_json(out / "engine.json", {**settings, "kv_format": name})
     outputs["engine"] = settings
     outputs["summary"] = f"torch engine, KV {name}"
     return outputs
