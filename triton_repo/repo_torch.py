@@ -61,15 +61,17 @@ def _settings(settings: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def engine_kv_format(engine_dir: Path) -> str:
-    """The engine directory's KV format name (a mixed engine: its layer runs, runtime/layer_formats.py)."""
-    import torch
+    """The engine directory's KV format name (a mixed engine: its layer runs, runtime/layer_formats.py);
+    without kv_format.json the engine stores unquantized KV in its model dtype."""
+    from runtime.engine_dir import read_json
+    from runtime.layer_formats import formats_from_json
 
-    from runtime.config import ModelConfig
-    from runtime.engine_dir import resolve_dtype, resolve_layer_formats
-
-    cfg = ModelConfig.from_dir(engine_dir)
-    dtype = resolve_dtype(None, torch.device("cuda"), engine_dir)  # an unquantized engine stores its serving dtype
-    return formats_name(resolve_layer_formats(None, engine_dir, dtype, cfg.num_layers))
+    p = Path(engine_dir) / "kv_format.json"
+    if not p.is_file():
+        return "unquantized"
+    data = read_json(p)
+    layers = data.get("layers")
+    return formats_name(formats_from_json(data, len(layers) if isinstance(layers, list) else 1, str(p)))
 
 
 def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) -> ModelSpec:
