@@ -77,9 +77,10 @@ def decode_speed(model, model_dir, formats, scales, concurrency: int, prompt_len
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     texts = meta["texts"]
-    lines = ["# Per-layer KV formats on SmolLM2-135M-Instruct", "",
+    lines = [f"# Per-layer KV formats on {meta['model']}", "",
              f"Device {meta['device']}, torch {meta['torch']}, fp32 model; sensitivity on {meta['num_samples']} x "
-             f"{meta['seq_len']} calibration tokens ({meta['engine_runs']} engine runs); held-out: "
+             f"{meta['seq_len']} calibration tokens ({meta['engine_runs']} engine runs), KV rotation {meta['rotation']}; "
+             "held-out: "
              + ", ".join(f"{n} ({t['tokens']} tokens, {t['source']})" for n, t in texts.items())
              + f". Candidates: {', '.join(meta['formats'])}.", "",
              "| budget | KV | bytes/token | bits/element | " + " | ".join(f"Δ ppl {n}" for n in texts)
@@ -117,6 +118,8 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--ood", type=Path, default=None, help="out-of-domain .txt/.jsonl file or directory")
     ap.add_argument("--max-rounds", type=int, default=3)
+    ap.add_argument("--rotation", choices=("none", "hadamard"), default="none",
+                    help="K/V rotated before they are stored (every candidate; docs/kv-rotation.md)")
     ap.add_argument("--no-batch-invariant", action="store_true",
                     help="score through the engine's default ops instead of its batch-invariant mode")
     ap.add_argument("--speed", action="store_true", help="also time greedy decode per configuration")
@@ -135,14 +138,19 @@ def main() -> None:
         convert_source("smollm2-135m", None, model_dir, "float32")
     cfg = ModelConfig.from_dir(model_dir)
     candidates = [parse_kv_format_name(n) for n in args.formats.split(",")]
+    rot = {}
+    if args.rotation != "none":
+        from runtime.rotation import KVRotation  # the kv.rotation feature
+
+        rot = {"rotation": KVRotation(args.rotation, 0)}
     scales = {}
     if any(f.static for f in candidates):
         calib = work / "calib"
         calib.mkdir()
         run_calibration(model_dir, calib, num_samples=args.calib_samples, seq_len=args.calib_len, policy="max",
-                        seed=0, device=args.device)
+                        seed=0, device=args.device, **rot)
         scales = {f: scales_for(calib, f) for f in candidates if f.static}
-    model = load_model(model_dir, device=args.device)
+    model = load_model(model_dir, device=args.device, **rot)
     tok = load_tokenizer(model_dir)
     windows, _ = calibration_windows(model_dir, cfg, "builtin", args.num_samples, args.seq_len, 0)
     bi = not args.no_batch_invariant
@@ -189,10 +197,11 @@ def main() -> None:
                  rounds=[{"predicted_pct": nll_to_pct(x.predicted_nll), "measured_calibration_pct":
                           nll_to_pct(x.measured_nll)} for x in rounds])
         rows.append(r)
-    meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or
+    meta = {"model": "SmolLM2-135M-Instruct" if args.model_dir is None else args.model_dir.name, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or
             "cpu", "torch": torch.__version__, "python": sys.version.split()[0], "formats": [f.name for f in
             sens.candidates], "num_samples": args.num_samples, "seq_len": args.seq_len,
             "engine_runs": scorer.passes, "speed": args.speed, "batch_invariant": bi,
+            "rotation": args.rotation,
             "texts": {n: {"source": d, "tokens": int(scorers[n].windows.numel())} for n, (_, d) in texts.items()},
             "sensitivity": sens.to_dict(), "wall_s": round(time.perf_counter() - t0, 1)}
     if args.speed:

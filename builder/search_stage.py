@@ -36,6 +36,13 @@ def _static_scales(ctx: Context, candidates) -> dict:
     return {f: calibrated_scales(ctx, f) for f in candidates if f.static}
 
 
+def _rotation_kwargs(recipe) -> dict[str, Any]:
+    """A recipe's KV rotation (kv.rotation, docs/kv-rotation.md), where the schema has one, for load_model:
+    the sensitivities must be those of the K/V the engine will store."""
+    rotation = getattr(recipe.kv, "kv_rotation", None)
+    return {"rotation": rotation()} if rotation is not None else {}
+
+
 def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     from calibration.calibrate import calibration_windows
     from calibration.layer_search import EngineScorer, best_uniform, heldout_change, measure_sensitivity, search
@@ -51,7 +58,7 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     scales = _static_scales(ctx, candidates)
     windows, source = calibration_windows(model_dir, cfg, r.calibration.dataset, r.search.num_samples,
                                           r.search.seq_len, r.calibration.seed)
-    model = load_model(model_dir, device=ctx.device)
+    model = load_model(model_dir, device=ctx.device, **_rotation_kwargs(r))
     scorer = EngineScorer(model, model_dir, windows, scales)
     with work_progress(ctx.spinner) as bars:
         sens = measure_sensitivity(scorer, candidates,
