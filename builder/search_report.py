@@ -76,6 +76,7 @@ def plot(result: dict[str, Any], cfg: ModelConfig, path: Path) -> None:
     im = ax0.imshow(grid, aspect="auto", cmap="viridis")
     fig.colorbar(im, ax=ax0, label="ppl change, that layer alone (%)")
     ax0.set_xticks(range(len(cands) - 1), cands[1:], rotation=30, ha="right", fontsize=8)
+    ax0.set_yticks(range(0, cfg.num_layers, max(1, cfg.num_layers // 15)))
     ax0.set_ylabel("layer (K and V)")
     for i, name in enumerate(result["layer_formats"]):
         if name in cands[1:]:
