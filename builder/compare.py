@@ -64,7 +64,7 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     engine = Engine.from_dir(eut.engine_dir, device=device, memory_budget=wl.memory_budget)
-    cfg, fmt = engine.cfg, engine.fmt
+    cfg, fmt = engine.cfg, engine.formats  # one KVFormat per layer
     try:
         bpt = kv_bytes_per_token(cfg, fmt)
         block = engine.stats.block_size
@@ -96,7 +96,7 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
         return {
             "label": eut.label,
             "engine_dir": str(eut.engine_dir),
-            "kv_format": fmt.name,
+            "kv_format": engine.stats.kv_format,
             "bytes_per_token": bpt,
             "block_size": block,
             "pool_blocks": blocks,

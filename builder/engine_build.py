@@ -1,8 +1,9 @@
 """The `build` stage: turn converted weights + calibrated scales into an engine.
 
 torch backend: the engine directory is the converted model (hard-linked, so
-four engines of one model cost no extra disk) plus kv_format.json,
-kv_scales.safetensors (static formats) and engine.json.
+four engines of one model cost no extra disk) plus kv_format.json (one format,
+or one per layer: runtime/layer_formats.py), kv_scales.safetensors (static
+formats) and engine.json.
 
 tensorrt-llm backend: a TensorRT-LLM checkpoint (config.json + rank{N}.safetensors
 with our calibrated kv_cache_scaling_factor), the same scales exported in the
@@ -21,8 +22,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from runtime.errors import StageError
+from runtime.engine_dir import resolve_layer_formats
+from runtime.errors import RecipeError, StageError
 from runtime.kv_format import KVFormat
+from runtime.layer_formats import formats_name, formats_to_json, scales_to_tensors, uniform_format
 
 from .pipeline import Context
 
@@ -94,24 +97,43 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str))
 
 
+def layer_formats(ctx: Context) -> tuple[KVFormat, ...]:
+    """One KV format per layer: the recipe's (kv.dtype, or kv.layers), or the search stage's choice."""
+    from runtime.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(ctx.dirs["convert"])
+    if ctx.recipe.kv.dtype == "auto":
+        if "search" not in ctx.dirs:
+            raise StageError("kv.dtype auto needs the search stage's choice, but the search stage did not run.")
+        return resolve_layer_formats(None, ctx.dirs["search"], torch.float32, cfg.num_layers)
+    try:
+        return ctx.recipe.layer_formats(cfg.num_layers)
+    except ValueError as e:  # kv.layers checked against the converted model (no preset to check it before)
+        raise RecipeError(str(e)) from None
+
+
 def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
-    fmt = ctx.recipe.kv_format()
+    formats = layer_formats(ctx)
+    name = formats_name(formats)
     files = link_tree(ctx.dirs["convert"], out)
-    _write_json(out / "kv_format.json", {
-        "dtype": fmt.dtype, "granularity": fmt.granularity, "symmetric": fmt.symmetric,
-        "scale_dtype": fmt.scale_dtype,
-    })
-    outputs: dict[str, Any] = {"backend": "torch", "kv_format": fmt.name, "files": files}
-    if fmt.static:
-        k, v = calibrated_scales(ctx, fmt)
-        save_file({"k_scale": k, "v_scale": v}, str(out / "kv_scales.safetensors"))
-        outputs["scale_range"] = [float(min(k.min(), v.min())), float(max(k.max(), v.max()))]
+    _write_json(out / "kv_format.json", formats_to_json(formats))
+    outputs: dict[str, Any] = {"backend": "torch", "kv_format": name, "files": files}
+    if uniform_format(formats) is None:
+        outputs["layer_formats"] = [f.name for f in formats]
+    if any(f.static for f in formats):
+        from calibration.layer_search import layer_scales
+
+        k, v = layer_scales(formats, {f: calibrated_scales(ctx, f) for f in set(formats) if f.static})
+        save_file(scales_to_tensors(formats, k, v), str(out / "kv_scales.safetensors"))
+        ks = [t for t in k + v if t is not None]
+        outputs["scale_range"] = [float(min(t.min() for t in ks)), float(max(t.max() for t in ks))]
     # a runtime setting of kvq's own engine only: trtllm-build has no such flag
     settings = {**engine_settings(ctx), "batch_invariant": ctx.recipe.build.batch_invariant,
                 "prefix_caching": ctx.recipe.build.prefix_caching, "tp": ctx.recipe.build.tp}
-    _write_json(out / "engine.json", settings)
+    # for readers of the directory; the engine itself reads kv_format.json
+    _write_json(out / "engine.json", {**settings, "kv_format": name})
     outputs["engine"] = settings
-    outputs["summary"] = f"torch engine{f' TP{ctx.recipe.build.tp}' if ctx.recipe.build.tp > 1 else ''}, KV {fmt.name}"
+    outputs["summary"] = f"torch engine{f' TP{ctx.recipe.build.tp}' if ctx.recipe.build.tp > 1 else ''}, KV {name}"
     return outputs
 
 

@@ -35,9 +35,10 @@ def evaluate_engine(ctx: Context, out: Path) -> dict[str, Any]:
     from calibration.evaluate import run_evaluation
 
     r = ctx.recipe
-    if not r.kv_format().quantized:  # the baseline itself: nothing to lose, nothing to measure
-        return {"summary": f"unquantized KV ({r.kv_format().name}): the reference", "violations": []}
-    res = run_evaluation(ctx.dirs["convert"], [_engine_spec(ctx)], out_dir=out, settings=r.accuracy,
+    spec = _engine_spec(ctx)
+    if not spec.quantized:  # the baseline itself: nothing to lose, nothing to measure
+        return {"summary": f"unquantized KV ({r.kv_label()}): the reference", "violations": []}
+    res = run_evaluation(ctx.dirs["convert"], [spec], out_dir=out, settings=r.accuracy,
                          budget=r.accuracy, device=ctx.device, progress=True)
     e = res["engines"][r.name]
     base_pk = res["baseline"]["passkey"]["rate"]

@@ -13,6 +13,7 @@ from recipes import Recipe
 from runtime.config import ModelConfig, ceil_div
 from runtime.errors import InputError, RecipeError
 from runtime.kv_format import KVFormat, kv_bytes_per_token
+from runtime.layer_formats import formats_name, uniform_format
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -98,9 +99,12 @@ def make_plan(
     weights = weights_bytes_per_gpu(cfg, recipe.model.dtype, tp, pp)
     pool = max(0, int(mem * recipe.build.gpu_memory_fraction) - weights - reserve)
 
-    mine = recipe.kv_format()
+    # kv.dtype auto: the search stage decides the formats, so only the standard ones are planned
+    mine = None if recipe.kv.dtype == "auto" else recipe.layer_formats(cfg.num_layers)
+    if mine is not None and uniform_format(mine) is not None:
+        mine = mine[0]
     fmts = list(STANDARD_FORMATS)
-    if mine not in fmts:
+    if mine is not None and mine not in fmts:
         fmts.append(mine)
     base_bpt = kv_bytes_per_token(cfg, STANDARD_FORMATS[0], tp, pp)
     rows = []
@@ -109,7 +113,7 @@ def make_plan(
         per_gpu = kv_bytes_per_token(cfg, f, tp, pp)
         tokens = int(pool // per_gpu)
         rows.append(FormatPlan(
-            format=f.name,
+            format=formats_name(f) if isinstance(f, tuple) else f.name,
             recipe_format=(f == mine),
             bytes_per_token=total,
             bytes_per_token_per_gpu=per_gpu,

@@ -71,11 +71,13 @@ def run_stages(ctx: Context, until: str | None = None, dry_run: bool = False,
                 f"installed here, so the engine was not built.\n  On a machine with TensorRT-LLM run:\n    {cmd}\n"
                 f"  then rerun kvq-build there to evaluate and deploy it."
             )
-        if st.name == "evaluate" and outputs.get("violations") and stop_on_budget and not ctx.allow_accuracy_regression:
+        if st.name in ("search", "evaluate") and outputs.get("violations") and stop_on_budget \
+                and not ctx.allow_accuracy_regression:
+            report = "search.json" if st.name == "search" else "accuracy.json"
             raise AccuracyBudgetError(
                 f"engine {ctx.recipe.name} breaks its accuracy budget:\n  "
                 + "\n  ".join(outputs["violations"])
-                + f"\n  Results: {res.path / 'accuracy.json'}. Pass --allow-accuracy-regression to accept it."
+                + f"\n  Results: {res.path / report}. Pass --allow-accuracy-regression to accept it."
             )
         if st.name == until:
             break

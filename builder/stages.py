@@ -1,11 +1,11 @@
-"""The stages of `kvq-build`: convert → calibrate → build → evaluate → deploy → compare.
+"""The stages of `kvq-build`: convert → calibrate → search → build → evaluate → deploy → compare.
 
 Directory layout under the work dir (models are shared by every recipe that
 uses the same weights, so the four SmolLM2 recipes convert and calibrate once):
 
     models/<model key>/convert/
     models/<model key>/calibrate-<calibration key>/
-    engines/<recipe>/engine/  evaluate/  triton_repo/
+    engines/<recipe>/search/  engine/  evaluate/  triton_repo/   (search: kv.dtype auto only)
     compare/<recipe>/
 """
 
@@ -18,7 +18,7 @@ from runtime.errors import StageError
 
 from .pipeline import Context, Stage, upstream
 
-STAGE_NAMES = ("convert", "calibrate", "build", "evaluate", "deploy", "compare")
+STAGE_NAMES = ("convert", "calibrate", "search", "build", "evaluate", "deploy", "compare")
 
 
 def _model_dir(ctx: Context) -> Path:
@@ -60,11 +60,11 @@ CONVERT = Stage(
 # ---------------------------------------------------------------- calibrate
 def _needs_calibration(ctx: Context) -> str | None:
     r = ctx.recipe
-    if r.model.source == "synthetic" and not r.kv_format().static:
+    if r.formats_needing_calibration():
+        return None
+    if r.model.source == "synthetic":
         return "synthetic weights, dynamic scales"
-    if not r.kv_format().static:
-        return f"{r.kv_format().name} computes its scales when tokens are written"
-    return None
+    return f"{r.kv_label()} computes its scales when tokens are written"
 
 
 def _calibrate_run(ctx: Context, tmp: Path) -> dict[str, Any]:
@@ -92,6 +92,40 @@ CALIBRATE = Stage(
 )
 
 
+# ------------------------------------------------------------------- search
+def _search_run(ctx: Context, tmp: Path) -> dict[str, Any]:
+    from .search_stage import run_search
+
+    return run_search(ctx, tmp)
+
+
+def _describe_search(ctx: Context) -> str:
+    r = ctx.recipe
+    return (f"converted weights + calibrated scales; {r.kv_label()} from {', '.join(r.search.formats)}: "
+            "every layer x format scored "
+            f"through the engine on {r.search.num_samples} x {r.search.seq_len} {r.calibration.dataset} tokens, "
+            f"verified on {r.accuracy.perplexity_tokens} held-out tokens ({r.accuracy.eval_data})")
+
+
+SEARCH = Stage(
+    "search",
+    out_dir=lambda ctx: _engine_root(ctx) / "search",
+    key=lambda ctx: {
+        "kv": ctx.recipe.kv.model_dump(mode="json"),
+        "search": ctx.recipe.search.model_dump(mode="json"),
+        "budget": ctx.recipe.accuracy.max_perplexity_increase_pct,
+        "eval": {k: getattr(ctx.recipe.accuracy, k) for k in ("eval_data", "perplexity_tokens")},
+        "calibration": {k: getattr(ctx.recipe.calibration, k) for k in ("dataset", "seed", "policy")},
+        "device": ctx.device,
+        "inputs": upstream(ctx, "convert", "calibrate"),
+    },
+    run=_search_run,
+    skip_reason=lambda ctx: None if ctx.recipe.kv.dtype == "auto" else "kv.dtype is not auto",
+    summary=lambda o: o.get("summary", ""),
+    describe=_describe_search,
+)
+
+
 # -------------------------------------------------------------------- build
 def _build_run(ctx: Context, tmp: Path) -> dict[str, Any]:
     from .engine_build import build_engine
@@ -100,7 +134,7 @@ def _build_run(ctx: Context, tmp: Path) -> dict[str, Any]:
 
 
 def _describe_build(ctx: Context) -> str:
-    text = f"converted weights + calibrated scales; {ctx.recipe.backend} engine, KV {ctx.recipe.kv_format().name}"
+    text = f"converted weights + calibrated scales; {ctx.recipe.backend} engine, KV {ctx.recipe.kv_label()}"
     if ctx.recipe.backend == "tensorrt-llm":
         import shlex
 
@@ -121,7 +155,7 @@ BUILD = Stage(
         "kv": ctx.recipe.kv.model_dump(mode="json"),
         "build": ctx.recipe.build.model_dump(mode="json"),
         "policy": ctx.recipe.calibration.policy,
-        "inputs": upstream(ctx, "convert", "calibrate"),
+        "inputs": upstream(ctx, "convert", "calibrate", "search"),
     },
     run=_build_run,
     summary=lambda o: o.get("summary", ""),
@@ -188,7 +222,7 @@ COMPARE = Stage(
     describe=lambda ctx: "engines of " + ", ".join(ctx.recipe.compare.variants),
 )
 
-STAGES = (CONVERT, CALIBRATE, BUILD, EVALUATE, DEPLOY, COMPARE)
+STAGES = (CONVERT, CALIBRATE, SEARCH, BUILD, EVALUATE, DEPLOY, COMPARE)
 
 
 def stage(name: str) -> Stage:

@@ -13,6 +13,7 @@ budget uses the teacher-forced agreement (accuracy.greedy_agreement) instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from runtime.engine import Engine
 from runtime.engine_dir import resolve_scales
 from runtime.kv_format import KVFormat
+from runtime.layer_formats import as_layer_formats, scales_to_tensors
 from runtime.runner import plan_pool
 from runtime.sampling import SamplingParams
 
@@ -34,19 +36,27 @@ def baseline_format(model) -> KVFormat:
     return KVFormat(_UNQUANTIZED[model.dtype])
 
 
-def evaluation_engine(model, model_dir: str | Path, fmt: KVFormat, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, longest: int = 1024, batch: int = 8,
-                      batch_invariant: bool = True, attention: str = "auto") -> Engine:
-    """An engine over `model` with KV format `fmt`, its pool holding one pass plus the longest sequence.
+def evaluation_engine(model, model_dir: str | Path, fmt: KVFormat | Sequence[KVFormat],
+                      k_scale: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+                      v_scale: torch.Tensor | Sequence[torch.Tensor | None] | None = None, longest: int = 1024,
+                      batch: int = 8, batch_invariant: bool = True, attention: str = "auto") -> Engine:
+    """An engine over `model` with KV format `fmt` (one, or one per layer), its pool holding one pass plus
+    the longest sequence. Static scales: tensors [layers(, kv_heads)] for one format, or one entry per layer.
     attention: 'auto' (the Triton kernels on CUDA) or 'reference' (runtime.attention's torch ops).
     batch_invariant: the engine's batch-invariant mode (runtime/batch_invariant.py), so a window's scores
     never depend on what shares its pass, and scoring equals token-by-token decode."""
-    scales = None if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-    k, v = resolve_scales(fmt, scales, Path(model_dir), model.cfg)
+    formats = as_layer_formats(fmt, model.cfg.num_layers)
+    if k_scale is None:
+        scales = None
+    elif isinstance(k_scale, torch.Tensor):
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+    else:
+        scales = scales_to_tensors(formats, k_scale, v_scale)
+    k, v = resolve_scales(formats, scales, Path(model_dir), model.cfg)
     seq_len = model.cfg.max_position_embeddings
     blocks = -(-(TOKENS_PER_PASS + 2 * longest) // BLOCK_SIZE)
-    plan = plan_pool(model.cfg, fmt, BLOCK_SIZE, num_blocks=blocks)
-    return Engine(model, fmt, plan, k, v, max_batch_size=batch, max_seq_len=seq_len,
+    plan = plan_pool(model.cfg, formats, BLOCK_SIZE, num_blocks=blocks)
+    return Engine(model, formats, plan, k, v, max_batch_size=batch, max_seq_len=seq_len,
                   max_tokens_per_step=TOKENS_PER_PASS, attention=attention, batch_invariant=batch_invariant)
 
 

@@ -11,18 +11,18 @@ budget violations when a budget is given.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors.torch import load_file
 
 from runtime.config import ModelConfig
+from runtime.engine_dir import resolve_layer_formats, resolve_scales
 from runtime.errors import InputError
 from runtime.kv_format import KVFormat
+from runtime.layer_formats import formats_name, formats_to_json, uniform_format
 
 from . import corpus
 from .accuracy import PROMPTS, baseline_layer_inputs, chat_prompt_ids, engine_attention_error, greedy_agreement
@@ -76,31 +76,38 @@ class EvalSettings:
 @dataclass
 class EngineKV:
     name: str
-    fmt: KVFormat
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
+    fmt: KVFormat | tuple[KVFormat, ...]  # one format, or one per layer (runtime/layer_formats.py)
+    k_scale: torch.Tensor | list | None = None  # [layers(, kv_heads)], or one entry per layer
+    v_scale: torch.Tensor | list | None = None
     note: str = ""
+
+    @property
+    def formats(self) -> tuple[KVFormat, ...]:
+        return (self.fmt,) if isinstance(self.fmt, KVFormat) else tuple(self.fmt)
+
+    @property
+    def quantized(self) -> bool:
+        return any(f.quantized for f in self.formats)
+
+    def describe(self) -> dict:
+        """What accuracy.json records as the engine's kv_format."""
+        return asdict(self.fmt) if isinstance(self.fmt, KVFormat) else formats_to_json(self.fmt)
 
 
 def engine_kv_from_dir(path: str | Path, name: str | None = None) -> EngineKV:
-    """An engine directory's KV format (kv_format.json) and static scales (kv_scales.safetensors)."""
+    """An engine directory's KV format(s) (kv_format.json) and static scales (kv_scales.safetensors)."""
     d = Path(path)
-    fpath = d / "kv_format.json"
-    if not fpath.is_file():
+    if not (d / "kv_format.json").is_file():
         return EngineKV(name or d.name, KVFormat("fp32"), note="no kv_format.json: unquantized KV")
-    try:
-        fmt = KVFormat(**json.loads(fpath.read_text()))
-    except (OSError, json.JSONDecodeError, TypeError) as e:
-        raise InputError(f"{fpath} is not a valid KV format ({e}); rebuild the engine.") from None
-    k = v = None
-    if fmt.static:
-        spath = d / "kv_scales.safetensors"
-        try:
-            t = load_file(str(spath))
-            k, v = t["k_scale"], t["v_scale"]
-        except Exception as e:  # missing file, corrupt file, missing tensor
-            raise InputError(f"{spath} has no readable k_scale/v_scale ({e}); rebuild the engine.") from None
-    return EngineKV(name or d.name, fmt, k, v)
+    cfg = ModelConfig.from_dir(d)
+    formats = resolve_layer_formats(None, d, torch.float32, cfg.num_layers)
+    k, v = resolve_scales(formats, None, d, cfg)
+    one = uniform_format(formats)
+    if one is None:
+        return EngineKV(name or d.name, formats, k, v, note=formats_name(formats))
+    if one.static:
+        k, v = torch.stack(k), torch.stack(v)
+    return EngineKV(name or d.name, one, k, v)
 
 
 def _pct(a: float, b: float) -> float:
@@ -166,8 +173,8 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
         greedy_tokens = _sequences_tokens(prompts, conts)
         for e in specs:
             t = time.perf_counter()
-            if not e.fmt.quantized:
-                results["engines"][e.name] = {"kv_format": asdict(e.fmt), "note": e.note or "unquantized KV"}
+            if not e.quantized:
+                results["engines"][e.name] = {"kv_format": e.describe(), "note": e.note or "unquantized KV"}
                 continue
             eng = engine(e.fmt, e.k_scale, e.v_scale)
             try:
@@ -175,7 +182,7 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
                 ppl = perplexity(eng, windows, advance)
                 pk = passkey(eng, trials, advance)
                 r = {
-                    "kv_format": asdict(e.fmt), "note": e.note,
+                    "kv_format": e.describe(), "note": e.note,
                     "perplexity": {**ppl, "change_pct": _pct(ppl["perplexity"], base_ppl["perplexity"])},
                     "greedy": greedy_agreement(eng, prompts, conts, advance),
                     "passkey": {**pk, "rate_relative": pk["rate"] / base_passkey["rate"] if base_passkey["rate"]

@@ -10,6 +10,8 @@ HEADER = ("engine", "KV format", "perplexity", "Δ ppl", "greedy agree", "engine
 
 def _fmt_name(r: dict) -> str:
     f = r.get("kv_format", {})
+    if "layers" in f:  # a format per layer (runtime/layer_formats.py): its note names the layer runs
+        return r.get("note") or "per layer"
     name = f.get("dtype", "?")
     if f.get("dtype") not in ("fp32", "fp16", "bf16"):
         name += f" {f.get('granularity', '')}" + ("" if f.get("symmetric", True) else " asym")

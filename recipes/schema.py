@@ -12,8 +12,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.config import PRESETS, ModelConfig
-from runtime.errors import UnsupportedError
+from runtime.engine_dir import parse_kv_format_name
+from runtime.errors import KvqError, UnsupportedError
 from runtime.kv_format import GRANULARITIES, KV_DTYPES, SCALE_DTYPES, KVFormat
+from runtime.layer_formats import layer_runs
 from runtime.parallel.sharding import check_parallelism
 
 KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
@@ -23,6 +25,9 @@ ScaleDtype = Literal[SCALE_DTYPES]  # type: ignore[valid-type]
 # TensorRT-LLM's engine path stores one per-tensor scale per layer and knows only
 # INT8 and FP8 (e4m3) KV besides the unquantized baseline (trtllm.md §1.1-1.3).
 TRTLLM_KV_DTYPES = ("fp16", "bf16", "int8", "fp8_e4m3")
+# kv.dtype auto: the unquantized baseline, 8-bit, and 4-bit formats that need no calibration, plus 8-bit
+# static ones (benchmarks/results/accuracy_smollm2.md: int8 per_head is the most accurate 8-bit format).
+DEFAULT_SEARCH_FORMATS = ("fp16", "int8-per_head", "int8-per_token", "fp8_e4m3-per_tensor", "int4-per_token-asym")
 
 
 class Section(BaseModel):
@@ -43,16 +48,80 @@ class ModelSection(Section):
 
 
 class KVSection(Section):
-    dtype: KVDtype = "fp16"
+    dtype: KVDtype | Literal["auto"] = Field(
+        "fp16", description="The KV dtype of every layer, or 'auto': the search stage picks a format per layer "
+        "from search.formats, the smallest cache within accuracy.max_perplexity_increase_pct, or the most "
+        "accurate one within kv.target_bits_per_element (docs/layer-precision.md).")
     granularity: Granularity = "per_tensor"
     symmetric: bool = True
     scale_dtype: ScaleDtype = "float16"
     clamp_fp8_scales_to_one: bool = Field(
         False, description="Reproduce ModelOpt's TensorRT-LLM export, which clamps FP8 KV scales to >= 1.0."
     )
+    target_bits_per_element: float | None = Field(
+        None, gt=0, le=32, description="kv.dtype auto: the most accurate per-layer choice whose average bits per "
+        "K/V element (scale metadata included) is at most this; unset: the smallest within the accuracy budget.")
+    layers: dict[str, str] | None = Field(
+        None, description="A KV format per layer, by layer range: {'0-1': 'int8-per_token', '2-29': "
+        "'int4-per_token-asym'} (every layer once; format names as `kvq plan` prints them). The search stage "
+        "writes this mapping for the formats it chose (search/recipe_kv.yaml), so a choice can be pinned.")
 
     def format(self) -> KVFormat:
+        if self.dtype == "auto" or self.layers is not None:
+            raise UnsupportedError("this recipe gives the KV format per layer (kv.dtype: auto or kv.layers); "
+                                   "use Recipe.layer_formats() for it.")
         return KVFormat(self.dtype, self.granularity, self.symmetric, self.scale_dtype)
+
+    @property
+    def per_layer(self) -> bool:
+        """The formats differ per layer: chosen by the search stage (auto) or listed in kv.layers."""
+        return self.dtype == "auto" or self.layers is not None
+
+
+class SearchSection(Section):
+    """kv.dtype auto: what the search stage measures (docs/layer-precision.md)."""
+
+    formats: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_SEARCH_FORMATS), min_length=2,
+        description="The formats a layer may get (names as `kvq plan` prints them); the one with the most bytes "
+        "is where every layer starts. Static formats (per_tensor/per_head) use the calibrate stage's scales.")
+    num_samples: int = Field(4, ge=1, description="Calibration-data windows each sensitivity is measured on.")
+    seq_len: int = Field(512, ge=16, description="Tokens per window.")
+    max_rounds: int = Field(3, ge=1, description="Choices re-made on calibration data when the measured "
+                            "combination misses the budget the per-layer sensitivities predicted.")
+
+    def candidates(self) -> list[KVFormat]:
+        return [parse_kv_format_name(n) for n in self.formats]
+
+
+def parse_layer_ranges(layers: dict[str, str], num_layers: int, where: str = "kv.layers") -> tuple[KVFormat, ...]:
+    """{'0-1': 'int8-per_token', '2': ...} -> one KVFormat per layer; every layer exactly once."""
+    out: list[KVFormat | None] = [None] * num_layers
+    for rng, name in layers.items():
+        try:
+            a, _, b = str(rng).partition("-")
+            first, last = int(a), int(b) if b else int(a)
+        except ValueError:
+            raise ValueError(f"{where}: {rng!r} is not a layer range; write 'FIRST-LAST' or 'LAYER', e.g. '0-1'.") from None
+        if not 0 <= first <= last < num_layers:
+            raise ValueError(f"{where}: range {rng!r} is outside the model's layers 0-{num_layers - 1}.")
+        try:
+            fmt = parse_kv_format_name(name)
+        except KvqError as e:
+            raise ValueError(f"{where}[{rng!r}]: {e}") from None
+        for i in range(first, last + 1):
+            if out[i] is not None:
+                raise ValueError(f"{where}: layer {i} is given twice ({rng!r}); give every layer once.")
+            out[i] = fmt
+    missing = [i for i, f in enumerate(out) if f is None]
+    if missing:
+        raise ValueError(f"{where}: layers {missing[:8]} have no format; give every layer of 0-{num_layers - 1} once.")
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def layer_ranges(formats: tuple[KVFormat, ...]) -> dict[str, str]:
+    """The inverse of parse_layer_ranges: consecutive layers of one format as one range."""
+    return {(f"{a}-{b}" if b > a else f"{a}"): f.name for a, b, f in layer_runs(formats)}
 
 
 class CalibrationSection(Section):
@@ -130,6 +199,7 @@ class Recipe(Section):
     accuracy: AccuracySection = Field(default_factory=AccuracySection)
     deploy: DeploySection = Field(default_factory=DeploySection)
     compare: CompareSection = Field(default_factory=CompareSection)
+    search: SearchSection = Field(default_factory=SearchSection)
 
     @model_validator(mode="after")
     def _check(self) -> "Recipe":
@@ -142,10 +212,18 @@ class Recipe(Section):
             raise ValueError(f"model.preset: unknown preset {m.preset!r}; choose one of {sorted(PRESETS)}.")
         if m.source == "builtin" and m.preset != "smollm2-135m":
             raise ValueError("model.preset: the only builtin model is 'smollm2-135m'.")
+        self._check_per_layer()
         try:
-            kv.format()
+            if not kv.per_layer:
+                kv.format()
         except UnsupportedError as e:
             raise ValueError(f"kv: {e}") from None
+        if self.backend == "tensorrt-llm" and kv.per_layer:
+            raise ValueError(
+                "kv.dtype: TensorRT-LLM stores every layer's KV in one format (one kv_cache_quant_algo per "
+                "engine), so per-layer formats (kv.dtype: auto, kv.layers) need backend: torch; or give one "
+                "format for all layers: kv.dtype fp8_e4m3 / int8 with granularity per_tensor, or fp16 / bf16."
+            )
         if self.backend == "tensorrt-llm":
             if kv.dtype == "int4":
                 raise ValueError(
@@ -191,6 +269,8 @@ class Recipe(Section):
             raise ValueError(f"build.tp: {e}") from None
         if b.pp > geo.num_layers:
             raise ValueError(f"build.pp: {b.pp} pipeline stages for {geo.num_layers} layers; use pp <= layers.")
+        if self.kv.layers is not None:
+            parse_layer_ranges(self.kv.layers, geo.num_layers)
         if self.kv.dtype == "int4" and geo.head_dim % 2:
             raise ValueError(f"kv.dtype: int4 packs two values per byte and needs an even head_dim ({geo.head_dim}).")
         if b.max_seq_len > geo.max_position_embeddings:
@@ -204,3 +284,44 @@ class Recipe(Section):
 
     def kv_format(self) -> KVFormat:
         return self.kv.format()
+
+    def kv_label(self) -> str:
+        """The KV format's name, or how the per-layer formats are chosen."""
+        if self.kv.dtype == "auto":
+            goal = (f"<= {self.kv.target_bits_per_element:g} bits/element" if self.kv.target_bits_per_element
+                    else f"ppl <= +{self.accuracy.max_perplexity_increase_pct:g}%")
+            return f"auto per layer ({goal})"
+        return "per layer (kv.layers)" if self.kv.layers is not None else self.kv.format().name
+
+    def formats_needing_calibration(self) -> list[KVFormat]:
+        """The static (calibrated-scale) formats this recipe may store: its format, or per-layer candidates."""
+        kv = self.kv
+        if kv.dtype == "auto":
+            return [f for f in self.search.candidates() if f.static]
+        if kv.layers is not None:
+            return sorted({f for f in map(parse_kv_format_name, kv.layers.values()) if f.static}, key=lambda f: f.name)
+        return [kv.format()] if kv.format().static else []
+
+    def layer_formats(self, num_layers: int) -> tuple[KVFormat, ...]:
+        """One format per layer for a recipe that fixes them (kv.dtype auto: the search stage's output)."""
+        if self.kv.dtype == "auto":
+            raise UnsupportedError("kv.dtype auto: the search stage chooses the per-layer formats.")
+        if self.kv.layers is not None:
+            return parse_layer_ranges(self.kv.layers, num_layers)
+        return (self.kv.format(),) * num_layers
+
+    def _check_per_layer(self) -> None:
+        kv = self.kv
+        if kv.dtype == "auto" and kv.layers is not None:
+            raise ValueError("kv.layers: a recipe either lists its per-layer formats or lets the search choose them "
+                             "(kv.dtype: auto), not both; remove one.")
+        if kv.target_bits_per_element is not None and kv.dtype != "auto":
+            raise ValueError("kv.target_bits_per_element applies to kv.dtype: auto only; set kv.dtype: auto or "
+                             "remove it.")
+        if kv.dtype == "auto":
+            try:
+                cands = self.search.candidates()
+            except KvqError as e:
+                raise ValueError(f"search.formats: {e}") from None
+            if len(set(cands)) != len(cands):
+                raise ValueError(f"search.formats: {self.search.formats} names a format twice; list each once.")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -218,12 +218,14 @@ def reference_backend() -> types.SimpleNamespace:
     )
 
 
-def select_backend(device: torch.device | str, fmt: KVFormat | None = None, prefer: str = "auto") -> types.SimpleNamespace:
+def select_backend(device: torch.device | str, fmt: KVFormat | Sequence[KVFormat] | None = None,
+                   prefer: str = "auto") -> types.SimpleNamespace:
     """The attention ops for `device`: Triton kernels on CUDA where they exist, reference elsewhere.
 
     The kernels package exports any of the OPS (same signatures) and optionally `supports(fmt) -> bool`;
-    a missing op or unsupported format falls back to the reference op, so the
-    engine always runs.
+    a missing op or a format some layer uses that it does not support (`fmt`: one format or one
+    per layer) falls back to the reference op, so the engine always runs. Every op reads its
+    layer's format from the LayerCache, so one backend serves layers of different formats.
     """
     ref = reference_backend()
     if prefer == "reference" or torch.device(device).type != "cuda":
@@ -237,7 +239,8 @@ def select_backend(device: torch.device | str, fmt: KVFormat | None = None, pref
     except ImportError:
         return ref
     supports: Callable[[KVFormat], bool] = getattr(kernels, "supports", lambda f: True)
-    if fmt is not None and not supports(fmt):
+    formats = [fmt] if isinstance(fmt, KVFormat) else list(fmt or [])
+    if not all(supports(f) for f in formats):
         return ref
     ops = {name: getattr(kernels, name, None) for name in OPS}
     chosen = {name: fn if fn is not None else getattr(ref, name) for name, fn in ops.items()}

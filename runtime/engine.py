@@ -25,9 +25,10 @@ from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
-from .engine_dir import load_tokenizer, read_settings, resolve_dtype, resolve_kv_format, resolve_scales
-from .errors import InputError, KvqError, RequestError
+from .engine_dir import load_tokenizer, read_settings, resolve_dtype, resolve_layer_formats, resolve_scales
+from .errors import InputError, KvqError, RequestError, UnsupportedError
 from .kv_format import KVFormat
+from .layer_formats import as_layer_formats, formats_name, uniform_format
 from .model import LlamaModel
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
 from .sampling import SamplingParams, select_tokens
@@ -80,26 +81,28 @@ class EngineStats:
 
 class Engine:
     def __init__(
-        self, model: LlamaModel, fmt: KVFormat, plan: PoolPlan, k_scales, v_scales, *, tokenizer=None,
+        self, model: LlamaModel, fmt: KVFormat | tuple[KVFormat, ...], plan: PoolPlan, k_scales, v_scales, *, tokenizer=None,
         max_batch_size: int = 8, max_seq_len: int | None = None, max_tokens_per_step: int = 2048,
         attention: str = "auto", max_input_len: int | None = None, cuda_graphs: bool = True,
         batch_invariant: bool = False, prefix_caching: bool = True,
     ):
-        self.model, self.cfg, self.fmt, self.tokenizer = model, model.cfg, fmt, tokenizer
+        self.model, self.cfg, self.tokenizer = model, model.cfg, tokenizer
+        # one KVFormat per layer (runtime/layer_formats.py); a uniform engine repeats one
+        self.formats = as_layer_formats(fmt, model.cfg.num_layers)
         self.max_seq_len = max_seq_len or model.cfg.max_position_embeddings
         self.max_input_len = max_input_len or self.max_seq_len
         # batch_invariant: a request's output independent of its batch mates (runtime/batch_invariant.py)
         self.batch_invariant = batch_invariant
-        self.backend = select_backend(model.device, fmt, attention)  # also checks `attention` for the device
+        self.backend = select_backend(model.device, self.formats, attention)  # also checks `attention` for the device
         if batch_invariant:
             if attention == "triton":
                 raise InputError("the batch-invariant mode runs its own attention ops; pass attention='auto' "
                                  "or batch_invariant=False to use the Triton kernels.")
             self.backend = batch_invariant_backend(model)
-        caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales, model.num_kv_heads)
+        caches = allocate_pool(model.cfg, self.formats, plan, model.device, k_scales, v_scales, model.num_kv_heads)
         # the page key's salt: K/V of another format, scales, model or dtype never match
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, prefix_caching=prefix_caching,
-                                   salt=_cache_salt(model, fmt, k_scales, v_scales))
+                                   salt=_cache_salt(model, self.formats, k_scales, v_scales))
         graphs = None
         if cuda_graphs and model.device.type == "cuda" and can_capture(self.backend):
             graphs = DecodeGraphs(model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size)
@@ -107,7 +110,7 @@ class Engine:
         self.runner = runner(model, caches, self.blocks, self.backend, graphs)
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step)
         self.stats = EngineStats(
-            device=str(model.device), dtype=str(model.dtype).replace("torch.", ""), kv_format=fmt.name,
+            device=str(model.device), dtype=str(model.dtype).replace("torch.", ""), kv_format=formats_name(self.formats),
             attention=self.backend.name, weight_bytes=model.weight_bytes, pool_blocks=plan.num_blocks,
             block_size=plan.block_size, pool_tokens=plan.tokens, pool_bytes=plan.bytes,
             kv_bytes_per_token=plan.bytes_per_token, pool_source=plan.source,
@@ -125,6 +128,15 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._run_lock = threading.Lock()  # one model pass at a time: the step loop's or score's
+
+    @property
+    def fmt(self) -> KVFormat:
+        """The KV format of every layer; a mixed engine has none (see `formats`)."""
+        one = uniform_format(self.formats)
+        if one is None:
+            raise UnsupportedError(f"this engine stores a KV format per layer ({formats_name(self.formats)}); "
+                                   "read engine.formats (one KVFormat per layer).")
+        return one
 
     # ------------------------------------------------------------- loading
     @classmethod
@@ -151,7 +163,7 @@ class Engine:
         settings = read_settings(d)
         dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = resolve_dtype(dtype, dev, d)
-        fmt = resolve_kv_format(kv_format, d, torch_dtype)
+        fmt = resolve_layer_formats(kv_format, d, torch_dtype, cfg.num_layers)
         k_scales, v_scales = resolve_scales(fmt, kv_scales, d, cfg)
         tp = _pick(tp, settings.tp)
         if tp > 1:
@@ -166,7 +178,7 @@ class Engine:
         return cls._from_model(model, d, settings, fmt, k_scales, v_scales, **{**rank_args, "tp": tp})
 
     @classmethod
-    def _from_model(cls, model: LlamaModel, d: Path, settings, fmt: KVFormat, k_scales, v_scales, *,
+    def _from_model(cls, model: LlamaModel, d: Path, settings, fmt: tuple[KVFormat, ...], k_scales, v_scales, *,
                     max_batch_size, num_blocks, memory_budget, attention, block_size, max_seq_len,
                     max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant,
                     **_) -> Engine:
@@ -450,11 +462,12 @@ class Engine:
                 self.cancel(seq.request_id)
 
 
-def _cache_salt(model: LlamaModel, fmt: KVFormat, k_scales, v_scales) -> str:
-    """What a page's K/V depend on besides its tokens: the model, its dtype, the KV format and
-    the static scales (a page key includes this, so their pages never match)."""
-    scales = [s.flatten().tolist() for s in (k_scales, v_scales) if s is not None]
-    return repr((model.cfg, str(model.dtype), model.weight_bytes, fmt.name, scales))
+def _cache_salt(model: LlamaModel, formats, k_scales, v_scales) -> str:
+    """What a page's K/V depend on besides its tokens: the model, its dtype, the layers' KV formats
+    and the static scales (a page key includes this, so their pages never match)."""
+    scales = [[None if t is None else torch.as_tensor(t).flatten().tolist() for t in s]
+              for s in (k_scales, v_scales) if s is not None]
+    return repr((model.cfg, str(model.dtype), model.weight_bytes, [f.name for f in formats], scales))
 
 
 def _pick(*choices):

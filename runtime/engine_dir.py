@@ -2,8 +2,10 @@
 
     config.json            model geometry (always)
     model.safetensors[...] weights, or synthetic.json {"seed"} for random weights
-    kv_format.json         KVFormat fields (absent: unquantized KV in the model dtype)
-    kv_scales.safetensors  k_scale, v_scale [layers] or [layers, kv_heads] (static formats)
+    kv_format.json         KVFormat fields, or {"layers": [...]} one per layer (runtime/layer_formats.py);
+                           absent: unquantized KV in the model dtype
+    kv_scales.safetensors  k_scale, v_scale [layers] or [layers, kv_heads] (static formats), or
+                           k_scale.<i>, v_scale.<i> per static layer of a mixed engine
     engine.json            max_batch_size, max_input_len, max_seq_len, block_size, gpu_memory_fraction,
                            cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +22,16 @@ from typing import Any
 import torch
 
 from .config import ModelConfig
-from .errors import InputError, KvqError
+from .errors import InputError, KvqError, UnsupportedError
 from .kv_format import KVFormat
+from .layer_formats import (
+    LayerFormats,
+    as_layer_formats,
+    formats_from_json,
+    formats_name,
+    scales_from_tensors,
+    uniform_format,
+)
 
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,38 +116,52 @@ def parse_kv_format_name(name: str) -> KVFormat:
 
 
 def resolve_kv_format(kv_format: KVFormat | dict | str | None, d: Path, dtype: torch.dtype) -> KVFormat:
+    """A uniform engine's one KV format (a mixed engine is an error here: use resolve_layer_formats)."""
+    if isinstance(kv_format, (KVFormat, str)) or (isinstance(kv_format, dict) and "layers" not in kv_format):
+        return resolve_layer_formats(kv_format, d, dtype, 1)[0]
+    formats = resolve_layer_formats(kv_format, d, dtype, ModelConfig.from_dir(d).num_layers)
+    one = uniform_format(formats)
+    if one is None:
+        raise UnsupportedError(f"{d}: the engine stores a KV format per layer ({formats_name(formats)}); "
+                               "read it with runtime.engine_dir.resolve_layer_formats.")
+    return one
+
+
+def resolve_layer_formats(kv_format: KVFormat | Sequence[KVFormat] | dict | str | None, d: Path,
+                          dtype: torch.dtype, num_layers: int) -> LayerFormats:
+    """One KVFormat per layer, from the caller (a format, a name, a per-layer sequence, kv_format.json's
+    content) or the directory's kv_format.json (absent: unquantized KV in the model dtype)."""
     if isinstance(kv_format, KVFormat):
-        return kv_format
+        return (kv_format,) * num_layers
     if isinstance(kv_format, str):
-        return parse_kv_format_name(kv_format)
+        return (parse_kv_format_name(kv_format),) * num_layers
+    if isinstance(kv_format, (list, tuple)):
+        return as_layer_formats(kv_format, num_layers)
     if kv_format is None:
         p = d / "kv_format.json"
         if not p.is_file():
-            return KVFormat(dtype=_KV_NAME[dtype])
+            return (KVFormat(dtype=_KV_NAME[dtype]),) * num_layers
         kv_format, where = read_json(p), str(p)
     else:
         where = "kv_format"
-    known = {f.name for f in dataclasses.fields(KVFormat)}
-    try:
-        return KVFormat(**{k: v for k, v in kv_format.items() if k in known})
-    except KvqError as e:
-        raise InputError(f"{where}: {e}") from None
-    except TypeError as e:
-        raise InputError(f"{where}: {e}; expected the KVFormat fields {sorted(known)}.") from None
+    return formats_from_json(kv_format, num_layers, where)
 
 
 def resolve_scales(
-    fmt: KVFormat, kv_scales: str | Path | dict | None, d: Path, cfg: ModelConfig
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Static formats: calibrated dequant scales, validated per layer (and head)."""
-    if not fmt.static:
+    fmt: KVFormat | Sequence[KVFormat], kv_scales: str | Path | dict | None, d: Path, cfg: ModelConfig
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | tuple[None, None]:
+    """Static layers' calibrated dequant scales, per layer ([] per_tensor, [kv_heads] per_head), validated;
+    (None, None) when no layer has static scales."""
+    formats = as_layer_formats(fmt, cfg.num_layers)
+    if not any(f.static for f in formats):
         return None, None
     where = "kv_scales"
     if kv_scales is None or isinstance(kv_scales, (str, Path)):
         p = Path(kv_scales) if kv_scales is not None else d / "kv_scales.safetensors"
         if not p.is_file():
+            names = sorted({f.name for f in formats if f.static})
             raise InputError(
-                f"KV format {fmt.name} needs calibrated scales but {p} does not exist; run the calibrate "
+                f"KV format {', '.join(names)} needs calibrated scales but {p} does not exist; run the calibrate "
                 "stage (kvq calibrate) or choose a per_token format."
             )
         from safetensors.torch import load_file
@@ -145,22 +170,7 @@ def resolve_scales(
             kv_scales, where = load_file(str(p)), str(p)
         except Exception as e:  # noqa: BLE001 - safetensors' own error types for corrupt files
             raise InputError(f"{p} is not a readable safetensors file ({e}); re-run calibration.") from None
-    want = (cfg.num_layers,) if fmt.granularity == "per_tensor" else (cfg.num_layers, cfg.num_kv_heads)
-    out = []
-    for key in ("k_scale", "v_scale"):
-        t = kv_scales.get(key)
-        if t is None:
-            raise InputError(f"{where}: {key!r} is missing; re-run calibration for {fmt.name}.")
-        t = torch.as_tensor(t, dtype=torch.float32)
-        if tuple(t.shape) != want:
-            raise InputError(
-                f"{where}: {key} has shape {list(t.shape)}, {fmt.granularity} needs {list(want)} "
-                "(layers[, kv_heads]); the scales were calibrated for another granularity or model."
-            )
-        if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
-            raise InputError(f"{where}: {key} has non-positive or non-finite values; re-run calibration.")
-        out.append(t)
-    return out[0], out[1]
+    return scales_from_tensors(formats, kv_scales, cfg, where)
 
 
 def load_tokenizer(d: Path):

@@ -28,6 +28,7 @@ tokens contiguous, so a decode kernel reads each page of a head as one block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -155,17 +156,28 @@ class KVFormat:
         return s if self.symmetric else s + "-asym"
 
 
-def kv_bytes_per_token(cfg: ModelConfig, fmt: KVFormat, tp: int = 1, pp: int = 1) -> float:
+def kv_bytes_per_token(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], tp: int = 1, pp: int = 1) -> float:
     """KV bytes one token occupies on the most loaded rank (K and V, all its layers).
 
-    2 x ceil(layers/pp) x ceil(kv_heads/tp) x (head_dim x bytes/element + scale metadata).
-    KV heads are replicated when tp > kv_heads (as TensorRT-LLM does), so the
-    per-rank KV never shrinks below one head per layer. The planner and the
-    runtime's pool sizing both call this.
+    `fmt` is one format for every layer or one per layer (runtime/layer_formats.py):
+    the sum over a rank's layers of 2 x ceil(kv_heads/tp) x (head_dim x bytes/element +
+    scale metadata). Pipeline stages hold consecutive layers, the first `layers % pp`
+    stages one more (builder/trtllm/pp_split.py). KV heads are replicated when
+    tp > kv_heads (as TensorRT-LLM does), so the per-rank KV never shrinks below one head
+    per layer. The planner and the runtime's pool sizing both call this.
     """
-    layers = ceil_div(cfg.num_layers, pp)
+    formats = (fmt,) * cfg.num_layers if isinstance(fmt, KVFormat) else tuple(fmt)
+    if len(formats) != cfg.num_layers:
+        raise ValueError(f"{len(formats)} per-layer KV formats for {cfg.num_layers} layers")
     heads = ceil_div(cfg.num_kv_heads, tp)
-    return 2 * layers * heads * fmt.bytes_per_token_head(cfg.head_dim)
+    per_layer = [2 * heads * f.bytes_per_token_head(cfg.head_dim) for f in formats]
+    base, extra = divmod(cfg.num_layers, pp)
+    stages, start = [], 0
+    for s in range(pp):
+        size = base + (1 if s < extra else 0)
+        stages.append(sum(per_layer[start:start + size]))
+        start += size
+    return max(stages)
 
 
 # ---------------------------------------------------------------- rounding

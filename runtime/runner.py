@@ -11,6 +11,7 @@ num_blocks = budget // (block_size * bytes_per_token).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from .cuda_graphs import DecodeGraphs
 from .errors import InputError, NumericsError
 from .kv_cache import LayerCache, allocate_layer
 from .kv_format import KVFormat, kv_bytes_per_token
+from .layer_formats import as_layer_formats
 from .model import LlamaModel, PagedBatch
 from .scheduler import Step
 
@@ -46,7 +48,7 @@ class PoolPlan:
 
 def plan_pool(
     cfg: ModelConfig,
-    fmt: KVFormat,
+    fmt: KVFormat | Sequence[KVFormat],
     block_size: int,
     *,
     num_blocks: int | None = None,
@@ -57,7 +59,8 @@ def plan_pool(
 ) -> PoolPlan:
     """Blocks for the pool, from (first given wins) an explicit count, a byte budget,
     the measured free GPU memory, or a default token count capped for the CPU.
-    With tp ranks, bytes are per rank: the most loaded rank's share of the KV heads."""
+    `fmt`: one format, or one per layer (bytes per token are the sum over layers). With tp ranks, bytes
+    are per rank: the most loaded rank's share of the KV heads."""
     bpt = kv_bytes_per_token(cfg, fmt, tp)
     per_block = block_size * bpt
     if num_blocks is not None:
@@ -79,22 +82,25 @@ def plan_pool(
 
 def allocate_pool(
     cfg: ModelConfig,
-    fmt: KVFormat,
+    fmt: KVFormat | Sequence[KVFormat],
     plan: PoolPlan,
     device: torch.device,
-    k_scales: torch.Tensor | None,
-    v_scales: torch.Tensor | None,
+    k_scales: torch.Tensor | Sequence[torch.Tensor | None] | None,
+    v_scales: torch.Tensor | Sequence[torch.Tensor | None] | None,
     kv_heads: int | None = None,
 ) -> list[LayerCache]:
-    """One LayerCache per layer; static scales are [layers] or [layers, kv_heads].
+    """One LayerCache per layer, each in its layer's format. Block ids are shared by all layers:
+    every layer's pool has plan.num_blocks blocks, each in that layer's bytes per block.
+    Static scales: a tensor [layers] / [layers, kv_heads] or one entry per layer (None where dynamic).
     kv_heads: the heads this process caches (a tensor-parallel rank's share), default all."""
+    formats = as_layer_formats(fmt, cfg.num_layers)
     return [
         allocate_layer(
-            fmt, plan.num_blocks, plan.block_size, kv_heads or cfg.num_kv_heads, cfg.head_dim, device,
+            f, plan.num_blocks, plan.block_size, kv_heads or cfg.num_kv_heads, cfg.head_dim, device,
             k_scales[i] if k_scales is not None else None,
             v_scales[i] if v_scales is not None else None,
         )
-        for i in range(cfg.num_layers)
+        for i, f in enumerate(formats)
     ]
 
 

@@ -135,6 +135,7 @@ def test_torch_repository_layout_and_values(engine_dir, tmp_path):
     assert eng.max_batch_size == ENGINE_JSON["max_batch_size"]  # from engine.json
     assert _params(eng) == {
         "engine_dir": str(engine_dir.resolve()),
+        "kv_format": "unquantized",  # the directory has no kv_format.json
         "device": "cpu",
         "exclude_input_in_output": "true",
     }

@@ -22,6 +22,7 @@ from typing import Any
 
 from runtime.engine_dir import read_settings
 from runtime.errors import InputError
+from runtime.layer_formats import formats_name
 
 from . import protocol
 from .pbtxt import ModelSpec, TensorSpec
@@ -60,6 +61,20 @@ def _settings(settings: dict[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
+def engine_kv_format(engine_dir: Path) -> str:
+    """The engine directory's KV format name (a mixed engine: its layer runs, runtime/layer_formats.py);
+    without kv_format.json the engine stores unquantized KV in its model dtype."""
+    from runtime.engine_dir import read_json
+    from runtime.layer_formats import formats_from_json
+
+    p = Path(engine_dir) / "kv_format.json"
+    if not p.is_file():
+        return "unquantized"
+    data = read_json(p)
+    layers = data.get("layers")
+    return formats_name(formats_from_json(data, len(layers) if isinstance(layers, list) else 1, str(p)))
+
+
 def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) -> ModelSpec:
     """kvq_engine's inputs and outputs carry tensorrt_llm's names, data types and dims."""
     ragged = {"input_ids", "stop_words_list", "bad_words_list", "lora_weights", "lora_config"}
@@ -84,6 +99,8 @@ def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) 
         outputs=tuple(outputs),
         parameters={
             "engine_dir": str(engine_dir),
+            # what the engine stores, for whoever reads the repository (one name, or the per-layer runs)
+            "kv_format": engine_kv_format(engine_dir),
             "device": s["device"] or "auto",
             # tensorrt_llm's model-level default, which a request's exclude_input_in_output overrides
             "exclude_input_in_output": "true",
@@ -133,6 +150,7 @@ def write_repository(
     return {
         "backend": "torch",
         "engine_dir": str(engine_dir),
+        "kv_format": engine_kv_format(engine_dir),
         "models": [spec.name for spec, _ in specs],
         "entry_model": protocol.ENSEMBLE,
         "max_batch_size": max_batch,

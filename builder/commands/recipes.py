@@ -18,7 +18,7 @@ def list_() -> None:
     """Bundled recipe names with their descriptions."""
     for name in bundled_names():
         r = load_recipe(name)
-        click.echo(f"{name:24s} {r.backend:13s} {r.kv_format().name:24s} {r.description}")
+        click.echo(f"{name:24s} {r.backend:13s} {r.kv_label():24s} {r.description}")
 
 
 @command.command("show")

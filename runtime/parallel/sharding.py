@@ -93,11 +93,13 @@ def rank_shard(cfg: ModelConfig, tp: int, rank: int) -> RankShard:
     return RankShard(tp, rank, q_heads, kv_heads, _block(cfg.intermediate_size, tp, rank), vocab, per_rank)
 
 
-def slice_kv_scales(scales: torch.Tensor | None, shard: RankShard) -> torch.Tensor | None:
-    """A rank's static KV scales: per_tensor [layers] as is, per_head [layers, kv_heads] -> its heads."""
-    if scales is None or scales.dim() < 2:
-        return scales
-    return scales[:, shard.kv_heads.start:shard.kv_heads.stop].contiguous()
+def slice_kv_scales(scales, shard: RankShard):
+    """A rank's static KV scales, one entry per layer (None where the layer's format is dynamic):
+    per_tensor [] as is, per_head [kv_heads] -> its heads."""
+    if scales is None:
+        return None
+    heads = slice(shard.kv_heads.start, shard.kv_heads.stop)
+    return [s[heads].contiguous() if s is not None and s.dim() == 1 else s for s in scales]
 
 
 # HF tensor name suffix -> (the dim that is split, the shard range it takes; heads count head_dim rows)
