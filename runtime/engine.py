@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,10 @@ from .errors import InputError, KvqError, RequestError
 from .kv_format import KVFormat
 from .model import LlamaModel
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
-from .sampling import SamplingParams, select_tokens
+from .sampling import SamplingParams
 from .scheduler import KVCacheUsage, Scheduler, Sequence, TokenCallback
 from .scoring import TokenScores
+from .step_loop import EngineStats, StepLoop
 from .weights import open_weights
 
 
@@ -44,38 +45,6 @@ class Generation:
     finish_reason: str
     logprobs: list[float] | None = None  # per token of token_ids, when sampling.logprobs
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-
-
-@dataclass
-class EngineStats:
-    device: str
-    dtype: str
-    kv_format: str
-    attention: str
-    weight_bytes: int
-    pool_blocks: int
-    block_size: int
-    pool_tokens: int
-    pool_bytes: int
-    kv_bytes_per_token: float
-    pool_source: str
-    pool_allocated_bytes: int = 0  # measured: every layer's page + per-token metadata tensors
-    cuda_graphs: bool = False  # decode steps replay CUDA graphs (runtime/cuda_graphs.py)
-    batch_invariant: bool = False  # outputs independent of the batch (runtime/batch_invariant.py)
-    step_batch_sizes: list[int] = field(default_factory=list)
-    step_num_tokens: list[int] = field(default_factory=list)
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefix_caching: bool = False  # full KV pages reused across requests (runtime/block_manager.py)
-    prefix_lookups: int = 0  # full prompt pages looked up in the prefix cache
-    prefix_hits: int = 0  # of those, found cached
-    prefix_hit_rate: float = 0.0  # prefix_hits / prefix_lookups
-    reused_tokens: int = 0  # prompt tokens whose prefill the cache skipped
-    evictions: int = 0  # cached pages evicted for new data
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class Engine:
@@ -124,6 +93,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._run_lock = threading.Lock()  # one model pass at a time: the step loop's or score's
+        self.steps = StepLoop(self.runner, self.scheduler, self.blocks, self.stats, self.cfg, self.max_seq_len,
+                              self._live, self.cancel)
 
     # ------------------------------------------------------------- loading
     @classmethod
@@ -286,88 +257,13 @@ class Engine:
                     self._emit(seq, None, "error")
 
     def _step(self) -> None:
-        step = self.scheduler.schedule()
-        if not step:
-            return
-        try:
-            logits = self.runner.run(step)
-        except Exception as e:  # noqa: BLE001 - the forward is shared: fail this step's requests only
-            self._fail(list(step.decode) + list(step.prefill), e)
-            return
-        self.scheduler.commit(step)  # K/V written: the step's full pages become reusable
-        seqs = step.sampled  # a prefill chunk that is not its prompt's last gets no token
-        eos = () if self.cfg.eos_token_id is None else (self.cfg.eos_token_id,)
-        picks = select_tokens(logits, seqs, eos)
-        st = self.stats
-        st.step_batch_sizes.append(len(step.decode) + len(step.prefill))
-        st.step_num_tokens.append(step.num_tokens)
-        st.preemptions = self.scheduler.num_preemptions
-        st.prompt_tokens += sum(len(s.prompt_ids) for s in step.completed_prefill if not s.preemptions)
-        st.generated_tokens += len(seqs)
-        cs = self.blocks.cache_stats
-        st.prefix_lookups, st.prefix_hits, st.prefix_hit_rate = cs.lookups, cs.hits, cs.hit_rate
-        st.reused_tokens, st.evictions = cs.reused_tokens, cs.evictions
-        for seq, pick in zip(seqs, picks):
-            # Whatever goes wrong with one request (its logits, sampling, stop checks) ends that request
-            # alone: its blocks are freed and every other sequence keeps its step.
-            try:
-                if pick.error is not None:
-                    raise pick.error
-                seq.output_ids.append(pick.token)
-                if seq.sampling.logprobs:
-                    seq.logprobs.append(pick.logprob)
-                reason = self._finish_reason(seq, pick.token)
-            except Exception as e:  # noqa: BLE001
-                self._fail([seq], e)
-                continue
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            self._emit(seq, pick.token, reason)
+        self.steps.step()
 
     def _fail(self, seqs: list[Sequence], e: Exception) -> None:
-        err = e
-        if not isinstance(e, KvqError):
-            err = KvqError(f"the engine failed on this request ({e!r}); other requests are unaffected. "
-                           "This is a kvq bug, please report it.")
-            err.__cause__ = e  # keep the original traceback for KVQ_DEBUG
-        logging.getLogger("kvq.engine").warning("request(s) %s failed: %r", [s.request_id for s in seqs], e)
-        for seq in seqs:
-            if seq.finished:
-                continue
-            seq.error = err
-            self.scheduler.finish(seq, "error")
-            self._emit(seq, None, "error")
-
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
-        sp = seq.sampling
-        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.cfg.eos_token_id):
-            return "stop"
-        out = seq.output_ids
-        if any(len(out) >= len(s) and tuple(out[-len(s):]) == s for s in sp.stop_sequences):
-            return "stop"
-        if len(out) >= sp.max_tokens or seq.num_tokens >= self.max_seq_len:
-            return "length"
-        return None
+        self.steps.fail(seqs, e)
 
     def _emit(self, seq: Sequence, tok: int | None, reason: str | None) -> None:
-        if reason is not None:
-            seq.finish_reason = reason
-            self._live.pop(seq.request_id, None)
-            if seq.on_finish is not None:
-                try:
-                    seq.on_finish(seq.kv_cache_usage)
-                except Exception:  # noqa: BLE001 - a broken callback never stops the loop
-                    logging.getLogger("kvq.engine").exception("on_finish callback failed")
-        if seq.on_token is None:
-            return
-        try:
-            if seq.sampling.logprobs:  # callers that ask for log-probs take them as a 4th argument
-                seq.on_token(tok, reason is not None, reason, seq.logprobs[-1] if tok is not None else None)
-            else:
-                seq.on_token(tok, reason is not None, reason)
-        except Exception:  # noqa: BLE001 - a broken callback cancels its own request, never the loop
-            if reason is None:
-                self.cancel(seq.request_id)
+        self.steps.emit(seq, tok, reason)
 
     # ------------------------------------------------------------ callers
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams | None = None,
