@@ -25,6 +25,7 @@ from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
+from .decode_burst import DecodeBurst
 from .engine_dir import load_tokenizer, read_settings, resolve_dtype, resolve_kv_format, resolve_scales
 from .errors import InputError, KvqError, RequestError
 from .kv_format import KVFormat
@@ -52,7 +53,7 @@ class Engine:
         self, model: LlamaModel, fmt: KVFormat, plan: PoolPlan, k_scales, v_scales, *, tokenizer=None,
         max_batch_size: int = 8, max_seq_len: int | None = None, max_tokens_per_step: int = 2048,
         attention: str = "auto", max_input_len: int | None = None, cuda_graphs: bool = True,
-        batch_invariant: bool = False, prefix_caching: bool = True,
+        batch_invariant: bool = False, prefix_caching: bool = True, burst_steps: int = 0,
     ):
         self.model, self.cfg, self.fmt, self.tokenizer = model, model.cfg, fmt, tokenizer
         self.max_seq_len = max_seq_len or model.cfg.max_position_embeddings
@@ -73,6 +74,13 @@ class Engine:
         if cuda_graphs and model.device.type == "cuda" and can_capture(self.backend):
             graphs = DecodeGraphs(model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size)
         self.runner = ModelRunner(model, caches, self.blocks, self.backend, graphs)
+        if not isinstance(burst_steps, int) or burst_steps < 0:
+            raise InputError(f"burst_steps must be an integer >= 0 (0 = one host round trip per step), "
+                             f"got {burst_steps!r}.")
+        # greedy decode steps in device-resident bursts of burst_steps (runtime/decode_burst.py)
+        burst = None if not burst_steps else DecodeBurst(
+            model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size, burst_steps,
+            use_graphs=cuda_graphs and can_capture(self.backend))
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step)
         self.stats = EngineStats(
             device=str(model.device), dtype=str(model.dtype).replace("torch.", ""), kv_format=fmt.name,
@@ -84,6 +92,7 @@ class Engine:
                 for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
             ),
             cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
+            burst_steps=burst_steps,
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -94,7 +103,7 @@ class Engine:
         self._stopped = False
         self._run_lock = threading.Lock()  # one model pass at a time: the step loop's or score's
         self.steps = StepLoop(self.runner, self.scheduler, self.blocks, self.stats, self.cfg, self.max_seq_len,
-                              self._live, self.cancel)
+                              self._live, self.cancel, burst)
 
     # ------------------------------------------------------------- loading
     @classmethod
@@ -104,7 +113,7 @@ class Engine:
         max_batch_size: int | None = None, num_blocks: int | None = None, memory_budget: int | None = None,
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
-        batch_invariant: bool | None = None, prefix_caching: bool | None = None,
+        batch_invariant: bool | None = None, prefix_caching: bool | None = None, burst_steps: int = 0,
     ) -> Engine:
         d = Path(path)
         if not d.is_dir():
@@ -132,7 +141,7 @@ class Engine:
                    max_input_len=settings.max_input_len,
                    cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
                    batch_invariant=_pick(batch_invariant, settings.batch_invariant, dev.type == "cpu"),
-                   prefix_caching=_pick(prefix_caching, settings.prefix_caching))
+                   prefix_caching=_pick(prefix_caching, settings.prefix_caching), burst_steps=burst_steps)
 
     # ----------------------------------------------------------- requests
     def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:

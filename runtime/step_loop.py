@@ -15,10 +15,11 @@ from typing import Any
 
 from .block_manager import BlockManager
 from .config import ModelConfig
-from .errors import KvqError
+from .decode_burst import DecodeBurst
+from .errors import KvqError, NumericsError
 from .runner import ModelRunner
 from .sampling import select_tokens
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler, Sequence, Step
 
 log = logging.getLogger("kvq.engine")
 
@@ -50,6 +51,7 @@ class EngineStats:
     prefix_hit_rate: float = 0.0  # prefix_hits / prefix_lookups
     reused_tokens: int = 0  # prompt tokens whose prefill the cache skipped
     evictions: int = 0  # cached pages evicted for new data
+    burst_steps: int = 0  # greedy decode steps per host read-back (runtime/decode_burst.py); 0: every step
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -57,13 +59,19 @@ class EngineStats:
 
 class StepLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, blocks: BlockManager, stats: EngineStats,
-                 cfg: ModelConfig, max_seq_len: int, live: dict[int, Sequence], cancel: Callable[[int], None]):
+                 cfg: ModelConfig, max_seq_len: int, live: dict[int, Sequence], cancel: Callable[[int], None],
+                 burst: DecodeBurst | None = None):
         self.runner, self.scheduler, self.blocks, self.stats = runner, scheduler, blocks, stats
+        self.burst = burst  # greedy decode-only steps run as device-resident bursts (runtime/decode_burst.py)
         self.cfg, self.max_seq_len = cfg, max_seq_len
         self.live = live  # the engine's requests in flight by id; a finished one leaves it here
         self.cancel = cancel  # the engine's cancel: a broken callback cancels its own request
 
     def step(self) -> None:
+        steps = self._burst_steps()
+        if steps:
+            self._run_burst(steps)
+            return
         step = self.scheduler.schedule()
         if not step:
             return
@@ -104,6 +112,59 @@ class StepLoop:
         st.preemptions = self.scheduler.num_preemptions
         st.prefix_lookups, st.prefix_hits, st.prefix_hit_rate = cs.lookups, cs.hits, cs.hit_rate
         st.reused_tokens, st.evictions = cs.reused_tokens, cs.evictions
+
+    def _burst_steps(self) -> int:
+        """How many steps the next burst runs; 0 where the next step must be an ordinary one: a
+        prefill is waiting or running, a row needs its logits on the host (sampling, penalties,
+        log-probs), or the pool lacks the burst's pages (the ordinary step preempts)."""
+        sched, burst = self.scheduler, self.burst
+        if burst is None or sched.waiting or not sched.running or len(sched.running) > burst.max_batch:
+            return 0
+        if any(s.prefilling or not s.sampling.greedy or s.sampling.adjusts_logits or s.sampling.logprobs
+               for s in sched.running):
+            return 0
+        steps = min([burst.steps] + [min(s.sampling.max_tokens - len(s.output_ids), self.max_seq_len - s.num_tokens)
+                                     for s in sched.running])
+        # pages the burst's tokens open (a sequence holds pages for its tokens but the newest, whose K/V the
+        # next step writes), plus one per sequence for a shared last page's copy
+        needed = sum(self.blocks.blocks_for(s.num_tokens - 1 + steps) - len(self.blocks.block_table(s.request_id))
+                     for s in sched.running)
+        return steps if steps >= 1 and needed + len(sched.running) <= self.blocks.num_free_blocks else 0
+
+    def _run_burst(self, steps: int) -> None:
+        seqs = list(self.scheduler.running)
+        for seq in seqs:
+            for _ in range(steps):
+                self.blocks.append(seq.request_id)
+        try:
+            tokens, finite = self.burst.run([s.token_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
+                                            [self.blocks.block_table(s.request_id) for s in seqs], steps)
+        except Exception as e:  # noqa: BLE001 - the forward is shared: fail these requests only
+            self.fail(seqs, e)
+            return
+        st = self.stats
+        for row_tokens, row_finite in zip(tokens, finite):
+            st.step_batch_sizes.append(len(seqs))
+            st.step_num_tokens.append(len(seqs))
+            for seq, tok, ok in zip(seqs, row_tokens, row_finite):
+                if seq.finished:  # stopped earlier in the burst: its later tokens are dropped
+                    continue
+                seq.num_computed = seq.num_tokens
+                try:
+                    if not ok:
+                        raise NumericsError("the model produced NaN/Inf logits for this request; its output is "
+                                            "unusable. Check the engine's KV scales and weights (kvq eval).")
+                    seq.output_ids.append(tok)
+                    reason = self.finish_reason(seq, tok)
+                except Exception as e:  # noqa: BLE001
+                    self.fail([seq], e)
+                    continue
+                st.generated_tokens += 1
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                self.emit(seq, tok, reason)
+        self.scheduler.commit(Step([s for s in seqs if not s.finished], [], []))
+        self._cache_stats()
 
     def fail(self, seqs: list[Sequence], e: Exception) -> None:
         err = e
