@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import types
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,7 @@ class Engine:
         self, model: LlamaModel, fmt: KVFormat, plan: PoolPlan, k_scales, v_scales, *, tokenizer=None,
         max_batch_size: int = 8, max_seq_len: int | None = None, max_tokens_per_step: int = 2048,
         attention: str = "auto", max_input_len: int | None = None, cuda_graphs: bool = True,
-        batch_invariant: bool = False, prefix_caching: bool = True, burst_steps: int = 0,
+        batch_invariant: bool = False, prefix_caching: bool = True, burst_steps: int = 0, fused_ops: bool = False,
     ):
         self.model, self.cfg, self.fmt, self.tokenizer = model, model.cfg, fmt, tokenizer
         self.max_seq_len = max_seq_len or model.cfg.max_position_embeddings
@@ -66,6 +67,8 @@ class Engine:
                 raise InputError("the batch-invariant mode runs its own attention ops; pass attention='auto' "
                                  "or batch_invariant=False to use the Triton kernels.")
             self.backend = batch_invariant_backend(model)
+        if fused_ops:
+            self.backend = with_small_ops(self.backend, model, batch_invariant)
         caches = allocate_pool(model.cfg, fmt, plan, model.device, k_scales, v_scales)
         # the page key's salt: K/V of another format, scales, model or dtype never match
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, prefix_caching=prefix_caching,
@@ -92,7 +95,7 @@ class Engine:
                 for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
             ),
             cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
-            burst_steps=burst_steps,
+            burst_steps=burst_steps, fused_ops=fused_ops,
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -114,6 +117,7 @@ class Engine:
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
         batch_invariant: bool | None = None, prefix_caching: bool | None = None, burst_steps: int = 0,
+        fused_ops: bool = False,
     ) -> Engine:
         d = Path(path)
         if not d.is_dir():
@@ -141,7 +145,8 @@ class Engine:
                    max_input_len=settings.max_input_len,
                    cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
                    batch_invariant=_pick(batch_invariant, settings.batch_invariant, dev.type == "cpu"),
-                   prefix_caching=_pick(prefix_caching, settings.prefix_caching), burst_steps=burst_steps)
+                   prefix_caching=_pick(prefix_caching, settings.prefix_caching), burst_steps=burst_steps,
+                   fused_ops=fused_ops)
 
     # ----------------------------------------------------------- requests
     def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:
@@ -340,6 +345,18 @@ def batch_invariant_backend(model: LlamaModel):
     layer = model.layer(0)
     batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head], model.cfg.head_dim)
     return batch_invariant.backend()
+
+
+def with_small_ops(backend, model: LlamaModel, batch_invariant: bool):
+    """`backend` plus the fused small ops (runtime/kernels/small_ops.py), which LlamaModel.forward_paged
+    then runs in place of its torch norms, RoPE and SwiGLU."""
+    if model.device.type != "cuda":
+        raise InputError("fused_ops=True runs Triton kernels and needs a CUDA device; leave it False on the CPU.")
+    if batch_invariant:
+        raise InputError("the batch-invariant mode keeps its own ops; pass fused_ops=False with batch_invariant=True.")
+    from .kernels import small_ops
+
+    return types.SimpleNamespace(**vars(backend), name=backend.name + "+small_ops", small_ops=small_ops)
 
 
 def _gpu_pool_budget(model: LlamaModel, step_tokens: int, fraction: float) -> int:

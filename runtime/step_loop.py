@@ -52,6 +52,7 @@ class EngineStats:
     reused_tokens: int = 0  # prompt tokens whose prefill the cache skipped
     evictions: int = 0  # cached pages evicted for new data
     burst_steps: int = 0  # greedy decode steps per host read-back (runtime/decode_burst.py); 0: every step
+    fused_ops: bool = False  # norms, RoPE and SwiGLU as fused Triton kernels (runtime/kernels/small_ops.py)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -91,3 +91,33 @@ def test_empty_inputs():
     w = torch.ones(8, dtype=torch.bfloat16, device=DEV)
     h = torch.empty(0, 8, dtype=torch.bfloat16, device=DEV)
     assert add_rms_norm(h, h, w, 1e-5)[1].shape == (0, 8) and swiglu(torch.empty(0, 16, device=DEV)).shape == (0, 8)
+
+
+def test_the_model_with_small_ops_gives_the_torch_paths_tokens(tmp_path_factory):
+    """LlamaModel.forward_paged through the fused small ops: the same greedy tokens, logits within the
+    last-bit differences of the norms (a tiny bf16 Llama, prefill and decode, the reference attention)."""
+    import types
+
+    from helpers_runtime import tiny_llama_dir
+
+    from runtime.engine import Engine
+    from runtime.kernels import small_ops
+
+    eng = Engine.from_dir(tiny_llama_dir(tmp_path_factory), device=DEV, dtype="bfloat16", num_blocks=64,
+                          block_size=8, batch_invariant=False, attention="reference", cuda_graphs=False)
+    prompts = [[(5 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([4, 11])]
+    calls = []
+
+    def counted(fn):
+        return lambda *a: calls.append(fn.__name__) or fn(*a)
+
+    ops = types.SimpleNamespace(**{n: counted(getattr(small_ops, n)) for n in ("add_rms_norm", "rope_qk", "swiglu")})
+    try:
+        want = [g.token_ids for g in eng.generate(prompts, max_tokens=6, ignore_eos=True)]
+        eng.runner.backend = types.SimpleNamespace(**vars(eng.backend), small_ops=ops)
+        got = [g.token_ids for g in eng.generate(prompts, max_tokens=6, ignore_eos=True)]
+    finally:
+        eng.shutdown()
+    assert got == want
+    # 6 forwards (one prefill, 5 decode steps) of 2 layers: 1 + 2 * 2 norms, 2 RoPEs, 2 SwiGLUs each
+    assert calls.count("add_rms_norm") == 6 * 5 and calls.count("rope_qk") == calls.count("swiglu") == 6 * 2
