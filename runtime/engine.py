@@ -356,7 +356,7 @@ def with_small_ops(backend, model: LlamaModel, batch_invariant: bool):
         raise InputError("the batch-invariant mode keeps its own ops; pass fused_ops=False with batch_invariant=True.")
     from .kernels import small_ops
 
-    return types.SimpleNamespace(**vars(backend), name=backend.name + "+small_ops", small_ops=small_ops)
+    return types.SimpleNamespace(**dict(vars(backend), name=backend.name + "+small_ops", small_ops=small_ops))
 
 
 def _gpu_pool_budget(model: LlamaModel, step_tokens: int, fraction: float) -> int:

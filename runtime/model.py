@@ -140,9 +140,12 @@ class LlamaModel:
     def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lin=fast_linear):
         """h [T, hidden] -> q [T, heads, D], k, v [T, kv_heads, D], RoPE applied to q and k.
         lin: the matmul (batch_invariant.linear in the batch-invariant mode)."""
+        return self.rope(lin(self._rms_norm(h, layer.input_norm), layer.qkv), cos, sin)
+
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The fused QKV matmul's output [T, (heads + 2 kv_heads) D] -> q, k (rotated), v."""
         c = self.cfg
-        t = h.shape[0]
-        qkv = lin(self._rms_norm(h, layer.input_norm), layer.qkv)
+        t = qkv.shape[0]
         heads = c.num_heads + c.num_kv_heads
         # q and k side by side take RoPE as one tensor: half the small ops of a decode step's layer
         qk = apply_rotary(qkv[:, : heads * c.head_dim].view(t, heads, c.head_dim), cos, sin)
@@ -251,7 +254,7 @@ class LlamaModel:
         (runtime/kernels/small_ops.py), three kernels per layer in place of about thirty."""
         c = self.cfg
         eps = c.rms_norm_eps
-        cos_t, sin_t = self.rotary.table(self.device, (batch.max_position or c.max_position_embeddings - 1) + 1)
+        cos_t, sin_t = self.rotary.table_for(batch.positions, batch.max_position)
         h, normed = small.add_rms_norm(self.embed(batch.input_ids), None, self.layer(0).input_norm, eps)
         heads_d = (c.num_heads + c.num_kv_heads) * c.head_dim
         for i in range(c.num_layers):

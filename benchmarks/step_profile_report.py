@@ -1,0 +1,49 @@
+"""The Markdown of benchmarks/step_profile.py's rows: modes side by side per scenario, then the components."""
+
+from __future__ import annotations
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    steps = [r for r in rows if r["kind"] == "step"]
+    modes = list(dict.fromkeys(r["mode"] for r in steps))
+    lines = [f"{env.get('preset')} geometry, synthetic weights, {env.get('gpu', 'cpu')}, torch {env.get('torch')}; "
+             f"bound: weights + K/V + logits read once at {env.get('bandwidth_gbs'):g} GB/s. Step ms is wall time "
+             "per token of every sequence through the engine's step loop; GPU is the captured step replayed "
+             "alone; host is the rest. x legacy: tokens/s over the legacy step's.", ""]
+    head = "| KV format | scenario | " + " | ".join(
+        f"{m}: step ms (GPU / host) | {m}: tok/s | {m}: % of bound" for m in modes) + " | bound ms | x legacy | tokens match |"
+    lines += [head, "|" + "---|" * (3 * len(modes) + 5)]
+    keys = list(dict.fromkeys((r["format"], r["scenario"]) for r in steps))
+    for fmt, sc in keys:
+        mine = {r["mode"]: r for r in steps if (r["format"], r["scenario"]) == (fmt, sc)}
+        cells = []
+        for m in modes:
+            r = mine.get(m)
+            cells += ["-", "-", "-"] if r is None else [
+                f"{r['step_ms']:.2f} ({r['gpu_step_ms']:.2f} / {r['host_ms']:.2f})", f"{r['tok_s']:.0f}",
+                f"{r['pct_of_bound']:.0f}%"]
+        any_row = next(iter(mine.values()))
+        legacy = mine.get("legacy")
+        gains = " / ".join(f"{mine[m]['tok_s'] / legacy['tok_s']:.2f}" for m in modes if m != "legacy" and m in mine) \
+            if legacy else "-"
+        match = " / ".join(f"{m}: {'yes' if mine[m].get('tokens_match') else 'NO'}" for m in modes if m != "legacy")
+        lines.append(f"| {fmt} | {sc} | " + " | ".join(cells) + f" | {any_row['bound_ms']:.3g} | {gains} | {match} |")
+    lines += ["", "Components, each alone for one step (all layers), GPU ms and % of its own byte/FLOP bound; "
+              "`unattributed` is the GPU step minus their sum (the gaps between the step's kernels).", ""]
+    comps = [r for r in rows if r["kind"] == "component"]
+    names = list(dict.fromkeys(r["component"] for r in comps))
+    lines += ["| KV format | scenario | mode | " + " | ".join(names) + " | unattributed |",
+              "|" + "---|" * (len(names) + 4)]
+    for fmt, sc in keys:
+        for m in modes:
+            mine = {r["component"]: r for r in comps if (r["format"], r["scenario"], r["mode"]) == (fmt, sc, m)}
+            step = next((r for r in steps if (r["format"], r["scenario"], r["mode"]) == (fmt, sc, m)), None)
+            if not mine or step is None:
+                continue
+            cells = [f"{mine[c]['ms']:.3f} ({mine[c]['pct_of_bound']:.0f}%)" if c in mine else "-" for c in names]
+            lines.append(f"| {fmt} | {sc} | {m} | " + " | ".join(cells) + f" | {_fmt(step['unattributed_ms'], '.3f')} |")
+    return "\n".join(lines)
