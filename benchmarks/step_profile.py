@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import math
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -67,13 +66,13 @@ def _modes(engine: Engine, args) -> dict:
 def start_sequences(engine: Engine, n: int, ctx: int, new_tokens: int) -> list[Sequence]:
     """n sequences decoding after a ctx-token prompt (K/V random, written through the format's write op),
     straight into the scheduler's running set, as if their prefill had just run."""
-    rng = random.Random(ctx * 7 + n)
     cfg, bs, dev = engine.cfg, engine.stats.block_size, engine.model.device
+    ids = torch.randint(3, cfg.vocab_size, (n, ctx + 1), generator=torch.Generator().manual_seed(ctx * 7 + n))
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     seqs = []
-    for _ in range(n):
-        seq = Sequence(next(engine._ids), [rng.randrange(3, cfg.vocab_size) for _ in range(ctx)], sp)
-        seq.output_ids.append(rng.randrange(3, cfg.vocab_size))
+    for row in ids.tolist():
+        seq = Sequence(next(engine._ids), row[:ctx], sp)
+        seq.output_ids.append(row[ctx])
         engine.blocks.allocate(seq.request_id, ctx)  # pages for every token but the newest (the next step's)
         seq.num_computed = seq.prefill_target = ctx
         seqs.append(seq)
@@ -169,17 +168,24 @@ def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, 
                 engine.scheduler.finish(seq, "length")
 
 
-def tokens_match(engine: Engine, modes: dict, args) -> dict[str, bool]:
-    """Greedy tokens of each mode on the same prompts (prefill, then decode through the mode) vs legacy's."""
-    rng = random.Random(1)
+def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], dict[str, str]]:
+    """Greedy tokens of each mode on the same prompts (prefill, then decode through the mode) vs legacy's; and
+    why a mode failed, if one did (it is then left out of the profile, the others still measured)."""
+    g = torch.Generator().manual_seed(1)
     longest = engine.max_seq_len - args.check_tokens - 1
-    prompts = [[rng.randrange(3, engine.cfg.vocab_size) for _ in range(min(n, longest))] for n in (37, 200)]
-    out = {}
+    prompts = [torch.randint(3, engine.cfg.vocab_size, (min(n, longest),), generator=g).tolist() for n in (37, 200)]
+    out, errors = {}, {}
     for mode, (burst, _) in modes.items():
         engine.steps.burst = burst
-        out[mode] = [g.token_ids for g in engine.generate(prompts, max_tokens=args.check_tokens, ignore_eos=True)]
+        try:
+            out[mode] = [g.token_ids for g in engine.generate(prompts, max_tokens=args.check_tokens, ignore_eos=True)]
+        except Exception as e:  # noqa: BLE001 - report the mode's failure, measure the others
+            errors[mode] = f"{type(e).__name__}: {e}"
+            print(f"{engine.fmt.name} {mode} FAILED: {errors[mode]}", flush=True)
+        if burst is not None and burst.failure:
+            errors.setdefault(mode + " capture", burst.failure)
     engine.steps.burst = None
-    return {mode: toks == out["legacy"] for mode, toks in out.items()}
+    return {mode: toks == out.get("legacy") for mode, toks in out.items()}, errors
 
 
 def measure_format(args, name: str, root: Path) -> list[dict]:
@@ -191,19 +197,27 @@ def measure_format(args, name: str, root: Path) -> list[dict]:
                              max_seq_len=max_seq)
     try:
         modes = _modes(engine, args)
-        rows = []
+        match, errors = tokens_match(engine, modes, args)  # first: a mode that fails here is not profiled
+        modes = {m: v for m, v in modes.items() if m in match}
+        rows = [{"kind": "error", "format": fmt.name, "mode": m, "error": e} for m, e in errors.items()]
         scenarios = [(f"batch1@{c}", 1, c) for c in args.contexts if c + room <= max_seq]
         if args.max_ctx:
             per_req = math.ceil((args.max_ctx + room) / args.block)
             n = min(args.max_batch, engine.stats.pool_blocks // per_req)
             scenarios.append((f"max@{args.max_ctx}", n, args.max_ctx))
         for label, n, ctx in scenarios:
-            rows += profile_scenario(engine, modes, label, n, ctx, args)
-            print(json.dumps([r for r in rows if r["kind"] == "step"][-len(modes):]), flush=True)
-        match = tokens_match(engine, modes, args)
-        for r in rows:
-            if r["kind"] == "step":
-                r["tokens_match"] = match[r["mode"]]
+            try:
+                got = profile_scenario(engine, modes, label, n, ctx, args)
+            except Exception as e:  # noqa: BLE001 - keep the other scenarios' numbers
+                rows.append({"kind": "error", "format": fmt.name, "scenario": label, "error": f"{type(e).__name__}: {e}"})
+                print(f"{fmt.name} {label} FAILED: {rows[-1]['error']}", flush=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            for r in got:
+                r["tokens_match"] = match[r["mode"]] if r["kind"] == "step" else None
+            rows += got
+            print(json.dumps([r for r in got if r["kind"] == "step"]), flush=True)
         return rows
     finally:
         engine.shutdown()

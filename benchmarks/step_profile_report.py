@@ -46,4 +46,8 @@ def markdown(rows: list[dict], env: dict) -> str:
                 continue
             cells = [f"{mine[c]['ms']:.3f} ({mine[c]['pct_of_bound']:.0f}%)" if c in mine else "-" for c in names]
             lines.append(f"| {fmt} | {sc} | {m} | " + " | ".join(cells) + f" | {_fmt(step['unattributed_ms'], '.3f')} |")
+    errors = [r for r in rows if r["kind"] == "error"]
+    if errors:
+        lines += ["", "Failures (left out above):", ""] + [
+            f"- {r['format']} {r.get('mode') or r.get('scenario')}: {r['error']}" for r in errors]
     return "\n".join(lines)
