@@ -9,8 +9,10 @@ is finite), a write of the pick into a ring of `steps` rows, and the next step's
 position, length, KV slot from the block table). On CUDA one graph per batch-size bucket holds
 all of it; the host replays it `steps` times back to back and reads the ring once.
 
-Tokens are the legacy path's exactly: the same forward on the same inputs, the same argmax over
-the same fp32 logits. What a burst cannot do is decide between its steps: the caller gives each
+Tokens are the legacy path's: the same forward on the same inputs, the same argmax over the same
+fp32 logits; the one difference is the block tables' width (`table_width`: fitted to the burst's longest
+sequence rather than the engine's), which only the split-K Triton attention sees, as a different
+order of its fp32 sums (the batch-invariant attention's result does not depend on it). What a burst cannot do is decide between its steps: the caller gives each
 sequence room for the burst's tokens beforehand and drops whatever follows a stop (the KV written
 for dropped tokens lies in pages the finished sequence frees). So bursts serve greedy rows
 without logit adjustments or log-probs; the step loop (runtime/step_loop.py) runs everything
@@ -38,6 +40,18 @@ class _Buffers:
     graph: torch.cuda.CUDAGraph | None = None
 
 
+def table_width(tokens: int, block_size: int, max_blocks: int) -> int:
+    """Block-table columns of a burst whose sequences reach `tokens` tokens: the next of 2**k and 3 * 2**(k-1)
+    blocks, at most max_blocks. The attention kernel sizes its split-K ranges from the table's width; tables
+    padded to the engine's longest sequence (as the legacy graphs pad them) give one 8k sequence in a 128k
+    engine 1/16 of the splits with work, so a burst's graph is captured per width."""
+    need = max(1, -(-tokens // block_size))
+    width = 1 << (need - 1).bit_length()
+    if width * 3 // 4 >= need:
+        width = width * 3 // 4
+    return min(width, max_blocks)
+
+
 class DecodeBurst:
     def __init__(self, model: LlamaModel, caches: list[LayerCache], backend, max_batch: int, max_seq_len: int,
                  block_size: int, steps: int, use_graphs: bool):
@@ -47,10 +61,10 @@ class DecodeBurst:
         self.max_position = max_seq_len - 1
         self.use_graphs = use_graphs and model.device.type == "cuda"
         self.failure: str | None = None  # why a capture failed; from then on bursts run eagerly
-        self._buffers: dict[int, _Buffers] = {}
+        self._buffers: dict[tuple[int, int], _Buffers] = {}  # by (batch bucket, block-table width)
         model.rotary.table(model.device, max_seq_len)  # a captured graph keeps the table it saw
 
-    def _make(self, size: int) -> _Buffers:
+    def _make(self, size: int, width: int) -> _Buffers:
         dev = self.model.device
 
         def zeros(*shape, dtype=torch.int64):
@@ -58,7 +72,7 @@ class DecodeBurst:
 
         batch = PagedBatch(
             input_ids=zeros(size), positions=zeros(size), slot_mapping=torch.full((size,), -1, device=dev),
-            num_decode=size, block_tables=zeros(size, self.max_blocks, dtype=torch.int32),
+            num_decode=size, block_tables=zeros(size, width, dtype=torch.int32),
             seq_lens=torch.ones(size, dtype=torch.int32, device=dev), cu_seqlens=zeros(1, dtype=torch.int32),
             logits_indices=torch.arange(size, device=dev), max_position=self.max_position,
         )
@@ -79,7 +93,7 @@ class DecodeBurst:
         b.seq_lens.add_(buf.active.to(torch.int32))
         # the page of the next position; past the table's end (a step after the burst's last) any page will
         # do, the step never runs
-        col = (b.positions // self.block_size).clamp_(max=self.max_blocks - 1)
+        col = (b.positions // self.block_size).clamp_(max=b.block_tables.shape[1] - 1)
         page = b.block_tables.gather(1, col[:, None])[:, 0].to(torch.int64)
         slot = page * self.block_size + b.positions % self.block_size
         b.slot_mapping.copy_(torch.where(buf.active.bool(), slot, torch.full_like(slot, -1)))
@@ -112,13 +126,14 @@ class DecodeBurst:
         # padding rows write to slot -1, which only the Triton write skips (the reference one would wrap it
         # to the pool's last slot): eager bursts run exactly n rows
         size = bucket_for(n) if self.use_graphs else n
-        buf = self._buffers.get(size)
+        width = table_width(max(positions) + steps, self.block_size, self.max_blocks)
+        buf = self._buffers.get((size, width))
         if buf is None:
-            buf = self._buffers[size] = self._make(size)
+            buf = self._buffers[(size, width)] = self._make(size, width)
         bs = self.block_size
         dev = self.model.device
         b = buf.batch
-        host_tables = torch.zeros(size, self.max_blocks, dtype=torch.int32)
+        host_tables = torch.zeros(size, width, dtype=torch.int32)
         for i, t in enumerate(tables):
             host_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         pad = size - n
