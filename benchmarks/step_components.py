@@ -163,3 +163,35 @@ def _device_pick(logits: torch.Tensor):
 
 def bound_ms(c: Component, bandwidth_gbs: float, tflops: float) -> float:
     return max(c.bytes / (bandwidth_gbs * 1e6), c.flops / (tflops * 1e9))
+
+
+def split_sweep(engine, table: list[int], ctx: int, bandwidth_gbs: float, reps: int = 20) -> list[dict]:
+    """Batch-1 attention (all layers) at split counts around the default plan's, with the block table padded
+    to the engine's longest sequence (the legacy graphs) and fitted to this one (decode bursts): GPU ms and
+    % of the K/V read bound. CUDA and the Triton kernels only."""
+    from dataclasses import replace
+
+    from runtime.decode_burst import table_width
+    from runtime.kernels import decode_attention, decode_plan_for
+
+    model, cfg, caches = engine.model, engine.cfg, engine.runner.caches
+    dev, bs = model.device, engine.stats.block_size
+    q = torch.randn(1, cfg.num_heads, cfg.head_dim, device=dev).to(model.dtype)
+    seq_lens = torch.full((1,), ctx + 1, dtype=torch.int32, device=dev)
+    bound = ctx * kv_bytes_per_token(cfg, engine.fmt) / (bandwidth_gbs * 1e6)
+    rows = []
+    for label, width in (("engine", -(-engine.max_seq_len // bs)), ("fitted", table_width(ctx + 1, bs, 1 << 30))):
+        bt = torch.tensor([table[:width] + [0] * (width - len(table[:width]))], dtype=torch.int32, device=dev)
+        default = decode_plan_for(q, caches[0], bt)
+        for splits in sorted({max(1, default.splits // 2), default.splits, default.splits * 2, default.splits * 4}):
+            plan = replace(default, splits=splits)
+            try:
+                ms = time_ms(lambda bt=bt, plan=plan: [decode_attention(q, c, bt, seq_lens, model.sm_scale, plan=plan)
+                                                       for c in caches], dev, reps)
+            except Exception as e:  # noqa: BLE001 - a plan the kernel refuses: say so, keep the others
+                print(f"splits={splits} ({label} table): {type(e).__name__}: {e}", flush=True)
+                continue
+            rows.append({"kind": "splits", "table": label, "width_tokens": width * bs, "kernel": plan.kernel,
+                         "splits": splits, "default": splits == default.splits, "ms": ms, "bound_ms": bound,
+                         "pct_of_bound": 100 * bound / ms})
+    return rows

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.headline import FORMATS, make_engine_dir
-from benchmarks.step_components import bound_ms, components, replay_ms, time_ms
+from benchmarks.step_components import bound_ms, components, replay_ms, split_sweep, time_ms
 from benchmarks.step_profile_report import markdown
 from runtime.cuda_graphs import bucket_for
 from runtime.decode_burst import DecodeBurst
@@ -160,6 +160,9 @@ def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, 
                          "tok_s": n / step * 1e3, "bound_ms": bound, "pct_of_bound": 100 * bound / step,
                          "burst": args.burst if burst is not None else 1})
             rows += comp_rows
+        if n == 1 and args.split_sweep and engine.backend.name.startswith("triton"):
+            rows += [{**base, **r} for r in split_sweep(engine, engine.blocks.block_table(seqs[0].request_id), ctx,
+                                                          args.bandwidth_gbs, args.reps)]
         return rows
     finally:
         engine.steps.burst = None
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=32, help="Timed tokens per sequence per mode and round.")
     ap.add_argument("--reps", type=int, default=20, help="Timed replays per component.")
     ap.add_argument("--check-tokens", type=int, default=24, help="Greedy tokens compared between modes.")
+    ap.add_argument("--split-sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="Batch-1 attention at split counts around the default plan's (CUDA).")
     ap.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="HBM ceiling (H200: measured copy rate).")
     ap.add_argument("--tflops", type=float, default=790.0, help="bf16 matrix ceiling (H200: measured).")
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="Start no new format after this long.")

@@ -46,6 +46,16 @@ def markdown(rows: list[dict], env: dict) -> str:
                 continue
             cells = [f"{mine[c]['ms']:.3f} ({mine[c]['pct_of_bound']:.0f}%)" if c in mine else "-" for c in names]
             lines.append(f"| {fmt} | {sc} | {m} | " + " | ".join(cells) + f" | {_fmt(step['unattributed_ms'], '.3f')} |")
+    sweep = [r for r in rows if r["kind"] == "splits"]
+    if sweep:
+        lines += ["", "Batch-1 attention, all layers, by split count (* the default plan's): GPU ms and % of the "
+                  "K/V read bound; block table padded to the engine's longest sequence or fitted to this one.", "",
+                  "| KV format | scenario | table (tokens) | kernel | splits: ms (% of bound) |", "|---|---|---|---|---|"]
+        for key in dict.fromkeys((r["format"], r["scenario"], r["table"]) for r in sweep):
+            mine = [r for r in sweep if (r["format"], r["scenario"], r["table"]) == key]
+            cells = ", ".join(f"{r['splits']}{'*' if r['default'] else ''}: {r['ms']:.3f} ({r['pct_of_bound']:.0f}%)"
+                              for r in mine)
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} ({mine[0]['width_tokens']}) | {mine[0]['kernel']} | {cells} |")
     errors = [r for r in rows if r["kind"] == "error"]
     if errors:
         lines += ["", "Failures (left out above):", ""] + [
