@@ -208,6 +208,10 @@ def measure_format(args, name: str, root: Path) -> list[dict]:
             per_req = math.ceil((args.max_ctx + room) / args.block)
             n = min(args.max_batch, engine.stats.pool_blocks // per_req)
             scenarios.append((f"max@{args.max_ctx}", n, args.max_ctx))
+        if args.gemm_sweep and engine.model.device.type == "cuda" and name == args.formats[0]:
+            from benchmarks.skinny_gemm_tune import sweep  # the weights are every format's: measured once
+
+            rows += sweep(engine, args.bandwidth_gbs, args.reps)
         for label, n, ctx in scenarios:
             try:
                 got = profile_scenario(engine, modes, label, n, ctx, args)
@@ -247,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check-tokens", type=int, default=24, help="Greedy tokens compared between modes.")
     ap.add_argument("--split-sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="Batch-1 attention at split counts around the default plan's (CUDA).")
+    ap.add_argument("--gemm-sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="cuBLAS vs the Triton GEMV at M = 1..16 on the model's weights (CUDA); writes gemv_<gpu>.json.")
     ap.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="HBM ceiling (H200: measured copy rate).")
     ap.add_argument("--tflops", type=float, default=790.0, help="bf16 matrix ceiling (H200: measured).")
     ap.add_argument("--time-budget-s", type=float, default=330.0, help="Start no new format after this long.")
@@ -276,6 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out / "step_profile.jsonl", "w") as f:
         for r in [{"kind": "env", **env}] + rows:
             f.write(json.dumps(r) + "\n")
+    if any(r["kind"] == "gemm" for r in rows):
+        from benchmarks.skinny_gemm_tune import write_tuned
+
+        print(f"tuned GEMV shapes: {write_tuned([r for r in rows if r['kind'] == 'gemm'], args.out)}", flush=True)
     md = markdown(rows, env)
     (args.out / "step_profile.md").write_text(md + "\n")
     print(md)

@@ -32,9 +32,15 @@ def markdown(rows: list[dict], env: dict) -> str:
             if legacy else "-"
         match = " / ".join(f"{m}: {'yes' if mine[m].get('tokens_match') else 'NO'}" for m in modes if m != "legacy")
         lines.append(f"| {fmt} | {sc} | " + " | ".join(cells) + f" | {any_row['bound_ms']:.3g} | {gains} | {match} |")
-    lines += ["", "Components, each alone for one step (all layers), GPU ms and % of its own byte/FLOP bound; "
-              "`unattributed` is the GPU step minus their sum (the gaps between the step's kernels).", ""]
     comps = [r for r in rows if r["kind"] == "component"]
+    if comps:
+        lines += _components(comps, steps, keys, modes)
+    return _extra_sections(rows, lines)
+
+
+def _components(comps: list[dict], steps: list[dict], keys: list, modes: list) -> list[str]:
+    lines = ["", "Components, each alone for one step (all layers), GPU ms and % of its own byte/FLOP bound; "
+              "`unattributed` is the GPU step minus their sum (the gaps between the step's kernels).", ""]
     names = list(dict.fromkeys(r["component"] for r in comps))
     lines += ["| KV format | scenario | mode | " + " | ".join(names) + " | unattributed |",
               "|" + "---|" * (len(names) + 4)]
@@ -46,6 +52,10 @@ def markdown(rows: list[dict], env: dict) -> str:
                 continue
             cells = [f"{mine[c]['ms']:.3f} ({mine[c]['pct_of_bound']:.0f}%)" if c in mine else "-" for c in names]
             lines.append(f"| {fmt} | {sc} | {m} | " + " | ".join(cells) + f" | {_fmt(step['unattributed_ms'], '.3f')} |")
+    return lines
+
+
+def _extra_sections(rows: list[dict], lines: list[str]) -> str:
     sweep = [r for r in rows if r["kind"] == "splits"]
     if sweep:
         lines += ["", "Batch-1 attention, all layers, by split count (* the default plan's): GPU ms and % of the "
@@ -56,6 +66,23 @@ def markdown(rows: list[dict], env: dict) -> str:
             cells = ", ".join(f"{r['splits']}{'*' if r['default'] else ''}: {r['ms']:.3f} ({r['pct_of_bound']:.0f}%)"
                               for r in mine)
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} ({mine[0]['width_tokens']}) | {mine[0]['kernel']} | {cells} |")
+    gemm = [r for r in rows if r["kind"] == "gemm"]
+    if gemm:
+        ms_values = list(dict.fromkeys(r["m"] for r in gemm))
+        lines += ["", "Decode matmuls of one step (every layer's weight) by rows M: cuBLAS ms / the best Triton GEMV "
+                  "tile's ms (% of the weight-read bound of the faster).", "",
+                  "| weight (N x K) | " + " | ".join(f"M={m}" for m in ms_values) + " |", "|" + "---|" * (len(ms_values) + 1)]
+        for w in dict.fromkeys(r["weight"] for r in gemm):
+            mine = [r for r in gemm if r["weight"] == w]
+            cells = []
+            for m in ms_values:
+                at = [r for r in mine if r["m"] == m]
+                cub = next(r for r in at if r["impl"] == "cublas")
+                best = min((r for r in at if r["impl"] != "cublas"), key=lambda r: r["ms"], default=None)
+                fast = min([cub] + ([best] if best else []), key=lambda r: r["ms"])
+                cells.append(f"{cub['ms']:.3f} / {best['ms'] if best else float('nan'):.3f} "
+                             f"({fast['pct_of_bound']:.0f}%)")
+            lines.append(f"| {w} ({mine[0]['n']} x {mine[0]['k']}) | " + " | ".join(cells) + " |")
     errors = [r for r in rows if r["kind"] == "error"]
     if errors:
         lines += ["", "Failures (left out above):", ""] + [

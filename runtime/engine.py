@@ -349,14 +349,17 @@ def batch_invariant_backend(model: LlamaModel):
 
 def with_small_ops(backend, model: LlamaModel, batch_invariant: bool):
     """`backend` plus the fused small ops (runtime/kernels/small_ops.py), which LlamaModel.forward_paged
-    then runs in place of its torch norms, RoPE and SwiGLU."""
+    then runs in place of its torch norms, RoPE and SwiGLU, and the skinny-matmul rule
+    (runtime/kernels/skinny_gemm.py)."""
     if model.device.type != "cuda":
         raise InputError("fused_ops=True runs Triton kernels and needs a CUDA device; leave it False on the CPU.")
     if batch_invariant:
         raise InputError("the batch-invariant mode keeps its own ops; pass fused_ops=False with batch_invariant=True.")
-    from .kernels import small_ops
+    from .kernels import skinny_gemm, small_ops
 
-    return types.SimpleNamespace(**dict(vars(backend), name=backend.name + "+small_ops", small_ops=small_ops))
+    # the skinny-matmul rule too: cuBLAS unless the GPU's tuned data says the GEMV wins at that shape
+    return types.SimpleNamespace(**dict(vars(backend), name=backend.name + "+small_ops", small_ops=small_ops,
+                                        linear=skinny_gemm.linear))
 
 
 def _gpu_pool_budget(model: LlamaModel, step_tokens: int, fraction: float) -> int:
