@@ -135,7 +135,7 @@ class DecodeBurst:
         b = buf.batch
         host_tables = torch.zeros(size, width, dtype=torch.int32)
         for i, t in enumerate(tables):
-            host_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            host_tables[i, : min(len(t), width)] = torch.tensor(t[:width], dtype=torch.int32)
         pad = size - n
         b.input_ids.copy_(torch.tensor(input_ids + [0] * pad))
         b.positions.copy_(torch.tensor(positions + [0] * pad))

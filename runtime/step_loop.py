@@ -138,7 +138,8 @@ class StepLoop:
             for _ in range(steps):
                 self.blocks.append(seq.request_id)
         try:
-            tokens, finite = self.burst.run([s.token_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
+            # a decoding sequence's newest token is its last output (token_ids would copy the whole prompt)
+            tokens, finite = self.burst.run([s.output_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
                                             [self.blocks.block_table(s.request_id) for s in seqs], steps)
         except Exception as e:  # noqa: BLE001 - the forward is shared: fail these requests only
             self.fail(seqs, e)
