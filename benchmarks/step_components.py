@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.batch_invariant import fast_linear
+from runtime.decode_burst import table_width
 from runtime.kv_format import kv_bytes_per_token
 
 
@@ -81,8 +82,10 @@ def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_op
 
     x = randn(n, hid)
     layers = [model.layer(i) for i in range(nl)]
-    max_blocks = -(-engine.max_seq_len // bs)  # the captured steps pad tables to the longest sequence
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev)
+    # the legacy graphs pad block tables to the engine's longest sequence, bursts fit them to theirs
+    width = -(-engine.max_seq_len // bs) if ops_set == "legacy" else table_width(ctx + 1, bs, 1 << 30)
+    block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32,
+                                device=dev)
     seq_lens = torch.full((n,), ctx + 1, dtype=torch.int32, device=dev)
     slots = torch.tensor([t[ctx // bs] * bs + ctx % bs for t in tables], dtype=torch.int64, device=dev)
     positions = torch.full((n,), ctx, dtype=torch.int64, device=dev)
@@ -171,7 +174,6 @@ def split_sweep(engine, table: list[int], ctx: int, bandwidth_gbs: float, reps: 
     % of the K/V read bound. CUDA and the Triton kernels only."""
     from dataclasses import replace
 
-    from runtime.decode_burst import table_width
     from runtime.kernels import decode_attention, decode_plan_for
 
     model, cfg, caches = engine.model, engine.cfg, engine.runner.caches

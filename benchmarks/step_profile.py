@@ -90,17 +90,19 @@ def start_sequences(engine: Engine, n: int, ctx: int, new_tokens: int) -> list[S
     return seqs
 
 
-def run_steps(engine: Engine, seqs: list[Sequence], tokens: int) -> float:
-    """Engine steps until every sequence has `tokens` more; wall ms per token of each."""
-    target = len(seqs[0].output_ids) + tokens
+def run_steps(engine: Engine, seqs: list[Sequence], tokens: int) -> tuple[float, int]:
+    """Engine steps until every sequence has at least `tokens` more (a burst may overshoot): wall ms per token
+    of each, and the tokens each got."""
+    start = len(seqs[0].output_ids)
     sync(engine)
     t0 = time.perf_counter()
-    while len(seqs[0].output_ids) < target:
+    while len(seqs[0].output_ids) < start + tokens:
         engine.steps.step()
         if seqs[0].finished:
             raise RuntimeError(f"a profiled sequence ended early ({seqs[0].finish_reason}): {seqs[0].error!r}")
     sync(engine)
-    return (time.perf_counter() - t0) * 1e3 / tokens
+    done = len(seqs[0].output_ids) - start
+    return (time.perf_counter() - t0) * 1e3 / done, done
 
 
 def gpu_step_ms(engine: Engine, burst: DecodeBurst | None, n: int) -> float | None:
@@ -130,14 +132,20 @@ def step_bound_ms(engine: Engine, n: int, ctx: int, args) -> float:
 
 
 def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, args) -> list[dict]:
-    seqs = start_sequences(engine, n, ctx, args.rounds * len(modes) * (args.warmup + args.tokens + args.burst) + 2)
+    seqs = start_sequences(engine, n, ctx, args.rounds * len(modes) * (args.warmup + args.tokens + 2 * args.burst) + 2)
     steps: dict[str, list[float]] = {m: [] for m in modes}
+    in_bursts = dict.fromkeys(modes, 0)  # timed steps that ran in bursts: a burst mode should run all
+    timed = dict.fromkeys(modes, 0)
     try:
         for _ in range(args.rounds):  # modes interleaved: a drift of the machine lands on all of them
             for mode, (burst, _) in modes.items():
                 engine.steps.burst = burst
-                run_steps(engine, seqs, args.warmup)
-                steps[mode].append(run_steps(engine, seqs, args.tokens))
+                run_steps(engine, seqs, args.warmup)  # (a first burst of a width captures its graph)
+                before = burst.steps_run if burst is not None else 0
+                ms, done = run_steps(engine, seqs, args.tokens)
+                steps[mode].append(ms)
+                timed[mode] += done
+                in_bursts[mode] += (burst.steps_run - before) if burst is not None else 0
         rows = []
         base = {"format": engine.fmt.name, "scenario": label, "batch": n, "context": ctx}
         bound = step_bound_ms(engine, n, ctx, args)
@@ -158,7 +166,8 @@ def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, 
                          "components_ms": sum(r["ms"] for r in comp_rows),
                          "unattributed_ms": gpu_part - sum(r["ms"] for r in comp_rows),
                          "tok_s": n / step * 1e3, "bound_ms": bound, "pct_of_bound": 100 * bound / step,
-                         "burst": args.burst if burst is not None else 1})
+                         "burst": args.burst if burst is not None else 1,
+                         "burst_share": in_bursts[mode] / timed[mode]})
             rows += comp_rows
         if n == 1 and args.split_sweep and engine.backend.name.startswith("triton"):
             rows += [{**base, **r} for r in split_sweep(engine, engine.blocks.block_table(seqs[0].request_id), ctx,
@@ -193,7 +202,7 @@ def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], di
 
 def measure_format(args, name: str, root: Path) -> list[dict]:
     fmt = FORMATS[name]
-    room = args.rounds * len(args.step) * (args.warmup + args.tokens + args.burst) + args.block + 4
+    room = args.rounds * len(args.step) * (args.warmup + args.tokens + 2 * args.burst) + args.block + 4
     max_seq = min(max(args.contexts + [args.max_ctx]) + room, args.max_positions)
     d = make_engine_dir(root, name, fmt, args.block, args.max_batch, max_seq, args.preset)
     engine = Engine.from_dir(d, device=args.device, memory_budget=int(args.kv_gib * GIB), prefix_caching=False,
@@ -205,7 +214,7 @@ def measure_format(args, name: str, root: Path) -> list[dict]:
         rows = [{"kind": "error", "format": fmt.name, "mode": m, "error": e} for m, e in errors.items()]
         scenarios = [(f"batch1@{c}", 1, c) for c in args.contexts if c + room <= max_seq]
         if args.max_ctx:
-            per_req = math.ceil((args.max_ctx + room) / args.block)
+            per_req = math.ceil((args.max_ctx + room) / args.block) + 3  # pages to spare: a burst needs its own
             n = min(args.max_batch, engine.stats.pool_blocks // per_req)
             scenarios.append((f"max@{args.max_ctx}", n, args.max_ctx))
         if args.gemm_sweep and engine.model.device.type == "cuda" and name == args.formats[0]:

@@ -61,6 +61,7 @@ class DecodeBurst:
         self.max_position = max_seq_len - 1
         self.use_graphs = use_graphs and model.device.type == "cuda"
         self.failure: str | None = None  # why a capture failed; from then on bursts run eagerly
+        self.steps_run = 0  # decode steps run in bursts so far
         self._buffers: dict[tuple[int, int], _Buffers] = {}  # by (batch bucket, block-table width)
         model.rotary.table(model.device, max_seq_len)  # a captured graph keeps the table it saw
 
@@ -154,6 +155,7 @@ class DecodeBurst:
                 buf.graph.replay()
             else:
                 self._step(buf)
+        self.steps_run += steps
         tokens = buf.ring_tokens[:steps, :n].tolist()  # the burst's one read of the device
         finite = buf.ring_finite[:steps, :n].tolist()
         return tokens, finite

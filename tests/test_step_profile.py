@@ -45,6 +45,7 @@ def test_every_scenario_has_each_mode_with_its_components(profile):
         assert step["tok_s"] == pytest.approx(step["batch"] / step["step_ms"] * 1e3)
         assert step["tokens_match"] is True
         assert step["burst"] == (2 if step["mode"] == "burst" else 1)
+        assert step["burst_share"] == (1.0 if step["mode"] == "burst" else 0.0)  # every timed step in bursts
 
 
 def test_the_markdown_puts_the_modes_side_by_side(profile):
