@@ -223,7 +223,10 @@ def measure_format(args, name: str, root: Path) -> list[dict]:
             rows += sweep(engine, args.bandwidth_gbs, args.reps)
         for label, n, ctx in scenarios:
             try:
-                got = profile_scenario(engine, modes, label, n, ctx, args)
+                # the engine's own step loop (started by tokens_match) waits on this lock before any step, so
+                # it cannot step the profiled sequences beside this thread
+                with engine._run_lock:
+                    got = profile_scenario(engine, modes, label, n, ctx, args)
             except Exception as e:  # noqa: BLE001 - keep the other scenarios' numbers
                 rows.append({"kind": "error", "format": fmt.name, "scenario": label, "error": f"{type(e).__name__}: {e}"})
                 print(f"{fmt.name} {label} FAILED: {rows[-1]['error']}", flush=True)

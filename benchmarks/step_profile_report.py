@@ -32,10 +32,31 @@ def markdown(rows: list[dict], env: dict) -> str:
             if legacy else "-"
         match = " / ".join(f"{m}: {'yes' if mine[m].get('tokens_match') else 'NO'}" for m in modes if m != "legacy")
         lines.append(f"| {fmt} | {sc} | " + " | ".join(cells) + f" | {any_row['bound_ms']:.3g} | {gains} | {match} |")
+    lines += _formats_side_by_side(steps, modes)
     comps = [r for r in rows if r["kind"] == "component"]
     if comps:
         lines += _components(comps, steps, keys, modes)
     return _extra_sections(rows, lines)
+
+
+def _formats_side_by_side(steps: list[dict], modes: list) -> list[str]:
+    """tok/s per KV format and its ratio to the first format's (BF16) in the same scenario and mode."""
+    formats = list(dict.fromkeys(r["format"] for r in steps))
+    if len(formats) < 2:
+        return []
+    lines = ["", f"Decode tokens/s by KV format, and x {formats[0]} in the same scenario and mode:", "",
+             "| scenario | mode | " + " | ".join(formats) + " |", "|" + "---|" * (len(formats) + 2)]
+    for sc in dict.fromkeys(r["scenario"] for r in steps):
+        for m in modes:
+            mine = {r["format"]: r for r in steps if (r["scenario"], r["mode"]) == (sc, m)}
+            base = mine.get(formats[0])
+            cells = []
+            for f in formats:
+                r = mine.get(f)
+                ratio = f" ({r['tok_s'] / base['tok_s']:.2f}x)" if r and base and f != formats[0] else ""
+                cells.append(f"{r['tok_s']:.0f}{ratio}" if r else "-")
+            lines.append(f"| {sc} | {m} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _components(comps: list[dict], steps: list[dict], keys: list, modes: list) -> list[str]:
