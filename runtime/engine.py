@@ -116,8 +116,8 @@ class Engine:
         max_batch_size: int | None = None, num_blocks: int | None = None, memory_budget: int | None = None,
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
-        batch_invariant: bool | None = None, prefix_caching: bool | None = None, burst_steps: int = 0,
-        fused_ops: bool = False,
+        batch_invariant: bool | None = None, prefix_caching: bool | None = None, burst_steps: int | None = None,
+        fused_ops: bool | None = None,
     ) -> Engine:
         d = Path(path)
         if not d.is_dir():
@@ -145,8 +145,8 @@ class Engine:
                    max_input_len=settings.max_input_len,
                    cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
                    batch_invariant=_pick(batch_invariant, settings.batch_invariant, dev.type == "cpu"),
-                   prefix_caching=_pick(prefix_caching, settings.prefix_caching), burst_steps=burst_steps,
-                   fused_ops=fused_ops)
+                   prefix_caching=_pick(prefix_caching, settings.prefix_caching),
+                   burst_steps=_pick(burst_steps, settings.burst_steps), fused_ops=_pick(fused_ops, settings.fused_ops))
 
     # ----------------------------------------------------------- requests
     def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:

@@ -5,7 +5,7 @@
     kv_format.json         KVFormat fields (absent: unquantized KV in the model dtype)
     kv_scales.safetensors  k_scale, v_scale [layers] or [layers, kv_heads] (static formats)
     engine.json            max_batch_size, max_input_len, max_seq_len, block_size, gpu_memory_fraction,
-                           cuda_graphs, batch_invariant
+                           cuda_graphs, batch_invariant, prefix_caching, burst_steps, fused_ops
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class EngineSettings:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton attention only)
     batch_invariant: bool | None = None  # None: on for CPU engines, off on CUDA (runtime/batch_invariant.py)
     prefix_caching: bool = True  # reuse cached full KV pages across requests (runtime/block_manager.py)
+    burst_steps: int = 0  # greedy decode steps per host read-back (runtime/decode_burst.py); 0: every step
+    fused_ops: bool = False  # norms, RoPE, SwiGLU as fused Triton kernels (CUDA; runtime/kernels/small_ops.py)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -65,7 +67,10 @@ def read_settings(d: Path) -> EngineSettings:
             raise InputError(f"{p}: {name} must be a positive integer, got {v!r}; fix engine.json or rebuild.")
     if not 0 < s.gpu_memory_fraction <= 1:
         raise InputError(f"{p}: gpu_memory_fraction must be in (0, 1], got {s.gpu_memory_fraction!r}.")
-    for name in ("cuda_graphs", "batch_invariant", "prefix_caching"):
+    if not isinstance(s.burst_steps, int) or isinstance(s.burst_steps, bool) or s.burst_steps < 0:
+        raise InputError(f"{p}: burst_steps must be an integer >= 0 (0: one host round trip per step), "
+                         f"got {s.burst_steps!r}; fix engine.json or rebuild.")
+    for name in ("cuda_graphs", "batch_invariant", "prefix_caching", "fused_ops"):
         v = getattr(s, name)
         if not isinstance(v, bool) and not (name == "batch_invariant" and v is None):
             raise InputError(f"{p}: {name} must be true or false, got {v!r}; fix engine.json or rebuild.")

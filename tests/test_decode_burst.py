@@ -69,6 +69,26 @@ def test_sampled_and_penalized_requests_take_the_ordinary_step(tiny_dir):
     assert got == _generate(tiny_dir, PROMPTS[:2], 0, max_tokens=9, repetition_penalty=1.3)[0] and not runs
 
 
+def test_engine_json_sets_bursts(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "engine"
+    shutil.copytree(tiny_dir, d)
+    (d / "engine.json").write_text(json.dumps({"burst_steps": 3}))
+    eng = Engine.from_dir(d, num_blocks=8)
+    try:
+        assert eng.stats.burst_steps == 3 and eng.steps.burst.steps == 3
+    finally:
+        eng.shutdown()
+    (d / "engine.json").write_text(json.dumps({"burst_steps": "8"}))
+    with pytest.raises(InputError, match="burst_steps must be an integer"):
+        Engine.from_dir(d, num_blocks=8)
+    (d / "engine.json").write_text(json.dumps({"fused_ops": True}))
+    with pytest.raises(InputError, match="fused_ops=True runs Triton kernels and needs a CUDA device"):
+        Engine.from_dir(d, num_blocks=8, batch_invariant=False)
+
+
 def test_burst_steps_is_checked(tiny_dir):
     with pytest.raises(InputError, match="burst_steps"):
         Engine.from_dir(tiny_dir, num_blocks=8, burst_steps=-1)
