@@ -13,8 +13,9 @@ import asyncio
 import itertools
 import logging
 import threading
+import types
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,17 @@ from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
+from .decode_burst import DecodeBurst
 from .engine_dir import load_tokenizer, read_settings, resolve_dtype, resolve_layer_formats, resolve_scales
 from .errors import InputError, KvqError, RequestError, UnsupportedError
 from .kv_format import KVFormat
 from .layer_formats import as_layer_formats, formats_name, uniform_format
 from .model import LlamaModel
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
-from .sampling import SamplingParams, select_tokens
+from .sampling import SamplingParams
 from .scheduler import KVCacheUsage, Scheduler, Sequence, TokenCallback
 from .scoring import TokenScores
+from .step_loop import EngineStats, StepLoop
 from .weights import open_weights
 
 
@@ -47,44 +50,12 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
-@dataclass
-class EngineStats:
-    device: str
-    dtype: str
-    kv_format: str
-    attention: str
-    weight_bytes: int
-    pool_blocks: int
-    block_size: int
-    pool_tokens: int
-    pool_bytes: int
-    kv_bytes_per_token: float
-    pool_source: str
-    pool_allocated_bytes: int = 0  # measured: every layer's page + per-token metadata tensors
-    cuda_graphs: bool = False  # decode steps replay CUDA graphs (runtime/cuda_graphs.py)
-    batch_invariant: bool = False  # outputs independent of the batch (runtime/batch_invariant.py)
-    step_batch_sizes: list[int] = field(default_factory=list)
-    step_num_tokens: list[int] = field(default_factory=list)
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefix_caching: bool = False  # full KV pages reused across requests (runtime/block_manager.py)
-    prefix_lookups: int = 0  # full prompt pages looked up in the prefix cache
-    prefix_hits: int = 0  # of those, found cached
-    prefix_hit_rate: float = 0.0  # prefix_hits / prefix_lookups
-    reused_tokens: int = 0  # prompt tokens whose prefill the cache skipped
-    evictions: int = 0  # cached pages evicted for new data
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
 class Engine:
     def __init__(
         self, model: LlamaModel, fmt: KVFormat | tuple[KVFormat, ...], plan: PoolPlan, k_scales, v_scales, *, tokenizer=None,
         max_batch_size: int = 8, max_seq_len: int | None = None, max_tokens_per_step: int = 2048,
         attention: str = "auto", max_input_len: int | None = None, cuda_graphs: bool = True,
-        batch_invariant: bool = False, prefix_caching: bool = True,
+        batch_invariant: bool = False, prefix_caching: bool = True, burst_steps: int = 0, fused_ops: bool = False,
     ):
         self.model, self.cfg, self.tokenizer = model, model.cfg, tokenizer
         # one KVFormat per layer (runtime/layer_formats.py); a uniform engine repeats one
@@ -99,6 +70,8 @@ class Engine:
                 raise InputError("the batch-invariant mode runs its own attention ops; pass attention='auto' "
                                  "or batch_invariant=False to use the Triton kernels.")
             self.backend = batch_invariant_backend(model)
+        if fused_ops:
+            self.backend = with_small_ops(self.backend, model, batch_invariant)
         caches = allocate_pool(model.cfg, self.formats, plan, model.device, k_scales, v_scales, model.num_kv_heads)
         # the page key's salt: K/V of another format, scales, model or dtype never match
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, prefix_caching=prefix_caching,
@@ -106,8 +79,19 @@ class Engine:
         graphs = None
         if cuda_graphs and model.device.type == "cuda" and can_capture(self.backend):
             graphs = DecodeGraphs(model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size)
-        runner = parallel.TPModelRunner if isinstance(model, parallel.TPLlamaModel) else ModelRunner
+        tensor_parallel = isinstance(model, parallel.TPLlamaModel)
+        runner = parallel.TPModelRunner if tensor_parallel else ModelRunner
         self.runner = runner(model, caches, self.blocks, self.backend, graphs)
+        if not isinstance(burst_steps, int) or burst_steps < 0:
+            raise InputError(f"burst_steps must be an integer >= 0 (0 = one host round trip per step), "
+                             f"got {burst_steps!r}.")
+        if tensor_parallel and (burst_steps or fused_ops):
+            raise UnsupportedError("burst_steps / fused_ops run on one device; a tensor-parallel engine steps once "
+                                   "per host round trip with torch's small ops (burst_steps: 0, fused_ops: false).")
+        # greedy decode steps in device-resident bursts of burst_steps (runtime/decode_burst.py)
+        burst = None if not burst_steps else DecodeBurst(
+            model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size, burst_steps,
+            use_graphs=cuda_graphs and can_capture(self.backend))
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step)
         self.stats = EngineStats(
             device=str(model.device), dtype=str(model.dtype).replace("torch.", ""), kv_format=formats_name(self.formats),
@@ -119,6 +103,7 @@ class Engine:
                 for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
             ),
             cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
+            burst_steps=burst_steps, fused_ops=fused_ops,
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -128,6 +113,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._run_lock = threading.Lock()  # one model pass at a time: the step loop's or score's
+        self.steps = StepLoop(self.runner, self.scheduler, self.blocks, self.stats, self.cfg, self.max_seq_len,
+                              self._live, self.cancel, burst)
 
     @property
     def fmt(self) -> KVFormat:
@@ -147,7 +134,7 @@ class Engine:
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
         batch_invariant: bool | None = None, prefix_caching: bool | None = None, tp: int | None = None,
-        tp_invariant: bool | None = None,
+        tp_invariant: bool | None = None, burst_steps: int | None = None, fused_ops: bool | None = None,
     ) -> Engine:
         """tp > 1: this process is rank 0 of a tensor-parallel engine and starts the other ranks
         (or, under torchrun, every rank calls this; ranks other than 0 serve until rank 0 shuts
@@ -180,7 +167,7 @@ class Engine:
     @classmethod
     def _from_model(cls, model: LlamaModel, d: Path, settings, fmt: tuple[KVFormat, ...], k_scales, v_scales, *,
                     max_batch_size, num_blocks, memory_budget, attention, block_size, max_seq_len,
-                    max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant,
+                    max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant, burst_steps, fused_ops,
                     **_) -> Engine:
         cfg, dev = model.cfg, model.device
         model.exact_row_sums = _pick(tp_invariant, settings.tp_invariant)
@@ -200,7 +187,8 @@ class Engine:
                    max_input_len=settings.max_input_len,
                    cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
                    batch_invariant=_pick(batch_invariant, settings.batch_invariant, dev.type == "cpu"),
-                   prefix_caching=_pick(prefix_caching, settings.prefix_caching))
+                   prefix_caching=_pick(prefix_caching, settings.prefix_caching),
+                   burst_steps=_pick(burst_steps, settings.burst_steps), fused_ops=_pick(fused_ops, settings.fused_ops))
         if isinstance(engine.runner, parallel.TPModelRunner) and not model.group.is_driver:
             engine.runner.serve()  # until rank 0 shuts down
             engine.shutdown()
@@ -330,88 +318,13 @@ class Engine:
                     self._emit(seq, None, "error")
 
     def _step(self) -> None:
-        step = self.scheduler.schedule()
-        if not step:
-            return
-        try:
-            logits = self.runner.run(step)
-        except Exception as e:  # noqa: BLE001 - the forward is shared: fail this step's requests only
-            self._fail(list(step.decode) + list(step.prefill), e)
-            return
-        self.scheduler.commit(step)  # K/V written: the step's full pages become reusable
-        seqs = step.sampled  # a prefill chunk that is not its prompt's last gets no token
-        eos = () if self.cfg.eos_token_id is None else (self.cfg.eos_token_id,)
-        picks = select_tokens(logits, seqs, eos)
-        st = self.stats
-        st.step_batch_sizes.append(len(step.decode) + len(step.prefill))
-        st.step_num_tokens.append(step.num_tokens)
-        st.preemptions = self.scheduler.num_preemptions
-        st.prompt_tokens += sum(len(s.prompt_ids) for s in step.completed_prefill if not s.preemptions)
-        st.generated_tokens += len(seqs)
-        cs = self.blocks.cache_stats
-        st.prefix_lookups, st.prefix_hits, st.prefix_hit_rate = cs.lookups, cs.hits, cs.hit_rate
-        st.reused_tokens, st.evictions = cs.reused_tokens, cs.evictions
-        for seq, pick in zip(seqs, picks):
-            # Whatever goes wrong with one request (its logits, sampling, stop checks) ends that request
-            # alone: its blocks are freed and every other sequence keeps its step.
-            try:
-                if pick.error is not None:
-                    raise pick.error
-                seq.output_ids.append(pick.token)
-                if seq.sampling.logprobs:
-                    seq.logprobs.append(pick.logprob)
-                reason = self._finish_reason(seq, pick.token)
-            except Exception as e:  # noqa: BLE001
-                self._fail([seq], e)
-                continue
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            self._emit(seq, pick.token, reason)
+        self.steps.step()
 
     def _fail(self, seqs: list[Sequence], e: Exception) -> None:
-        err = e
-        if not isinstance(e, KvqError):
-            err = KvqError(f"the engine failed on this request ({e!r}); other requests are unaffected. "
-                           "This is a kvq bug, please report it.")
-            err.__cause__ = e  # keep the original traceback for KVQ_DEBUG
-        logging.getLogger("kvq.engine").warning("request(s) %s failed: %r", [s.request_id for s in seqs], e)
-        for seq in seqs:
-            if seq.finished:
-                continue
-            seq.error = err
-            self.scheduler.finish(seq, "error")
-            self._emit(seq, None, "error")
-
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
-        sp = seq.sampling
-        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.cfg.eos_token_id):
-            return "stop"
-        out = seq.output_ids
-        if any(len(out) >= len(s) and tuple(out[-len(s):]) == s for s in sp.stop_sequences):
-            return "stop"
-        if len(out) >= sp.max_tokens or seq.num_tokens >= self.max_seq_len:
-            return "length"
-        return None
+        self.steps.fail(seqs, e)
 
     def _emit(self, seq: Sequence, tok: int | None, reason: str | None) -> None:
-        if reason is not None:
-            seq.finish_reason = reason
-            self._live.pop(seq.request_id, None)
-            if seq.on_finish is not None:
-                try:
-                    seq.on_finish(seq.kv_cache_usage)
-                except Exception:  # noqa: BLE001 - a broken callback never stops the loop
-                    logging.getLogger("kvq.engine").exception("on_finish callback failed")
-        if seq.on_token is None:
-            return
-        try:
-            if seq.sampling.logprobs:  # callers that ask for log-probs take them as a 4th argument
-                seq.on_token(tok, reason is not None, reason, seq.logprobs[-1] if tok is not None else None)
-            else:
-                seq.on_token(tok, reason is not None, reason)
-        except Exception:  # noqa: BLE001 - a broken callback cancels its own request, never the loop
-            if reason is None:
-                self.cancel(seq.request_id)
+        self.steps.emit(seq, tok, reason)
 
     # ------------------------------------------------------------ callers
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams | None = None,
@@ -480,6 +393,21 @@ def batch_invariant_backend(model: LlamaModel):
     layer = model.layer(0)
     batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head], model.cfg.head_dim)
     return batch_invariant.backend()
+
+
+def with_small_ops(backend, model: LlamaModel, batch_invariant: bool):
+    """`backend` plus the fused small ops (runtime/kernels/small_ops.py), which LlamaModel.forward_paged
+    then runs in place of its torch norms, RoPE and SwiGLU, and the skinny-matmul rule
+    (runtime/kernels/skinny_gemm.py)."""
+    if model.device.type != "cuda":
+        raise InputError("fused_ops=True runs Triton kernels and needs a CUDA device; leave it False on the CPU.")
+    if batch_invariant:
+        raise InputError("the batch-invariant mode keeps its own ops; pass fused_ops=False with batch_invariant=True.")
+    from .kernels import skinny_gemm, small_ops
+
+    # the skinny-matmul rule too: cuBLAS unless the GPU's tuned data says the GEMV wins at that shape
+    return types.SimpleNamespace(**dict(vars(backend), name=backend.name + "+small_ops", small_ops=small_ops,
+                                        linear=skinny_gemm.linear))
 
 
 def _gpu_pool_budget(model: LlamaModel, step_tokens: int, fraction: float) -> int:

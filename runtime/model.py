@@ -146,9 +146,12 @@ class LlamaModel:
     def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lin=fast_linear):
         """h [T, hidden] -> q [T, heads, D], k, v [T, kv_heads, D], RoPE applied to q and k.
         lin: the matmul (batch_invariant.linear in the batch-invariant mode)."""
+        return self.rope(lin(self._rms_norm(h, layer.input_norm), layer.qkv), cos, sin)
+
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The fused QKV matmul's output [T, (heads + 2 kv_heads) D] -> q, k (rotated), v."""
         d = self.cfg.head_dim
-        t = h.shape[0]
-        qkv = lin(self._rms_norm(h, layer.input_norm), layer.qkv)
+        t = qkv.shape[0]
         heads = self.num_heads + self.num_kv_heads
         # q and k side by side take RoPE as one tensor: half the small ops of a decode step's layer
         qk = apply_rotary(qkv[:, : heads * d].view(t, heads, d), cos, sin)
@@ -235,27 +238,53 @@ class LlamaModel:
         return ops.prefill_context_attention(q, k, v, batch.cu_seqlens, cache, batch.prefill_block_tables,
                                              batch.context_lens, self.sm_scale)
 
+    def _attend(self, ops, q, k, v, cache: LayerCache, batch: PagedBatch) -> torch.Tensor:
+        """Write the step's K/V, then attend: decode rows through the cache, prefill rows (`_prefill`)."""
+        nd = batch.num_decode
+        ops.write_kv(cache, k, v, batch.slot_mapping)
+        if nd and q.shape[0] == nd:
+            return ops.decode_attention(q, cache, batch.block_tables, batch.seq_lens, self.sm_scale)
+        if not nd:
+            return self._prefill(ops, q, k, v, cache, batch)
+        return torch.cat((
+            ops.decode_attention(q[:nd], cache, batch.block_tables, batch.seq_lens, self.sm_scale),
+            self._prefill(ops, q[nd:], k[nd:], v[nd:], cache, batch),
+        ))
+
     @torch.inference_mode()
     def forward_paged(self, batch: PagedBatch, caches: list[LayerCache], backend=None) -> torch.Tensor:
         """Logits [num_sequences, vocab] (fp32) for the last token of every sequence in the step."""
         ops = backend or reference_backend()
         lin = getattr(ops, "linear", fast_linear)  # the batch-invariant backend brings its own
-        nd = batch.num_decode
+        small = getattr(ops, "small_ops", None)  # fused Triton small ops (runtime/kernels/small_ops.py)
+        if small is not None:
+            return self._forward_paged_small_ops(batch, caches, ops, small, lin)
         h = self.embed(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype, batch.max_position)
-        has_prefill = h.shape[0] > nd
         for i in range(self.cfg.num_layers):
             layer = self.layer(i)
             q, k, v = self._qkv(layer, h, cos, sin, lin)
-            ops.write_kv(caches[i], k, v, batch.slot_mapping)
-            if nd and not has_prefill:
-                attn = ops.decode_attention(q, caches[i], batch.block_tables, batch.seq_lens, self.sm_scale)
-            elif not nd:
-                attn = self._prefill(ops, q, k, v, caches[i], batch)
-            else:
-                attn = torch.cat((
-                    ops.decode_attention(q[:nd], caches[i], batch.block_tables, batch.seq_lens, self.sm_scale),
-                    self._prefill(ops, q[nd:], k[nd:], v[nd:], caches[i], batch),
-                ))
+            attn = self._attend(ops, q, k, v, caches[i], batch)
             h = self._finish_layer(layer, h, attn, lin)
         return self.logits(h[batch.logits_indices], lin)
+
+    def _forward_paged_small_ops(self, batch: PagedBatch, caches: list[LayerCache], ops, small, lin) -> torch.Tensor:
+        """forward_paged with every residual add fused into the next RMSNorm, RoPE into one kernel that also
+        lays q and k out for attention, and SwiGLU into one: the same maths and roundings as the torch ops
+        (runtime/kernels/small_ops.py), three kernels per layer in place of about thirty."""
+        c = self.cfg
+        eps = c.rms_norm_eps
+        cos_t, sin_t = self.rotary.table_for(batch.positions, batch.max_position)
+        h, normed = small.add_rms_norm(self.embed(batch.input_ids), None, self.layer(0).input_norm, eps)
+        heads_d = (c.num_heads + c.num_kv_heads) * c.head_dim
+        for i in range(c.num_layers):
+            layer = self.layer(i)
+            qkv = lin(normed, layer.qkv)
+            q, k = small.rope_qk(qkv, cos_t, sin_t, batch.positions, c.num_heads, c.num_kv_heads, c.head_dim)
+            v = qkv[:, heads_d:].view(-1, c.num_kv_heads, c.head_dim)
+            attn = self._attend(ops, q, k, v, caches[i], batch)
+            h, normed = small.add_rms_norm(h, lin(attn.reshape(h.shape[0], -1), layer.o), layer.post_norm, eps)
+            down = lin(small.swiglu(lin(normed, layer.gate_up)), layer.down)
+            nxt = self.layer(i + 1).input_norm if i + 1 < c.num_layers else self.final_norm
+            h, normed = small.add_rms_norm(h, down, nxt, eps)
+        return lin(normed[batch.logits_indices], self.lm_head).to(torch.float32)

@@ -63,12 +63,16 @@ class Rotary:
         max_position: a bound on the positions known on the host; without it the table size
         comes from the positions themselves, a device-to-host sync (not allowed while a CUDA
         graph is being captured)."""
+        cos, sin = self.table_for(positions, max_position)
+        return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]
+
+    def table_for(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 tables covering `positions` (bounded by max_position where the host knows it: no sync)."""
         if max_position is not None:
             needed = max_position + 1
         else:
             needed = int(positions.max().item()) + 1 if positions.numel() else 1
-        cos, sin = self.table(positions.device, needed)
-        return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]
+        return self.table(positions.device, needed)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

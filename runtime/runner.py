@@ -124,7 +124,7 @@ class ModelRunner:
         for seq in step.decode:
             pos = seq.num_tokens - 1
             table = self.blocks.block_table(seq.request_id)
-            ids.append(seq.token_ids[-1])
+            ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])  # not token_ids: a copy of all
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             tables.append(table)

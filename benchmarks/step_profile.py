@@ -1,0 +1,308 @@
+"""Where one decode step's time goes, against its byte bound, for each way kvq can run the step.
+
+    python3 -m benchmarks.step_profile --out $OUT                       # H200, Llama-3-8B geometry
+    python3 -m benchmarks.step_profile --device cpu --preset tiny --out /tmp/p   # the CI smoke run
+
+Per KV format and scenario (batch 1 at each --contexts, and the most sequences of --max-ctx tokens the
+KV budget holds), every --step mode runs real engine steps (runtime/step_loop.py: schedule, model,
+sampling, stop checks, callbacks) on sequences whose K/V fill the pool, interleaved in --rounds:
+
+  legacy  one host round trip per step: the decode CUDA graph returns the logits, the host checks and
+          samples them (runtime/cuda_graphs.py, runtime/sampling.py);
+  burst   --burst greedy steps per host read, the pick and the next inputs on the device
+          (runtime/decode_burst.py);
+  fused   burst, plus norms / RoPE / SwiGLU as fused Triton kernels (runtime/kernels/small_ops.py).
+
+Rows: step ms (wall, per token of every sequence), its GPU part (the captured step replayed alone) and the
+host's (the rest), tokens/s, and the bound: weights read once + every sequence's K/V read once + logits,
+at --bandwidth-gbs. Then each component (benchmarks/step_components.py) alone, with its own bound; the
+components sum to the GPU step up to the gaps between kernels (`unattributed`). Finally greedy tokens of
+each mode against legacy's on the same prompts (`tokens_match`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.headline import FORMATS, make_engine_dir
+from benchmarks.step_components import bound_ms, components, replay_ms, split_sweep, time_ms
+from benchmarks.step_profile_report import markdown
+from runtime.cuda_graphs import bucket_for
+from runtime.decode_burst import DecodeBurst
+from runtime.engine import Engine, with_small_ops
+from runtime.kv_format import kv_bytes_per_token
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Sequence
+
+MODES = ("legacy", "burst", "fused")
+PRESET_ALIASES = {"tiny": "tiny-llama3"}
+GIB = 2**30
+
+
+def _modes(engine: Engine, args) -> dict:
+    """mode -> (the burst the step loop runs, or None; the op set its components use)."""
+    out = {"legacy": (None, "legacy")}
+    make = lambda backend: DecodeBurst(engine.model, engine.runner.caches, backend, engine.scheduler.max_batch_size,  # noqa: E731
+                                       engine.max_seq_len, engine.stats.block_size, args.burst, use_graphs=True)
+    if "burst" in args.step:
+        out["burst"] = (make(engine.backend), "burst")
+    if "fused" in args.step:
+        if engine.model.device.type == "cuda":
+            out["fused"] = (make(with_small_ops(engine.backend, engine.model, False)), "fused")
+        else:
+            print("fused: the small-op kernels need CUDA (the CPU runs them only under TRITON_INTERPRET=1 in "
+                  "tests); skipped", flush=True)
+    return out
+
+
+def start_sequences(engine: Engine, n: int, ctx: int, new_tokens: int) -> list[Sequence]:
+    """n sequences decoding after a ctx-token prompt (K/V random, written through the format's write op),
+    straight into the scheduler's running set, as if their prefill had just run."""
+    cfg, bs, dev = engine.cfg, engine.stats.block_size, engine.model.device
+    ids = torch.randint(3, cfg.vocab_size, (n, ctx + 1), generator=torch.Generator().manual_seed(ctx * 7 + n))
+    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    seqs = []
+    for row in ids.tolist():
+        seq = Sequence(next(engine._ids), row[:ctx], sp)
+        seq.output_ids.append(row[ctx])
+        engine.blocks.allocate(seq.request_id, ctx)  # pages for every token but the newest (the next step's)
+        seq.num_computed = seq.prefill_target = ctx
+        seqs.append(seq)
+    pos = torch.arange(ctx)
+    slots = torch.cat([torch.tensor(engine.blocks.block_table(s.request_id))[pos // bs] * bs + pos % bs
+                       for s in seqs]).to(dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for cache in engine.runner.caches:
+        for off in range(0, slots.numel(), 32768):
+            sl = slots[off: off + 32768]
+            k, v = (torch.randn(sl.numel(), cfg.num_kv_heads, cfg.head_dim, device=dev, generator=g,
+                                dtype=engine.model.dtype) for _ in range(2))
+            engine.backend.write_kv(cache, k, v, sl)
+    engine.scheduler.running.extend(seqs)
+    return seqs
+
+
+def run_steps(engine: Engine, seqs: list[Sequence], tokens: int) -> tuple[float, int]:
+    """Engine steps until every sequence has at least `tokens` more (a burst may overshoot): wall ms per token
+    of each, and the tokens each got."""
+    start = len(seqs[0].output_ids)
+    sync(engine)
+    t0 = time.perf_counter()
+    while len(seqs[0].output_ids) < start + tokens:
+        engine.steps.step()
+        if seqs[0].finished:
+            raise RuntimeError(f"a profiled sequence ended early ({seqs[0].finish_reason}): {seqs[0].error!r}")
+    sync(engine)
+    done = len(seqs[0].output_ids) - start
+    return (time.perf_counter() - t0) * 1e3 / done, done
+
+
+def gpu_step_ms(engine: Engine, burst: DecodeBurst | None, n: int) -> float | None:
+    """The captured step alone (CUDA: graph replays timed by events); None where no graph was captured."""
+    if engine.model.device.type != "cuda":
+        return None
+    size = bucket_for(n)
+    if burst is None:
+        captured = engine.runner.graphs._graphs.get(size) if engine.runner.graphs else None
+        return replay_ms(captured.graph.replay) if captured else None
+    buf = burst._buffers.get(size)
+    return replay_ms(buf.graph.replay) if buf is not None and buf.graph is not None else None
+
+
+def sync(engine: Engine) -> None:
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_bound_ms(engine: Engine, n: int, ctx: int, args) -> float:
+    """Weights read once (the embedding table only for the n rows it gathers), every sequence's K/V, logits."""
+    cfg, model = engine.cfg, engine.model
+    el = model.embed_tokens.element_size()
+    weights = model.weight_bytes - (model.embed_tokens.numel() * el if model.lm_head is not model.embed_tokens else 0)
+    total = weights + n * cfg.hidden_size * el + n * ctx * kv_bytes_per_token(cfg, engine.fmt) + n * cfg.vocab_size * 4
+    return total / (args.bandwidth_gbs * 1e6)
+
+
+def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, args) -> list[dict]:
+    seqs = start_sequences(engine, n, ctx, args.rounds * len(modes) * (args.warmup + args.tokens + 2 * args.burst) + 2)
+    steps: dict[str, list[float]] = {m: [] for m in modes}
+    in_bursts = dict.fromkeys(modes, 0)  # timed steps that ran in bursts: a burst mode should run all
+    timed = dict.fromkeys(modes, 0)
+    try:
+        for _ in range(args.rounds):  # modes interleaved: a drift of the machine lands on all of them
+            for mode, (burst, _) in modes.items():
+                engine.steps.burst = burst
+                run_steps(engine, seqs, args.warmup)  # (a first burst of a width captures its graph)
+                before = burst.steps_run if burst is not None else 0
+                ms, done = run_steps(engine, seqs, args.tokens)
+                steps[mode].append(ms)
+                timed[mode] += done
+                in_bursts[mode] += (burst.steps_run - before) if burst is not None else 0
+        rows = []
+        base = {"format": engine.fmt.name, "scenario": label, "batch": n, "context": ctx}
+        bound = step_bound_ms(engine, n, ctx, args)
+        for mode, (burst, ops_set) in modes.items():
+            step = sorted(steps[mode])[len(steps[mode]) // 2]
+            gpu = gpu_step_ms(engine, burst, n)
+            small = getattr(burst.backend, "small_ops", None) if burst is not None else None
+            comps = components(engine, [engine.blocks.block_table(s.request_id) for s in seqs], ctx, ops_set, small)
+            comp_rows = []
+            for c in comps:
+                ms = time_ms(c.fn, engine.model.device, args.reps)
+                b = bound_ms(c, args.bandwidth_gbs, args.tflops)
+                comp_rows.append({**base, "kind": "component", "mode": mode, "component": c.name, "ms": ms,
+                                  "bytes": c.bytes, "flops": c.flops, "bound_ms": b, "pct_of_bound": 100 * b / ms})
+            gpu_part = gpu if gpu is not None else sum(r["ms"] for r in comp_rows)
+            rows.append({**base, "kind": "step", "mode": mode, "step_ms": step, "gpu_step_ms": gpu_part,
+                         "gpu_step_measured": gpu is not None, "host_ms": max(0.0, step - gpu_part),
+                         "components_ms": sum(r["ms"] for r in comp_rows),
+                         "unattributed_ms": gpu_part - sum(r["ms"] for r in comp_rows),
+                         "tok_s": n / step * 1e3, "bound_ms": bound, "pct_of_bound": 100 * bound / step,
+                         "burst": args.burst if burst is not None else 1,
+                         "burst_share": in_bursts[mode] / timed[mode]})
+            rows += comp_rows
+        if n == 1 and args.split_sweep and engine.backend.name.startswith("triton"):
+            rows += [{**base, **r} for r in split_sweep(engine, engine.blocks.block_table(seqs[0].request_id), ctx,
+                                                          args.bandwidth_gbs, args.reps)]
+        return rows
+    finally:
+        engine.steps.burst = None
+        for seq in seqs:
+            if not seq.finished:
+                engine.scheduler.finish(seq, "length")
+
+
+def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], dict[str, str]]:
+    """Greedy tokens of each mode on the same prompts (prefill, then decode through the mode) vs legacy's; and
+    why a mode failed, if one did (it is then left out of the profile, the others still measured)."""
+    g = torch.Generator().manual_seed(1)
+    longest = engine.max_seq_len - args.check_tokens - 1
+    prompts = [torch.randint(3, engine.cfg.vocab_size, (min(n, longest),), generator=g).tolist() for n in (37, 200)]
+    out, errors = {}, {}
+    for mode, (burst, _) in modes.items():
+        engine.steps.burst = burst
+        try:
+            out[mode] = [g.token_ids for g in engine.generate(prompts, max_tokens=args.check_tokens, ignore_eos=True)]
+        except Exception as e:  # noqa: BLE001 - report the mode's failure, measure the others
+            errors[mode] = f"{type(e).__name__}: {e}"
+            print(f"{engine.fmt.name} {mode} FAILED: {errors[mode]}", flush=True)
+        if burst is not None and burst.failure:
+            errors.setdefault(mode + " capture", burst.failure)
+    engine.steps.burst = None
+    return {mode: toks == out.get("legacy") for mode, toks in out.items()}, errors
+
+
+def measure_format(args, name: str, root: Path) -> list[dict]:
+    fmt = FORMATS[name]
+    room = args.rounds * len(args.step) * (args.warmup + args.tokens + 2 * args.burst) + args.block + 4
+    max_seq = min(max(args.contexts + [args.max_ctx]) + room, args.max_positions)
+    d = make_engine_dir(root, name, fmt, args.block, args.max_batch, max_seq, args.preset)
+    engine = Engine.from_dir(d, device=args.device, memory_budget=int(args.kv_gib * GIB), prefix_caching=False,
+                             max_seq_len=max_seq)
+    try:
+        modes = _modes(engine, args)
+        match, errors = tokens_match(engine, modes, args)  # first: a mode that fails here is not profiled
+        modes = {m: v for m, v in modes.items() if m in match}
+        rows = [{"kind": "error", "format": fmt.name, "mode": m, "error": e} for m, e in errors.items()]
+        scenarios = [(f"batch1@{c}", 1, c) for c in args.contexts if c + room <= max_seq]
+        if args.max_ctx:
+            per_req = math.ceil((args.max_ctx + room) / args.block) + 3  # pages to spare: a burst needs its own
+            n = min(args.max_batch, engine.stats.pool_blocks // per_req)
+            scenarios.append((f"max@{args.max_ctx}", n, args.max_ctx))
+        if args.gemm_sweep and engine.model.device.type == "cuda" and name == args.formats[0]:
+            from benchmarks.skinny_gemm_tune import sweep  # the weights are every format's: measured once
+
+            rows += sweep(engine, args.bandwidth_gbs, args.reps)
+        for label, n, ctx in scenarios:
+            try:
+                # the engine's own step loop (started by tokens_match) waits on this lock before any step, so
+                # it cannot step the profiled sequences beside this thread
+                with engine._run_lock:
+                    got = profile_scenario(engine, modes, label, n, ctx, args)
+            except Exception as e:  # noqa: BLE001 - keep the other scenarios' numbers
+                rows.append({"kind": "error", "format": fmt.name, "scenario": label, "error": f"{type(e).__name__}: {e}"})
+                print(f"{fmt.name} {label} FAILED: {rows[-1]['error']}", flush=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            for r in got:
+                r["tokens_match"] = match[r["mode"]] if r["kind"] == "step" else None
+            rows += got
+            print(json.dumps([r for r in got if r["kind"] == "step"]), flush=True)
+        return rows
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3-per_tensor", "int4-per_token-asym"],
+                    choices=list(FORMATS))
+    ap.add_argument("--step", nargs="+", default=list(MODES), choices=MODES, help="Step modes, side by side.")
+    ap.add_argument("--burst", type=int, default=8, help="Decode steps per host read in the burst modes.")
+    ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 130000], help="Batch-1 contexts.")
+    ap.add_argument("--max-ctx", type=int, default=8192, help="Context of the max-concurrency scenario (0: none).")
+    ap.add_argument("--kv-gib", type=float, default=96.0)
+    ap.add_argument("--max-batch", type=int, default=1024)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=8, help="Untimed tokens per sequence before each timed run.")
+    ap.add_argument("--tokens", type=int, default=32, help="Timed tokens per sequence per mode and round.")
+    ap.add_argument("--reps", type=int, default=20, help="Timed replays per component.")
+    ap.add_argument("--check-tokens", type=int, default=24, help="Greedy tokens compared between modes.")
+    ap.add_argument("--split-sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="Batch-1 attention at split counts around the default plan's (CUDA).")
+    ap.add_argument("--gemm-sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="cuBLAS vs the Triton GEMV at M = 1..16 on the model's weights (CUDA); writes gemv_<gpu>.json.")
+    ap.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="HBM ceiling (H200: measured copy rate).")
+    ap.add_argument("--tflops", type=float, default=790.0, help="bf16 matrix ceiling (H200: measured).")
+    ap.add_argument("--time-budget-s", type=float, default=330.0, help="Start no new format after this long.")
+    args = ap.parse_args(argv)
+    args.preset = PRESET_ALIASES.get(args.preset, args.preset)
+    from runtime.config import PRESETS
+
+    args.max_positions = PRESETS[args.preset].max_position_embeddings
+    env = {"preset": args.preset, "torch": torch.__version__, "bandwidth_gbs": args.bandwidth_gbs,
+           "tflops": args.tflops, "burst": args.burst, "steps": args.step}
+    if torch.device(args.device).type == "cuda":
+        from benchmarks.gpu_timing import gpu_env
+
+        env = gpu_env(**env)
+    root = Path(tempfile.mkdtemp())
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    for name in args.formats:
+        if time.perf_counter() - t0 > args.time_budget_s:
+            print(f"skipping {name}: time budget of {args.time_budget_s:.0f} s spent", flush=True)
+            continue
+        rows += measure_format(args, name, root)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "step_profile.jsonl", "w") as f:
+        for r in [{"kind": "env", **env}] + rows:
+            f.write(json.dumps(r) + "\n")
+    if any(r["kind"] == "gemm" for r in rows):
+        from benchmarks.skinny_gemm_tune import write_tuned
+
+        print(f"tuned GEMV shapes: {write_tuned([r for r in rows if r['kind'] == 'gemm'], args.out)}", flush=True)
+    md = markdown(rows, env)
+    (args.out / "step_profile.md").write_text(md + "\n")
+    print(md)
+    print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Decode bursts: several greedy decode steps whose tokens stay on the device until the last.
+
+A step of the legacy path returns [n, vocab] fp32 logits to the engine, which checks them for
+NaN (one host sync), takes the argmax and reads it back (another), and builds the next step's
+inputs on the host. At batch 1 on an 8B model those syncs and the host's work between two graph
+replays are a large share of a step (benchmarks/step_profile.py). A burst instead runs, per
+step and on the device: the model's forward, the greedy pick (argmax and whether the picked logit
+is finite), a write of the pick into a ring of `steps` rows, and the next step's inputs (token,
+position, length, KV slot from the block table). On CUDA one graph per batch-size bucket holds
+all of it; the host replays it `steps` times back to back and reads the ring once.
+
+Tokens are the legacy path's: the same forward on the same inputs, the same argmax over the same
+fp32 logits; the one difference is the block tables' width (`table_width`: fitted to the burst's longest
+sequence rather than the engine's), which only the split-K Triton attention sees, as a different
+order of its fp32 sums (the batch-invariant attention's result does not depend on it). What a burst cannot do is decide between its steps: the caller gives each
+sequence room for the burst's tokens beforehand and drops whatever follows a stop (the KV written
+for dropped tokens lies in pages the finished sequence frees). So bursts serve greedy rows
+without logit adjustments or log-probs; the step loop (runtime/step_loop.py) runs everything
+else one step at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cuda_graphs import bucket_for
+from .kv_cache import LayerCache
+from .model import LlamaModel, PagedBatch
+
+
+@dataclass
+class _Buffers:
+    batch: PagedBatch  # the step's inputs; each step writes the next one's
+    active: torch.Tensor  # [size] int64: 1 for a real row, 0 for padding (which writes nowhere)
+    ring_tokens: torch.Tensor  # [steps, size] int64: the pick of every step
+    ring_finite: torch.Tensor  # [steps, size] bool: whether its logit was finite
+    counter: torch.Tensor  # [1] int64: the ring row the next step writes
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+def table_width(tokens: int, block_size: int, max_blocks: int) -> int:
+    """Block-table columns of a burst whose sequences reach `tokens` tokens: the next of 2**k and 3 * 2**(k-1)
+    blocks, at most max_blocks. The attention kernel sizes its split-K ranges from the table's width; tables
+    padded to the engine's longest sequence (as the legacy graphs pad them) give one 8k sequence in a 128k
+    engine 1/16 of the splits with work, so a burst's graph is captured per width."""
+    need = max(1, -(-tokens // block_size))
+    width = 1 << (need - 1).bit_length()
+    if width * 3 // 4 >= need:
+        width = width * 3 // 4
+    return min(width, max_blocks)
+
+
+class DecodeBurst:
+    def __init__(self, model: LlamaModel, caches: list[LayerCache], backend, max_batch: int, max_seq_len: int,
+                 block_size: int, steps: int, use_graphs: bool):
+        self.model, self.caches, self.backend = model, caches, backend
+        self.max_batch, self.block_size, self.steps = max_batch, block_size, steps
+        self.max_blocks = -(-max_seq_len // block_size)
+        self.max_position = max_seq_len - 1
+        self.use_graphs = use_graphs and model.device.type == "cuda"
+        self.failure: str | None = None  # why a capture failed; from then on bursts run eagerly
+        self.steps_run = 0  # decode steps run in bursts so far
+        self._buffers: dict[tuple[int, int], _Buffers] = {}  # by (batch bucket, block-table width)
+        model.rotary.table(model.device, max_seq_len)  # a captured graph keeps the table it saw
+
+    def _make(self, size: int, width: int) -> _Buffers:
+        dev = self.model.device
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        batch = PagedBatch(
+            input_ids=zeros(size), positions=zeros(size), slot_mapping=torch.full((size,), -1, device=dev),
+            num_decode=size, block_tables=zeros(size, width, dtype=torch.int32),
+            seq_lens=torch.ones(size, dtype=torch.int32, device=dev), cu_seqlens=zeros(1, dtype=torch.int32),
+            logits_indices=torch.arange(size, device=dev), max_position=self.max_position,
+        )
+        return _Buffers(batch, zeros(size), zeros(self.steps, size), zeros(self.steps, size, dtype=torch.bool),
+                        zeros(1))
+
+    def _step(self, buf: _Buffers) -> None:
+        """One decode step, its pick, and the next step's inputs, all on the device."""
+        b = buf.batch
+        logits = self.model.forward_paged(b, self.caches, self.backend)
+        tokens = logits.argmax(dim=-1)
+        finite = torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])
+        buf.ring_tokens.index_copy_(0, buf.counter, tokens[None])
+        buf.ring_finite.index_copy_(0, buf.counter, finite[None])
+        buf.counter.add_(1)
+        b.input_ids.copy_(tokens)
+        b.positions.add_(buf.active)
+        b.seq_lens.add_(buf.active.to(torch.int32))
+        # the page of the next position; past the table's end (a step after the burst's last) any page will
+        # do, the step never runs
+        col = (b.positions // self.block_size).clamp_(max=b.block_tables.shape[1] - 1)
+        page = b.block_tables.gather(1, col[:, None])[:, 0].to(torch.int64)
+        slot = page * self.block_size + b.positions % self.block_size
+        b.slot_mapping.copy_(torch.where(buf.active.bool(), slot, torch.full_like(slot, -1)))
+
+    def _capture(self, buf: _Buffers) -> None:
+        dev = self.model.device
+        saved = [t.clone() for t in (buf.batch.input_ids, buf.batch.positions, buf.batch.seq_lens,
+                                     buf.batch.slot_mapping, buf.counter)]
+        side = torch.cuda.Stream(dev)  # warm up outside the capture (Triton compiles, the allocator settles)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._step(buf)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step(buf)
+        # the warm-up advanced the inputs (and wrote K/V where the caller's first step writes it again)
+        for t, s in zip((buf.batch.input_ids, buf.batch.positions, buf.batch.seq_lens, buf.batch.slot_mapping,
+                         buf.counter), saved):
+            t.copy_(s)
+        buf.graph = graph
+
+    def run(self, input_ids: list[int], positions: list[int], tables: list[list[int]], steps: int
+            ) -> tuple[list[list[int]], list[list[bool]]]:
+        """Greedy tokens [steps][n] (and whether each was finite) for n sequences decoding from
+        (last token, its position) with block tables that already hold room for `steps` tokens each."""
+        n = len(input_ids)
+        if not 1 <= steps <= self.steps or not 1 <= n <= self.max_batch:
+            raise ValueError(f"a burst takes 1..{self.steps} steps of 1..{self.max_batch} sequences")
+        # padding rows write to slot -1, which only the Triton write skips (the reference one would wrap it
+        # to the pool's last slot): eager bursts run exactly n rows
+        size = bucket_for(n) if self.use_graphs else n
+        width = table_width(max(positions) + steps, self.block_size, self.max_blocks)
+        buf = self._buffers.get((size, width))
+        if buf is None:
+            buf = self._buffers[(size, width)] = self._make(size, width)
+        bs = self.block_size
+        dev = self.model.device
+        b = buf.batch
+        host_tables = torch.zeros(size, width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            host_tables[i, : min(len(t), width)] = torch.tensor(t[:width], dtype=torch.int32)
+        pad = size - n
+        b.input_ids.copy_(torch.tensor(input_ids + [0] * pad))
+        b.positions.copy_(torch.tensor(positions + [0] * pad))
+        b.seq_lens.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
+        b.slot_mapping.copy_(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [-1] * pad))
+        b.block_tables.copy_(host_tables.to(dev, non_blocking=True))
+        buf.active.copy_(torch.tensor([1] * n + [0] * pad))
+        buf.counter.zero_()
+        if self.use_graphs and self.failure is None and buf.graph is None:
+            try:
+                self._capture(buf)
+            except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why
+                self.failure = f"{type(e).__name__}: {e}"
+        for _ in range(steps):
+            if buf.graph is not None:
+                buf.graph.replay()
+            else:
+                self._step(buf)
+        self.steps_run += steps
+        tokens = buf.ring_tokens[:steps, :n].tolist()  # the burst's one read of the device
+        finite = buf.ring_finite[:steps, :n].tolist()
+        return tokens, finite
