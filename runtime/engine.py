@@ -25,10 +25,18 @@ from .attention import select_backend
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
-from .engine_dir import load_tokenizer, read_settings, resolve_dtype, resolve_kv_format, resolve_scales
+from .engine_dir import (
+    load_tokenizer,
+    read_settings,
+    resolve_dtype,
+    resolve_kv_format,
+    resolve_rotation,
+    resolve_scales,
+)
 from .errors import InputError, KvqError, RequestError
 from .kv_format import KVFormat
 from .model import LlamaModel
+from .rotation import KVRotation
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
 from .sampling import SamplingParams, select_tokens
 from .scheduler import KVCacheUsage, Scheduler, Sequence, TokenCallback
@@ -73,6 +81,7 @@ class EngineStats:
     prefix_hit_rate: float = 0.0  # prefix_hits / prefix_lookups
     reused_tokens: int = 0  # prompt tokens whose prefill the cache skipped
     evictions: int = 0  # cached pages evicted for new data
+    kv_rotation: str = "none"  # K/V rotated before they are stored (runtime/rotation.py)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -115,6 +124,7 @@ class Engine:
                 for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
             ),
             cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
+            kv_rotation=model.rotation.name,
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -134,7 +144,10 @@ class Engine:
         attention: str = "auto", block_size: int | None = None, max_seq_len: int | None = None,
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
         batch_invariant: bool | None = None, prefix_caching: bool | None = None,
+        kv_rotation: KVRotation | str | None = None,
     ) -> Engine:
+        """kv_rotation: None reads the engine's own (kv_format.json "rotation"); 'none' / 'hadamard' /
+        a KVRotation override it (the weights are folded at load time, so any rotation is exact)."""
         d = Path(path)
         if not d.is_dir():
             raise InputError(f"{d} is not a directory; point to an engine or converted model directory.")
@@ -146,7 +159,8 @@ class Engine:
         torch_dtype = resolve_dtype(dtype, dev, d)
         fmt = resolve_kv_format(kv_format, d, torch_dtype)
         k_scales, v_scales = resolve_scales(fmt, kv_scales, d, cfg)
-        model = LlamaModel(cfg, open_weights(d, cfg), dev, torch_dtype)
+        rotation = resolve_rotation(kv_rotation, d, cfg)
+        model = LlamaModel(cfg, open_weights(d, cfg), dev, torch_dtype, rotation=rotation)
         batch = max_batch_size or settings.max_batch_size or (8 if dev.type == "cpu" else 64)
         seq_len = min(max_seq_len or settings.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         step_tokens = max_tokens_per_step or max(2048, settings.max_input_len or 0)
@@ -419,10 +433,10 @@ class Engine:
 
 
 def _cache_salt(model: LlamaModel, fmt: KVFormat, k_scales, v_scales) -> str:
-    """What a page's K/V depend on besides its tokens: the model, its dtype, the KV format and
-    the static scales (a page key includes this, so their pages never match)."""
+    """What a page's K/V depend on besides its tokens: the model, its dtype, the KV format, the
+    static scales and the KV rotation (a page key includes this, so their pages never match)."""
     scales = [s.flatten().tolist() for s in (k_scales, v_scales) if s is not None]
-    return repr((model.cfg, str(model.dtype), model.weight_bytes, fmt.name, scales))
+    return repr((model.cfg, str(model.dtype), model.weight_bytes, fmt.name, scales, model.rotation.name))
 
 
 def _pick(*choices):
@@ -433,7 +447,9 @@ def _pick(*choices):
 def batch_invariant_backend(model: LlamaModel):
     """The mode's ops, after measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
     layer = model.layer(0)
-    batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head], model.cfg.head_dim)
+    rotation = [model.rotation_weight] if model.rotation_weight is not None else []
+    batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head, *rotation],
+                          model.cfg.head_dim)
     return batch_invariant.backend()
 
 

@@ -2,7 +2,8 @@
 
     config.json            model geometry (always)
     model.safetensors[...] weights, or synthetic.json {"seed"} for random weights
-    kv_format.json         KVFormat fields (absent: unquantized KV in the model dtype)
+    kv_format.json         KVFormat fields (absent: unquantized KV in the model dtype), and "rotation":
+                           {kind, seed, signs} when K/V are rotated before they are stored (rotation.py)
     kv_scales.safetensors  k_scale, v_scale [layers] or [layers, kv_heads] (static formats)
     engine.json            max_batch_size, max_input_len, max_seq_len, block_size, gpu_memory_fraction,
                            cuda_graphs, batch_invariant
@@ -21,6 +22,7 @@ import torch
 from .config import ModelConfig
 from .errors import InputError, KvqError
 from .kv_format import KVFormat
+from .rotation import NO_ROTATION, KVRotation
 
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -121,6 +123,24 @@ def resolve_kv_format(kv_format: KVFormat | dict | str | None, d: Path, dtype: t
         raise InputError(f"{where}: {e}") from None
     except TypeError as e:
         raise InputError(f"{where}: {e}; expected the KVFormat fields {sorted(known)}.") from None
+
+
+def resolve_rotation(rotation: KVRotation | str | None, d: Path, cfg: ModelConfig) -> KVRotation:
+    """The KV rotation: given (a KVRotation, or 'none' / 'hadamard' with seed 0), else kv_format.json's."""
+    try:
+        if isinstance(rotation, KVRotation):
+            rotation.check(cfg.head_dim)
+            return rotation
+        if isinstance(rotation, str):
+            rot = KVRotation(rotation)
+            rot.check(cfg.head_dim)
+            return rot
+        p = d / "kv_format.json"
+        if not p.is_file():
+            return NO_ROTATION
+        return KVRotation.from_json(read_json(p).get("rotation"), cfg.head_dim, str(p))
+    except KvqError as e:
+        raise InputError(str(e)) from None
 
 
 def resolve_scales(

@@ -31,6 +31,7 @@ from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import LayerCache
 from .rope import Rotary, apply_rotary
+from .rotation import NO_ROTATION, KVRotation, fold_o_proj, fold_v_proj
 from .weights import layer_name
 
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -80,6 +81,7 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         stream_layers: bool = False,
+        rotation: KVRotation = NO_ROTATION,
     ):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise InputError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16.")
@@ -89,6 +91,12 @@ class LlamaModel:
         self.weights = weights
         self.sm_scale = cfg.head_dim**-0.5
         self.rotary = Rotary(cfg)
+        # KV rotation (runtime/rotation.py): q and k rotated after RoPE, V's rotation folded into v/o_proj.
+        self.rotation = rotation
+        rotation.check(cfg.head_dim)
+        self._rot64 = rotation.matrix(cfg.head_dim, torch.float64) if rotation.active else None
+        # as a linear layer's weight (x @ M = linear(x, M^T)), so the batch-invariant mode's GEMM rotates too
+        self.rotation_weight = None if self._rot64 is None else self._rot64.T.contiguous().to(self.device, dtype)
         self.embed_tokens = weights.get("model.embed_tokens.weight", dtype, self.device)
         self.final_norm = weights.get("model.norm.weight", dtype, self.device)
         tied = cfg.tie_word_embeddings or not weights.has_lm_head
@@ -102,13 +110,19 @@ class LlamaModel:
 
     # ------------------------------------------------------------ weights
     def _load_layer(self, i: int) -> LayerWeights:
-        def get(name: str) -> torch.Tensor:
-            return self.weights.get(layer_name(i, name), self.dtype, self.device)
+        def get(name: str, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return self.weights.get(layer_name(i, name), dtype, self.device)
 
-        qkv = torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"])
+        if self._rot64 is None:
+            v, o = get("self_attn.v_proj.weight"), get("self_attn.o_proj.weight")
+        else:  # folded in fp64 from the stored weights, then rounded once to the model dtype
+            m = self._rot64.to(self.device)
+            v = fold_v_proj(get("self_attn.v_proj.weight", torch.float32), m).to(self.dtype)
+            o = fold_o_proj(get("self_attn.o_proj.weight", torch.float32), m).to(self.dtype)
+        qkv = torch.cat([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"), v])
         gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
         return LayerWeights(
-            get("input_layernorm.weight"), qkv, get("self_attn.o_proj.weight"),
+            get("input_layernorm.weight"), qkv, o,
             get("post_attention_layernorm.weight"), gate_up, get("mlp.down_proj.weight"),
         )
 
@@ -144,8 +158,11 @@ class LlamaModel:
         t = h.shape[0]
         qkv = lin(self._rms_norm(h, layer.input_norm), layer.qkv)
         heads = c.num_heads + c.num_kv_heads
-        # q and k side by side take RoPE as one tensor: half the small ops of a decode step's layer
+        # q and k side by side take RoPE (and the KV rotation) as one tensor: half the small ops of a
+        # decode step's layer
         qk = apply_rotary(qkv[:, : heads * c.head_dim].view(t, heads, c.head_dim), cos, sin)
+        if self.rotation_weight is not None:  # one GEMM over the step's q and k rows, never over the cache
+            qk = lin(qk.reshape(t * heads, c.head_dim), self.rotation_weight).view(t, heads, c.head_dim)
         q, k = qk.split([c.num_heads, c.num_kv_heads], 1)
         if q.is_cuda:  # the Triton kernels take q and k with whole rows of heads
             q, k = q.contiguous(), k.contiguous()
