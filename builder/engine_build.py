@@ -49,6 +49,12 @@ def calibrated_scales(ctx: Context, fmt: KVFormat) -> tuple[torch.Tensor, torch.
 
     if "calibrate" not in ctx.dirs:
         raise StageError(f"{fmt.name} needs calibrated scales but the calibrate stage did not run.")
+    from calibration.calibrate import calibration_rotation
+
+    want, got = ctx.recipe.kv.kv_rotation().name, calibration_rotation(ctx.dirs["calibrate"])
+    if want != got:
+        raise StageError(f"{ctx.dirs['calibrate']} was calibrated with KV rotation {got!r}, the recipe's "
+                         f"kv.rotation is {want!r}: scales must describe what the cache stores; re-run calibrate.")
     k, v = scales_for(ctx.dirs["calibrate"], fmt, ctx.recipe.calibration.policy)
     if ctx.recipe.kv.clamp_fp8_scales_to_one and fmt.is_fp8:
         # ModelOpt's TensorRT-LLM export numerics: FP8 KV scales clamped to >= 1.0.
@@ -95,23 +101,28 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
-    fmt = ctx.recipe.kv_format()
+    from runtime.config import ModelConfig
+
+    fmt, rot = ctx.recipe.kv_format(), ctx.recipe.kv.kv_rotation()
     files = link_tree(ctx.dirs["convert"], out)
-    _write_json(out / "kv_format.json", {
+    kv_json: dict[str, Any] = {
         "dtype": fmt.dtype, "granularity": fmt.granularity, "symmetric": fmt.symmetric,
         "scale_dtype": fmt.scale_dtype,
-    })
-    outputs: dict[str, Any] = {"backend": "torch", "kv_format": fmt.name, "files": files}
+    }
+    if rot.active:  # the runtime folds it into the weights at load time (runtime/rotation.py)
+        kv_json["rotation"] = rot.to_json(ModelConfig.from_dir(ctx.dirs["convert"]).head_dim)
+    _write_json(out / "kv_format.json", kv_json)
+    outputs: dict[str, Any] = {"backend": "torch", "kv_format": fmt.name, "kv_rotation": rot.name, "files": files}
     if fmt.static:
         k, v = calibrated_scales(ctx, fmt)
         save_file({"k_scale": k, "v_scale": v}, str(out / "kv_scales.safetensors"))
         outputs["scale_range"] = [float(min(k.min(), v.min())), float(max(k.max(), v.max()))]
     # a runtime setting of kvq's own engine only: trtllm-build has no such flag
     settings = {**engine_settings(ctx), "batch_invariant": ctx.recipe.build.batch_invariant,
-                "prefix_caching": ctx.recipe.build.prefix_caching}
+                "prefix_caching": ctx.recipe.build.prefix_caching, "kv_rotation": rot.name}
     _write_json(out / "engine.json", settings)
     outputs["engine"] = settings
-    outputs["summary"] = f"torch engine, KV {fmt.name}"
+    outputs["summary"] = f"torch engine, KV {fmt.name}" + (f", rotation {rot.name}" if rot.active else "")
     return outputs
 
 

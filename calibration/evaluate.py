@@ -21,8 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.config import ModelConfig
+from runtime.engine_dir import resolve_rotation
 from runtime.errors import InputError
 from runtime.kv_format import KVFormat
+from runtime.rotation import NO_ROTATION, KVRotation
 
 from . import corpus
 from .accuracy import PROMPTS, baseline_layer_inputs, chat_prompt_ids, engine_attention_error, greedy_agreement
@@ -80,6 +82,7 @@ class EngineKV:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     note: str = ""
+    rotation: KVRotation = NO_ROTATION  # K/V rotated before they are stored (runtime/rotation.py)
 
 
 def engine_kv_from_dir(path: str | Path, name: str | None = None) -> EngineKV:
@@ -89,9 +92,12 @@ def engine_kv_from_dir(path: str | Path, name: str | None = None) -> EngineKV:
     if not fpath.is_file():
         return EngineKV(name or d.name, KVFormat("fp32"), note="no kv_format.json: unquantized KV")
     try:
-        fmt = KVFormat(**json.loads(fpath.read_text()))
-    except (OSError, json.JSONDecodeError, TypeError) as e:
+        raw = json.loads(fpath.read_text())
+        raw.pop("rotation", None)  # beside the format, not part of it: resolve_rotation reads it
+        fmt = KVFormat(**raw)
+    except (OSError, json.JSONDecodeError, TypeError, AttributeError) as e:
         raise InputError(f"{fpath} is not a valid KV format ({e}); rebuild the engine.") from None
+    rot = resolve_rotation(None, d, ModelConfig.from_dir(d))
     k = v = None
     if fmt.static:
         spath = d / "kv_scales.safetensors"
@@ -100,7 +106,7 @@ def engine_kv_from_dir(path: str | Path, name: str | None = None) -> EngineKV:
             k, v = t["k_scale"], t["v_scale"]
         except Exception as e:  # missing file, corrupt file, missing tensor
             raise InputError(f"{spath} has no readable k_scale/v_scale ({e}); rebuild the engine.") from None
-    return EngineKV(name or d.name, fmt, k, v)
+    return EngineKV(name or d.name, fmt, k, v, rotation=rot)
 
 
 def _pct(a: float, b: float) -> float:
@@ -138,8 +144,12 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
     scored = _sequences_tokens(list(windows), flat_trials)
     inputs, _ = baseline_layer_inputs(model, windows[0, : s.attention_tokens])
 
-    def engine(fmt: KVFormat, k=None, v=None):
-        return evaluation_engine(model, model_dir, fmt, k, v, longest, batch=max(1, len(prompts)),
+    models = {NO_ROTATION: model}  # one model per KV rotation: the rotation is folded into its weights
+
+    def engine(fmt: KVFormat, k=None, v=None, rotation: KVRotation = NO_ROTATION):
+        if rotation not in models:
+            models[rotation] = load_model(model_dir, device=device, dtype=dtype, rotation=rotation)
+        return evaluation_engine(models[rotation], model_dir, fmt, k, v, longest, batch=max(1, len(prompts)),
                                  batch_invariant=s.batch_invariant, attention=s.attention)
 
     timing: dict[str, float] = {}
@@ -169,13 +179,13 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
             if not e.fmt.quantized:
                 results["engines"][e.name] = {"kv_format": asdict(e.fmt), "note": e.note or "unquantized KV"}
                 continue
-            eng = engine(e.fmt, e.k_scale, e.v_scale)
+            eng = engine(e.fmt, e.k_scale, e.v_scale, e.rotation)
             try:
                 advance = bars.task(e.name, scored + greedy_tokens)
                 ppl = perplexity(eng, windows, advance)
                 pk = passkey(eng, trials, advance)
                 r = {
-                    "kv_format": asdict(e.fmt), "note": e.note,
+                    "kv_format": asdict(e.fmt), "kv_rotation": e.rotation.name, "note": e.note,
                     "perplexity": {**ppl, "change_pct": _pct(ppl["perplexity"], base_ppl["perplexity"])},
                     "greedy": greedy_agreement(eng, prompts, conts, advance),
                     "passkey": {**pk, "rate_relative": pk["rate"] / base_passkey["rate"] if base_passkey["rate"]

@@ -14,10 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from runtime.config import PRESETS, ModelConfig
 from runtime.errors import UnsupportedError
 from runtime.kv_format import GRANULARITIES, KV_DTYPES, SCALE_DTYPES, KVFormat
+from runtime.rotation import ROTATIONS, KVRotation
 
 KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 Granularity = Literal[GRANULARITIES]  # type: ignore[valid-type]
 ScaleDtype = Literal[SCALE_DTYPES]  # type: ignore[valid-type]
+Rotation = Literal[ROTATIONS]  # type: ignore[valid-type]
 
 # TensorRT-LLM's engine path stores one per-tensor scale per layer and knows only
 # INT8 and FP8 (e4m3) KV besides the unquantized baseline (trtllm.md §1.1-1.3).
@@ -49,9 +51,19 @@ class KVSection(Section):
     clamp_fp8_scales_to_one: bool = Field(
         False, description="Reproduce ModelOpt's TensorRT-LLM export, which clamps FP8 KV scales to >= 1.0."
     )
+    rotation: Rotation = Field(
+        "none", description="hadamard: K (with q, after RoPE) and V rotated by a normalized Walsh-Hadamard "
+        "transform over head_dim before they are stored (docs/kv-rotation.md); exact without quantization, "
+        "spreads outlier channels before it. Valid for every format of the torch backend.")
+    rotation_seed: int | None = Field(
+        0, ge=0, description="Seed of the rotation's random sign vector (recorded in the engine's "
+        "kv_format.json); null: the plain Walsh-Hadamard matrix.")
 
     def format(self) -> KVFormat:
         return KVFormat(self.dtype, self.granularity, self.symmetric, self.scale_dtype)
+
+    def kv_rotation(self) -> KVRotation:
+        return KVRotation(self.rotation, self.rotation_seed)
 
 
 class CalibrationSection(Section):
@@ -145,6 +157,12 @@ class Recipe(Section):
         except UnsupportedError as e:
             raise ValueError(f"kv: {e}") from None
         if self.backend == "tensorrt-llm":
+            if kv.rotation != "none":
+                raise ValueError(
+                    "kv.rotation: TensorRT-LLM's attention has no KV rotation (it would need rotated queries "
+                    "and folded projections inside its engine); use kv.rotation: none with TensorRT-LLM, or "
+                    "backend: torch for hadamard."
+                )
             if kv.dtype == "int4":
                 raise ValueError(
                     "kv.dtype: TensorRT-LLM has no INT4 KV cache (its engine path stores INT8 or FP8 KV); "
@@ -184,6 +202,9 @@ class Recipe(Section):
             )
         if b.pp > geo.num_layers:
             raise ValueError(f"build.pp: {b.pp} pipeline stages for {geo.num_layers} layers; use pp <= layers.")
+        if self.kv.rotation != "none" and geo.head_dim & (geo.head_dim - 1):
+            raise ValueError(f"kv.rotation: hadamard needs a power-of-two head_dim, this model has {geo.head_dim}; "
+                             "use kv.rotation: none.")
         if self.kv.dtype == "int4" and geo.head_dim % 2:
             raise ValueError(f"kv.dtype: int4 packs two values per byte and needs an even head_dim ({geo.head_dim}).")
         if b.max_seq_len > geo.max_position_embeddings:
