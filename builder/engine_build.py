@@ -56,6 +56,7 @@ def calibrated_scales(ctx: Context, fmt: KVFormat) -> tuple[torch.Tensor, torch.
         raise StageError(f"{ctx.dirs['calibrate']} was calibrated with KV rotation {got!r}, the recipe's "
                          f"kv.rotation is {want!r}: scales must describe what the cache stores; re-run calibrate.")
     k, v = scales_for(ctx.dirs["calibrate"], fmt, ctx.recipe.calibration.policy)
+    k, v = k * ctx.recipe.kv.scale_margin, v * ctx.recipe.kv.scale_margin  # headroom beyond the calibration data
     if ctx.recipe.kv.clamp_fp8_scales_to_one and fmt.is_fp8:
         # ModelOpt's TensorRT-LLM export numerics: FP8 KV scales clamped to >= 1.0.
         k, v = k.clamp_min(1.0), v.clamp_min(1.0)

@@ -63,6 +63,8 @@ class EvalSettings:
     batch_invariant: bool = True  # the engines' batch-invariant mode (runtime/batch_invariant.py)
     attention: str = "auto"  # the engines' attention backend: auto (kernels on CUDA) or reference
     eval_data: str = corpus.BUILTIN  # held-out text: 'builtin' or the user's .txt/.jsonl file or directory
+    # more texts scored for perplexity alone (e.g. another domain than the calibration data's), by path
+    extra_eval_data: list[str] = field(default_factory=list)
     seed: int = 0
 
     @classmethod
@@ -137,6 +139,8 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
     model = load_model(model_dir, device=device, dtype=dtype)
 
     windows = eval_windows(tok, s.perplexity_tokens, s.perplexity_window, s.eval_data)
+    extra = {str(p): eval_windows(tok, s.perplexity_tokens, s.perplexity_window, str(p),
+                                  field="extra_eval_data") for p in s.extra_eval_data}
     prompts = [chat_prompt_ids(tok, p) for p in (PROMPTS * 8)[: s.greedy_prompts]]
     trials = make_trials(tok, s.passkey_lengths, s.passkey_trials, s.seed, cfg.max_position_embeddings)
     flat_trials = [t.ids for ts in trials.values() for t in ts]
@@ -163,6 +167,7 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
         base = engine(baseline_format(model))
         try:
             base_ppl = perplexity(base, windows, bars.task("baseline perplexity", int(windows.numel())))
+            base_extra = {p: perplexity(base, w) for p, w in extra.items()}
             conts = greedy_continuations(base, prompts, s.greedy_tokens)
             base_passkey = passkey(base, trials, bars.task("baseline passkey", _sequences_tokens(flat_trials)))
             results["attention"] = base.stats.attention
@@ -173,6 +178,8 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
         results["baseline"] = {
             "kv": f"unquantized ({str(model.dtype).replace('torch.', '')})", "perplexity": base_ppl,
             "greedy": {"tokens": sum(c.numel() for c in conts)}, "passkey": base_passkey}
+        if extra:
+            results["baseline"]["perplexity_extra"] = base_extra
         greedy_tokens = _sequences_tokens(prompts, conts)
         for e in specs:
             t = time.perf_counter()
@@ -194,6 +201,12 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
                 }
                 if s.engine_greedy:
                     r["engine_greedy"] = engine_greedy(eng, prompts, conts)
+                if extra:
+                    r["perplexity_extra"] = {}
+                    for p, w in extra.items():
+                        ppl = perplexity(eng, w)
+                        r["perplexity_extra"][p] = {**ppl, "change_pct": _pct(ppl["perplexity"],
+                                                                              base_extra[p]["perplexity"])}
             finally:
                 eng.shutdown()
                 del eng
