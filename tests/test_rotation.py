@@ -211,7 +211,6 @@ kv: {{dtype: fp8_e4m3, granularity: per_tensor, rotation: {rotation}}}
 calibration: {{num_samples: 2, seq_len: 16}}
 build: {{max_batch_size: 2, max_input_len: 32, max_seq_len: 64, block_size: 16}}
 accuracy: {{enabled: false}}
-deploy: {{enabled: false}}
 """
 
 
@@ -228,7 +227,7 @@ def test_pipeline_calibrates_rotated_kv_separately_and_records_the_rotation(tmp_
     for rotation in ("none", "hadamard"):
         recipe = tmp_path / f"{rotation}.yaml"
         recipe.write_text(TINY.format(path=tmp_path / "hf", rotation=rotation))
-        code, text = run_cli(["build", "--recipe", str(recipe), "--work-dir", str(work), "--until", "build"], capsys)
+        code, text = run_cli(["build", "--recipe", str(recipe), "--work-dir", str(work), "--until", "deploy"], capsys)
         assert code == 0, text
         engines[rotation] = work / "engines" / f"tiny-rot-{rotation}" / "engine"
     (model,) = (work / "models").iterdir()
@@ -244,6 +243,8 @@ def test_pipeline_calibrates_rotated_kv_separately_and_records_the_rotation(tmp_
     k_plain, _ = scales_for(model / cals[0], fmt)
     k_rot, _ = scales_for(model / cals[1], fmt)
     assert not torch.equal(k_plain, k_rot)  # statistics of what each engine stores
+    pbtxt = (engines["hadamard"].parent / "triton_repo" / "kvq_engine" / "config.pbtxt").read_text()
+    assert '"kv_rotation"' in pbtxt and '"hadamard-s0"' in pbtxt
     eng = Engine.from_dir(engines["hadamard"], num_blocks=8)
     try:
         assert eng.stats.kv_rotation == "hadamard-s0"
