@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -78,7 +79,12 @@ def main() -> None:
     ap.add_argument("--passkey-trials", type=int, default=20)
     ap.add_argument("--ood", default=None, help="out-of-domain text scored for perplexity too")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--calib-samples", type=int, default=64, help="x 512 tokens for the channel amax")
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="kvq-smooth-"))
     model_dir = Path(args.model_dir) if args.model_dir else work / "model"
@@ -89,14 +95,15 @@ def main() -> None:
         convert_source("smollm2-135m", None, model_dir, "float32")
     calib = work / "calib"
     calib.mkdir()
-    run_calibration(model_dir, calib, num_samples=64, seq_len=512, policy="max", seed=0, device=args.device)
+    run_calibration(model_dir, calib, num_samples=args.calib_samples, seq_len=512, policy="max", seed=0, device=args.device)
     amax_k = load_file(str(calib / STATS_FILE))["channel_amax"][:, 0]
     s = smoothing_factors(amax_k, args.alpha)
     smoothed = work / "smoothed"
     write_smoothed_model(model_dir, smoothed, s)
     settings = EvalSettings(perplexity_tokens=args.ppl_tokens, greedy_prompts=args.greedy_prompts,
+                            greedy_tokens=args.greedy_tokens,
                             passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
-                            passkey_trials=args.passkey_trials, attention_tokens=512, engine_greedy=False,
+                            passkey_trials=args.passkey_trials, attention_tokens=256, engine_greedy=False,
                             extra_eval_data=[args.ood] if args.ood else [])
     hadamard = KVRotation("hadamard", 0)
     res = {}
@@ -114,7 +121,7 @@ def main() -> None:
             lines.append(f"| {label} | {name} | {e['perplexity']['change_pct']:+.2f}% | {ood} | "
                          f"{e['greedy']['agreement']:.1%} | {e['passkey']['found']}/{e['passkey']['trials']} |")
     table = "\n".join(lines) + "\n"
-    write_json_atomic(out / "smooth_attention.json", {"alpha": args.alpha, "results": res,
+    write_json_atomic(out / "smooth_attention.json", {"alpha": args.alpha, "results": res, "command": " ".join(sys.argv),
                                                        "wall_s": round(time.perf_counter() - t0, 1),
                                                        "threads": torch.get_num_threads(), "cpus": os.cpu_count()})
     write_text_atomic(out / "smooth_attention.md", "# SmoothAttention for INT4 keys (SmolLM2-135M, engine)\n\n" + table)

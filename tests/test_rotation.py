@@ -8,6 +8,7 @@ K/V times that matrix.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,3 +260,27 @@ def test_pipeline_calibrates_rotated_kv_separately_and_records_the_rotation(tmp_
         assert torch.equal(eng.runner.caches[0].k_scale, 2 * k_rot[0])  # kv.scale_margin: 2
     finally:
         eng.shutdown()
+
+
+@pytest.mark.slow
+def test_evaluation_scores_rotated_engines_and_the_extra_text(tmp_path):
+    import helpers_calibration as H
+
+    from calibration.evaluate import EngineKV, EvalSettings, run_evaluation
+    from runtime.kv_format import KVFormat
+
+    ood = Path(__file__).parents[1] / "calibration" / "data" / "out_of_domain"
+    settings = EvalSettings(perplexity_tokens=128, perplexity_window=128, greedy_prompts=1, greedy_tokens=4,
+                            passkey_lengths=[128], passkey_trials=1, attention_tokens=32, engine_greedy=False,
+                            extra_eval_data=[str(ood)])
+    fmt = KVFormat("int4", "per_token", False)
+    engines = [EngineKV("plain", fmt), EngineKV("rot", fmt, rotation=KVRotation("hadamard", 0))]
+    res = run_evaluation(H.tiny_model_dir(), engines, tmp_path, settings)
+    base = res["baseline"]["perplexity_extra"][str(ood)]["perplexity"]
+    for name, rot in (("plain", "none"), ("rot", "hadamard-s0")):
+        e = res["engines"][name]
+        assert e["kv_rotation"] == rot
+        extra = e["perplexity_extra"][str(ood)]
+        assert extra["change_pct"] == pytest.approx((extra["perplexity"] / base - 1) * 100)
+    assert res["engines"]["plain"]["perplexity"] != res["engines"]["rot"]["perplexity"]
+    assert "| rot | int4 per_token asym + hadamard-s0 |" in (tmp_path / "accuracy.md").read_text()
