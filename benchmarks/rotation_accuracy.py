@@ -80,6 +80,32 @@ def summary_table(res: dict, ood: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge(paths: list[Path]) -> dict:
+    """Results of runs over disjoint engine subsets (e.g. one process per rotation) as one: the baselines
+    must agree (same model, windows and settings), the engines are pooled."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    res = parts[0]
+    for p, r in zip(paths[1:], parts[1:]):
+        a, b = res["baseline"]["perplexity"]["perplexity"], r["baseline"]["perplexity"]["perplexity"]
+        if abs(a / b - 1) > 1e-6 or r["settings"] != res["settings"]:
+            raise SystemExit(f"{p}: another baseline or settings ({b} vs {a}); merge runs of one setup only.")
+        res["engines"].update(r["engines"])
+        res["calibration"].update(r["calibration"])
+    res["merged_from"] = [str(p) for p in paths]
+    res["commands"] = [r.get("command") for r in parts]
+    res["hosts"] = [r.get("host") for r in parts]
+    return res
+
+
+def write_outputs(res: dict, out: Path, stem: str) -> str:
+    ood = res["out_of_domain_text"]
+    table = summary_table(res, ood)
+    write_json_atomic(out / f"{stem}.json", res)
+    write_text_atomic(out / f"{stem}.md", "# SmolLM2-135M: KV rotation and FP8 robustness, through the engine\n\n"
+                      + table + "\n## Every metric (held-out text)\n\n" + markdown_table(res))
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -98,7 +124,13 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--attention-tokens", type=int, default=512)
+    ap.add_argument("--merge", nargs="+", type=Path, default=None,
+                    help="only write <out>/rotation_accuracy[_TAG].json/.md from these runs' JSON files")
     args = ap.parse_args()
+    stem = "rotation_accuracy" + (f"_{args.tag}" if args.tag else "")
+    if args.merge:
+        print(write_outputs(merge(args.merge), Path(args.out), stem))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -137,12 +169,7 @@ def main() -> None:
     res["host"] = {"machine": platform.machine(), "device": args.device, "torch": torch.__version__,
                    "threads": torch.get_num_threads(), "python": sys.version.split()[0],
                    "wall_s": round(time.perf_counter() - t0, 1)}
-    stem = "rotation_accuracy" + (f"_{args.tag}" if args.tag else "")
-    write_json_atomic(out / f"{stem}.json", res)
-    table = summary_table(res, args.ood)
-    write_text_atomic(out / f"{stem}.md", "# SmolLM2-135M: KV rotation and FP8 robustness, through the engine\n\n"
-                      + table + "\n## Every metric (held-out text)\n\n" + markdown_table(res))
-    print(table)
+    print(write_outputs(res, out, stem))
     print(json.dumps(res["timing_s"]))
 
 

@@ -147,6 +147,8 @@ def build_trtllm_engine(ctx: Context, out: Path) -> dict[str, Any]:
         from calibration.calibrate import layer_amax
 
         k_amax, v_amax = layer_amax(ctx.dirs["calibrate"])
+        # kv.scale_margin: the same headroom as the torch engine's scales (kv_cache_scaling_factor = amax / qmax)
+        k_amax, v_amax = k_amax * r.kv.scale_margin, v_amax * r.kv.scale_margin
     ckpt = out / "checkpoint"
     ckpt.mkdir()
     info = write_trtllm_checkpoint(
