@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from calibration.calibrate import run_calibration, scales_for
+from calibration.calibrate import calibration_rotation, run_calibration, scales_for
 from calibration.evaluate import EngineKV, EvalSettings, run_evaluation
 from calibration.files import write_json_atomic, write_text_atomic
 from calibration.report import markdown_table
@@ -124,6 +124,9 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--attention-tokens", type=int, default=512)
+    ap.add_argument("--calibrated", nargs="*", default=[], metavar="DIR",
+                    help="calibration directories to reuse (their calibration.json names the rotation), e.g. "
+                         "an earlier run's calib-none and calib-hadamard-s0")
     ap.add_argument("--merge", nargs="+", type=Path, default=None,
                     help="only write <out>/rotation_accuracy[_TAG].json/.md from these runs' JSON files")
     args = ap.parse_args()
@@ -148,7 +151,13 @@ def main() -> None:
     if wanted is not None:  # calibrate only for the rotations the subset uses
         rotations = [r for r in rotations if any(("+" in n) == r.active for n in wanted)]
     calib, cal_facts = {}, {}
+    reuse = {calibration_rotation(d): Path(d) for d in args.calibrated}
     for rot in rotations:
+        if rot.name in reuse:
+            calib[rot] = reuse[rot.name]
+            cal_facts[rot.name] = {"reused": str(reuse[rot.name]),
+                                   **json.loads((reuse[rot.name] / "calibration.json").read_text())["timing_s"]}
+            continue
         calib[rot] = work / f"calib-{rot.name}"
         calib[rot].mkdir()
         cal_facts[rot.name] = run_calibration(model_dir, calib[rot], num_samples=args.calib_samples,
