@@ -46,6 +46,7 @@ FP8_CANDIDATES = [
     ("fp8_e4m3-per_head", KVFormat("fp8_e4m3", "per_head"), 1.0),
     ("fp8_e4m3-per_token", KVFormat("fp8_e4m3", "per_token"), 1.0),
 ]
+MODULE = "python -m benchmarks.rotation_accuracy"
 DEFAULT_OOD = Path(__file__).resolve().parents[1] / "calibration" / "data" / "out_of_domain"
 
 
@@ -97,12 +98,31 @@ def merge(paths: list[Path]) -> dict:
     return res
 
 
+def conditions(res: dict) -> str:
+    """Where and how the numbers were measured, from the results themselves."""
+    s = res["settings"]
+    hosts = res.get("hosts") or [res.get("host")]
+    # runs that recorded sys.argv whole name the script by its path
+    cmds = [c and MODULE + " " + c.split(" ", 1)[1] for c in res.get("commands") or [res.get("command")]]
+    cal = ", ".join(f"{k}: {'reused ' + v['reused'] if 'reused' in v else str(v.get('seconds')) + ' s'}"
+                    for k, v in res.get("calibration", {}).items())
+    lines = [
+        f"Perplexity: {s['perplexity_tokens']} tokens in windows of {s['perplexity_window']} of the built-in held-out "
+        f"split and of `{Path(res['out_of_domain_text']).name}` (out of domain); greedy: {s['greedy_prompts']} prompts "
+        f"x {s['greedy_tokens']} tokens, teacher-forced on the baseline's; passkey: {s['passkey_trials']} trials at "
+        f"each of {s['passkey_lengths']} tokens. Calibration: built-in corpus, max policy, once per rotation ({cal}).",
+        "Hosts: " + "; ".join(f"{h['device']} ({h['machine']}), torch {h['torch']}, {h['threads']} thread(s), "
+                                f"Python {h['python']}, {h['wall_s']} s" for h in hosts if h) + ".",
+        "", "Commands:", "", *(f"    {c}" for c in cmds if c), ""]
+    return "\n".join(lines)
+
+
 def write_outputs(res: dict, out: Path, stem: str) -> str:
     ood = res["out_of_domain_text"]
     table = summary_table(res, ood)
     write_json_atomic(out / f"{stem}.json", res)
     write_text_atomic(out / f"{stem}.md", "# SmolLM2-135M: KV rotation and FP8 robustness, through the engine\n\n"
-                      + table + "\n## Every metric (held-out text)\n\n" + markdown_table(res))
+                      + conditions(res) + "\n" + table + "\n## Every metric (held-out text)\n\n" + markdown_table(res))
     return table
 
 
@@ -132,6 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     stem = "rotation_accuracy" + (f"_{args.tag}" if args.tag else "")
     if args.merge:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         print(write_outputs(merge(args.merge), Path(args.out), stem))
         return
     if args.threads:
@@ -173,7 +194,7 @@ def main() -> None:
     )
     res = run_evaluation(model_dir, engines, None, settings, device=args.device, progress=True)
     res["out_of_domain_text"] = args.ood
-    res["command"] = " ".join(sys.argv)
+    res["command"] = " ".join([MODULE, *sys.argv[1:]])
     res["calibration"] = cal_facts
     res["host"] = {"machine": platform.machine(), "device": args.device, "torch": torch.__version__,
                    "threads": torch.get_num_threads(), "python": sys.version.split()[0],
