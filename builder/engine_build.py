@@ -56,7 +56,6 @@ def calibrated_scales(ctx: Context, fmt: KVFormat) -> tuple[torch.Tensor, torch.
         raise StageError(f"{ctx.dirs['calibrate']} was calibrated with KV rotation {got!r}, the recipe's "
                          f"kv.rotation is {want!r}: scales must describe what the cache stores; re-run calibrate.")
     k, v = scales_for(ctx.dirs["calibrate"], fmt, ctx.recipe.calibration.policy)
-    k, v = k * ctx.recipe.kv.scale_margin, v * ctx.recipe.kv.scale_margin  # headroom beyond the calibration data
     if ctx.recipe.kv.clamp_fp8_scales_to_one and fmt.is_fp8:
         # ModelOpt's TensorRT-LLM export numerics: FP8 KV scales clamped to >= 1.0.
         k, v = k.clamp_min(1.0), v.clamp_min(1.0)
@@ -147,8 +146,6 @@ def build_trtllm_engine(ctx: Context, out: Path) -> dict[str, Any]:
         from calibration.calibrate import layer_amax
 
         k_amax, v_amax = layer_amax(ctx.dirs["calibrate"])
-        # kv.scale_margin: the same headroom as the torch engine's scales (kv_cache_scaling_factor = amax / qmax)
-        k_amax, v_amax = k_amax * r.kv.scale_margin, v_amax * r.kv.scale_margin
     ckpt = out / "checkpoint"
     ckpt.mkdir()
     info = write_trtllm_checkpoint(

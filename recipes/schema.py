@@ -51,10 +51,6 @@ class KVSection(Section):
     clamp_fp8_scales_to_one: bool = Field(
         False, description="Reproduce ModelOpt's TensorRT-LLM export, which clamps FP8 KV scales to >= 1.0."
     )
-    scale_margin: float = Field(
-        1.0, ge=1.0, le=64.0, description="Static (per_tensor / per_head) scales = calibrated amax x this / qmax: "
-        "headroom for keys larger than the calibration text's. Nearly free for fp8, whose relative precision is "
-        "the same at any scale down to its subnormals; int8/int4 lose resolution in proportion.")
     rotation: Rotation = Field(
         "none", description="hadamard: K (with q, after RoPE) and V rotated by a normalized Walsh-Hadamard "
         "transform over head_dim before they are stored (docs/kv-rotation.md); exact without quantization, "
@@ -182,9 +178,6 @@ class Recipe(Section):
                     "kv.granularity: TensorRT-LLM stores one KV scale per layer (per_tensor); use "
                     "granularity: per_tensor, or backend: torch for per_head / per_token scales."
                 )
-        if kv.scale_margin != 1.0 and kv.granularity == "per_token":
-            raise ValueError("kv.scale_margin applies to calibrated scales (per_tensor / per_head); per_token "
-                             "scales are computed from each token when it is written: remove scale_margin.")
         if kv.clamp_fp8_scales_to_one and not (kv.dtype.startswith("fp8") and kv.granularity != "per_token"):
             raise ValueError("kv.clamp_fp8_scales_to_one applies only to static fp8 scales (per_tensor/per_head).")
         if b.max_input_len > b.max_seq_len:

@@ -197,14 +197,6 @@ def _recipe(**kv):
     return {"name": "r", "model": {"source": "synthetic", "preset": "smollm2-135m"}, "kv": kv}
 
 
-def test_scale_margin_is_for_calibrated_scales_only():
-    assert Recipe.model_validate(_recipe(dtype="fp8_e4m3", scale_margin=2.0)).kv.scale_margin == 2.0
-    with pytest.raises(ValueError, match="kv.scale_margin applies to calibrated scales"):
-        Recipe.model_validate(_recipe(dtype="int8", granularity="per_token", scale_margin=2.0))
-    with pytest.raises(ValueError, match="scale_margin"):
-        Recipe.model_validate(_recipe(dtype="fp8_e4m3", scale_margin=0.5))
-
-
 def test_recipe_rotation_field_and_tensorrt_llm_rejects_it_with_the_alternatives():
     r = Recipe.model_validate(_recipe(dtype="int4", granularity="per_token", symmetric=False, rotation="hadamard"))
     assert r.kv.kv_rotation() == KVRotation("hadamard", 0)
@@ -216,7 +208,7 @@ def test_recipe_rotation_field_and_tensorrt_llm_rejects_it_with_the_alternatives
 
 TINY = """name: tiny-rot-{rotation}
 model: {{source: hf, path: {path}, dtype: fp32}}
-kv: {{dtype: fp8_e4m3, granularity: per_tensor, rotation: {rotation}, scale_margin: {margin}}}
+kv: {{dtype: fp8_e4m3, granularity: per_tensor, rotation: {rotation}}}
 calibration: {{num_samples: 2, seq_len: 16}}
 build: {{max_batch_size: 2, max_input_len: 32, max_seq_len: 64, block_size: 16}}
 accuracy: {{enabled: false}}
@@ -235,7 +227,7 @@ def test_pipeline_calibrates_rotated_kv_separately_and_records_the_rotation(tmp_
     engines = {}
     for rotation in ("none", "hadamard"):
         recipe = tmp_path / f"{rotation}.yaml"
-        recipe.write_text(TINY.format(path=tmp_path / "hf", rotation=rotation, margin=2 if rotation != "none" else 1))
+        recipe.write_text(TINY.format(path=tmp_path / "hf", rotation=rotation))
         code, text = run_cli(["build", "--recipe", str(recipe), "--work-dir", str(work), "--until", "deploy"], capsys)
         assert code == 0, text
         engines[rotation] = work / "engines" / f"tiny-rot-{rotation}" / "engine"
@@ -257,7 +249,7 @@ def test_pipeline_calibrates_rotated_kv_separately_and_records_the_rotation(tmp_
     eng = Engine.from_dir(engines["hadamard"], num_blocks=8)
     try:
         assert eng.stats.kv_rotation == "hadamard-s0"
-        assert torch.equal(eng.runner.caches[0].k_scale, 2 * k_rot[0])  # kv.scale_margin: 2
+        assert torch.equal(eng.runner.caches[0].k_scale, k_rot[0])
     finally:
         eng.shutdown()
 
