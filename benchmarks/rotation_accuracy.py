@@ -103,7 +103,8 @@ def conditions(res: dict) -> str:
     s = res["settings"]
     hosts = res.get("hosts") or [res.get("host")]
     # runs that recorded sys.argv whole name the script by its path
-    cmds = [c and MODULE + " " + c.split(" ", 1)[1] for c in res.get("commands") or [res.get("command")]]
+    cmds = [c if not c or c.startswith(MODULE) else MODULE + " " + c.split(" ", 1)[1]
+            for c in res.get("commands") or [res.get("command")]]
     cal = ", ".join(f"{k}: {'reused ' + v['reused'] if 'reused' in v else str(v.get('seconds')) + ' s'}"
                     for k, v in res.get("calibration", {}).items())
     lines = [
