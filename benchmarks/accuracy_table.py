@@ -80,7 +80,9 @@ def simulation_perplexity(model_dir: Path, specs: list[EngineKV], settings: Eval
     for e in specs:
         m = model
         if e.rotation.active:
-            m = rotated.setdefault(e.rotation, load_model(model_dir, device=device, rotation=e.rotation))
+            if e.rotation not in rotated:
+                rotated[e.rotation] = load_model(model_dir, device=device, rotation=e.rotation)
+            m = rotated[e.rotation]
         ppl = perplexity(DenseScorer(m, KVRoundTrip(e.fmt, m.cfg.num_layers, e.k_scale, e.v_scale)), windows)
         out[e.name] = {"perplexity": ppl["perplexity"], "change_pct": (ppl["perplexity"] / base - 1) * 100}
         print(f"simulation {e.name}: {out[e.name]['change_pct']:+.2f}%", flush=True)
