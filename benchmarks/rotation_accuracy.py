@@ -50,11 +50,11 @@ MODULE = "python -m benchmarks.rotation_accuracy"
 DEFAULT_OOD = Path(__file__).resolve().parents[1] / "calibration" / "data" / "out_of_domain"
 
 
-def specs(calib: dict[KVRotation, Path]) -> list[EngineKV]:
+def specs(calib: dict[KVRotation, Path], formats: list[tuple[str, KVFormat, float]]) -> list[EngineKV]:
     """Every engine for the calibrated rotations."""
     out = []
     for rot in calib:
-        for name, fmt, margin in FORMATS + FP8_CANDIDATES:
+        for name, fmt, margin in formats:
             k = v = None
             if fmt.static:
                 k, v = (s * margin for s in scales_for(calib[rot], fmt))
@@ -141,6 +141,9 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--calib-len", type=int, default=512)
     ap.add_argument("--only", default=None, help="comma-separated engine names (a subset)")
+    ap.add_argument("--formats", default=None,
+                    help="comma-separated KV format names (runtime.engine_dir.parse_kv_format_name) measured with "
+                         "and without the rotation, instead of the built-in list")
     ap.add_argument("--no-engine-greedy", action="store_true", help="skip free-running generation (time)")
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -171,7 +174,12 @@ def main() -> None:
     wanted = args.only.split(",") if args.only else None
     rotations = [NO_ROTATION, HADAMARD]
     if wanted is not None:  # calibrate only for the rotations the subset uses
-        rotations = [r for r in rotations if any(("+" in n) == r.active for n in wanted)]
+        rotations = [r for r in rotations if any(n.endswith(f"+{HADAMARD.name}") == r.active for n in wanted)]
+    formats = FORMATS + FP8_CANDIDATES
+    if args.formats:
+        from runtime.engine_dir import parse_kv_format_name
+
+        formats = [(n, parse_kv_format_name(n), 1.0) for n in args.formats.split(",")]
     calib, cal_facts = {}, {}
     reuse = {calibration_rotation(d): Path(d) for d in args.calibrated}
     for rot in rotations:
@@ -186,7 +194,7 @@ def main() -> None:
                                               seq_len=args.calib_len, policy="max", seed=0, device=args.device,
                                               rotation=rot)
         print(f"calibrated ({rot.name}) in {cal_facts[rot.name]['seconds']} s", flush=True)
-    engines = [e for e in specs(calib) if wanted is None or e.name in wanted]
+    engines = [e for e in specs(calib, formats) if wanted is None or e.name in wanted]
     settings = EvalSettings(
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
