@@ -37,9 +37,11 @@ from calibration.perplexity import eval_windows, perplexity
 from calibration.report import markdown_table
 from runtime.config import ModelConfig
 from runtime.kv_format import KVFormat
+from runtime.rotation import KVRotation
 
 DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 GRANULARITIES = ("per_tensor", "per_head", "per_token")
+HADAMARD = KVRotation("hadamard", 0)
 
 
 def engines(calib: Path, mo_amax: tuple[torch.Tensor, torch.Tensor] | None) -> list[EngineKV]:
@@ -49,6 +51,10 @@ def engines(calib: Path, mo_amax: tuple[torch.Tensor, torch.Tensor] | None) -> l
             f = KVFormat(d, g)
             k, v = scales_for(calib, f) if f.static else (None, None)
             out.append(EngineKV(f.name, f, k, v, "max policy" if f.static else "dynamic per-token scales"))
+    # K/V rotated before they are stored (docs/kv-rotation.md): dynamic formats, which need no rotated calibration
+    for f in (KVFormat("int4", "per_token", False), KVFormat("int8", "per_token"), KVFormat("fp8_e4m3", "per_token")):
+        out.append(EngineKV(f"{f.name}+{HADAMARD.name}", f, note="dynamic per-token scales, Hadamard rotation",
+                            rotation=HADAMARD))
     for g in ("per_tensor", "per_head"):
         f = KVFormat("int4", g)
         k, v = scales_for(calib, f, policy="mse")
@@ -70,8 +76,14 @@ def simulation_perplexity(model_dir: Path, specs: list[EngineKV], settings: Eval
                            settings.eval_data)
     base = perplexity(DenseScorer(model), windows)["perplexity"]
     out = {}
+    rotated = {}  # a rotated engine's simulation runs the model with the same rotation folded in
     for e in specs:
-        ppl = perplexity(DenseScorer(model, KVRoundTrip(e.fmt, model.cfg.num_layers, e.k_scale, e.v_scale)), windows)
+        m = model
+        if e.rotation.active:
+            if e.rotation not in rotated:
+                rotated[e.rotation] = load_model(model_dir, device=device, rotation=e.rotation)
+            m = rotated[e.rotation]
+        ppl = perplexity(DenseScorer(m, KVRoundTrip(e.fmt, m.cfg.num_layers, e.k_scale, e.v_scale)), windows)
         out[e.name] = {"perplexity": ppl["perplexity"], "change_pct": (ppl["perplexity"] / base - 1) * 100}
         print(f"simulation {e.name}: {out[e.name]['change_pct']:+.2f}%", flush=True)
     return {"baseline_perplexity": base, "engines": out}

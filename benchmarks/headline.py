@@ -40,6 +40,7 @@ from runtime.config import PRESETS
 from runtime.engine import Engine
 from runtime.kv_format import KVFormat, kv_bytes_per_token
 from runtime.model import PagedBatch
+from runtime.rotation import NO_ROTATION, KVRotation
 
 FORMATS = {
     "bf16": KVFormat("bf16"),
@@ -47,19 +48,26 @@ FORMATS = {
     "int8-per_tensor": KVFormat("int8", "per_tensor"),
     "int8-per_token": KVFormat("int8", "per_token"),
     "int4-per_token-asym": KVFormat("int4", "per_token", symmetric=False),
+    "fp8_e4m3-per_token": KVFormat("fp8_e4m3", "per_token"),
 }
+# "<format>+hadamard": the same format with kv.rotation: hadamard (one more small GEMM per layer over q/k)
+ROTATED = "+hadamard"
+CHOICES = [*FORMATS, *(n + ROTATED for n, f in FORMATS.items() if f.quantized)]
 GIB = 2**30
 
 
 def make_engine_dir(root: Path, name: str, fmt: KVFormat, block: int, max_batch: int, max_seq: int,
-                    preset: str) -> Path:
+                    preset: str, rotation: KVRotation = NO_ROTATION) -> Path:
     cfg = PRESETS[preset]
     d = root / name
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
     (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
-    (d / "kv_format.json").write_text(json.dumps({"dtype": fmt.dtype, "granularity": fmt.granularity,
-                                                  "symmetric": fmt.symmetric, "scale_dtype": fmt.scale_dtype}))
+    kv = {"dtype": fmt.dtype, "granularity": fmt.granularity, "symmetric": fmt.symmetric,
+          "scale_dtype": fmt.scale_dtype}
+    if rotation.active:
+        kv["rotation"] = rotation.to_json(cfg.head_dim)
+    (d / "kv_format.json").write_text(json.dumps(kv))
     (d / "engine.json").write_text(json.dumps({"max_batch_size": max_batch, "max_seq_len": max_seq,
                                                "block_size": block, "max_input_len": 8192}))
     if fmt.static:  # |K|,|V| of the random-weight model stay well under 4: scale = 4 / qmax
@@ -177,9 +185,10 @@ def e2e_tok_s(row: dict) -> float:
 def measure_format(args, name: str, root: Path, eq: int | None) -> dict:
     """One engine: everything it allocates dies with this frame, so the next format gets the GPU back."""
     cfg = PRESETS[args.preset]
-    fmt = FORMATS[name]
+    fmt = FORMATS[name.removesuffix(ROTATED)]
+    rotation = KVRotation("hadamard") if name.endswith(ROTATED) else NO_ROTATION
     ctx, out_len = args.prompt, args.output
-    d = make_engine_dir(root, name, fmt, args.block, 4096, ctx + out_len + args.block, args.preset)
+    d = make_engine_dir(root, name, fmt, args.block, 4096, ctx + out_len + args.block, args.preset, rotation)
     engine = Engine.from_dir(d, device=args.device, memory_budget=int(args.kv_gib * GIB), attention="auto")
     try:
         per_req = math.ceil((ctx + out_len) / args.block)
@@ -327,7 +336,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--block", type=int, default=64)
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=CHOICES)
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-budget-s", type=float, default=1e9, help="Start no new format after this long.")

@@ -31,6 +31,12 @@ def _best(rows: list[dict[str, Any]], key: str = "tokens_per_s") -> dict[str, di
     return {r["label"]: max(r["runs"], key=lambda x: x[key]) for r in rows}
 
 
+def kv_label(r: dict[str, Any]) -> str:
+    """The KV format as the tables show it: with its rotation when K/V are rotated before storing."""
+    rot = r.get("kv_rotation", "none")  # reports written before rotations existed lack the key
+    return r["kv_format"] if rot == "none" else f"{r['kv_format']} + {rot}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     rows, wl = report["engines"], report["workload"]
     base = rows[0]
@@ -45,7 +51,7 @@ def markdown(report: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['label']} | {r['kv_format']} | {r['bytes_per_token'] / KIB:.2f} | {r['pool_tokens']:,} | "
+            f"| {r['label']} | {kv_label(r)} | {r['bytes_per_token'] / KIB:.2f} | {r['pool_tokens']:,} | "
             f"{r['max_concurrency']} @{r['context_len']} | {r['pool_tokens'] / base['pool_tokens']:.2f}x | "
             f"{r['planned_pool_bytes'] / MIB:.1f} | {r['measured_pool_bytes'] / MIB:.1f} | "
             f"{r['planner_error_pct']:+.2f}% | {r['peak_memory_bytes'] / MIB:.0f} |")
@@ -107,7 +113,7 @@ def plot_concurrency(report: dict[str, Any], path: Path) -> None:
         fits = [(c, r["pool_blocks"] // -(-c // r["block_size"])) for c in ctxs]  # whole blocks per request
         fits = [(c, n) for c, n in fits if n > 0]  # a log axis has no zero
         if fits:
-            ax.plot(*zip(*fits), marker="o", label=f"{r['label']} ({r['kv_format']})")
+            ax.plot(*zip(*fits), marker="o", label=f"{r['label']} ({kv_label(r)})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("context length per request (tokens)")

@@ -52,6 +52,12 @@ def calibrated_scales(ctx: Context, fmt: KVFormat) -> tuple[torch.Tensor, torch.
 
     if "calibrate" not in ctx.dirs:
         raise StageError(f"{fmt.name} needs calibrated scales but the calibrate stage did not run.")
+    from calibration.calibrate import calibration_rotation
+
+    want, got = ctx.recipe.kv.kv_rotation().name, calibration_rotation(ctx.dirs["calibrate"])
+    if want != got:
+        raise StageError(f"{ctx.dirs['calibrate']} was calibrated with KV rotation {got!r}, the recipe's "
+                         f"kv.rotation is {want!r}: scales must describe what the cache stores; re-run calibrate.")
     k, v = scales_for(ctx.dirs["calibrate"], fmt, ctx.recipe.calibration.policy)
     if ctx.recipe.kv.clamp_fp8_scales_to_one and fmt.is_fp8:
         # ModelOpt's TensorRT-LLM export numerics: FP8 KV scales clamped to >= 1.0.
@@ -113,11 +119,17 @@ def layer_formats(ctx: Context) -> tuple[KVFormat, ...]:
 
 
 def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
+    from runtime.config import ModelConfig
+
     formats = layer_formats(ctx)
+    rot = ctx.recipe.kv.kv_rotation()
     name = formats_name(formats)
     files = link_tree(ctx.dirs["convert"], out)
-    _write_json(out / "kv_format.json", formats_to_json(formats))
-    outputs: dict[str, Any] = {"backend": "torch", "kv_format": name, "files": files}
+    kv_json = formats_to_json(formats)
+    if rot.active:  # the runtime folds it into the weights at load time (runtime/rotation.py)
+        kv_json["rotation"] = rot.to_json(ModelConfig.from_dir(ctx.dirs["convert"]).head_dim)
+    _write_json(out / "kv_format.json", kv_json)
+    outputs: dict[str, Any] = {"backend": "torch", "kv_format": name, "kv_rotation": rot.name, "files": files}
     if uniform_format(formats) is None:
         outputs["layer_formats"] = [f.name for f in formats]
     if any(f.static for f in formats):
@@ -131,9 +143,10 @@ def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
     settings = {**engine_settings(ctx), "batch_invariant": ctx.recipe.build.batch_invariant,
                 "prefix_caching": ctx.recipe.build.prefix_caching, "tp": ctx.recipe.build.tp}
     # for readers of the directory; the engine itself reads kv_format.json
-    _write_json(out / "engine.json", {**settings, "kv_format": name})
+    _write_json(out / "engine.json", {**settings, "kv_format": name, "kv_rotation": rot.name})
     outputs["engine"] = settings
-    outputs["summary"] = f"torch engine{f' TP{ctx.recipe.build.tp}' if ctx.recipe.build.tp > 1 else ''}, KV {name}"
+    outputs["summary"] = (f"torch engine{f' TP{ctx.recipe.build.tp}' if ctx.recipe.build.tp > 1 else ''}, KV {name}"
+                          + (f", rotation {rot.name}" if rot.active else ""))
     return outputs
 
 

@@ -74,15 +74,29 @@ def _calibrate_run(ctx: Context, tmp: Path) -> dict[str, Any]:
     return run_calibration(
         model_dir=ctx.dirs["convert"], out_dir=tmp, dataset=c.dataset, num_samples=c.num_samples,
         seq_len=c.seq_len, policy=c.policy, seed=c.seed, streaming=c.streaming, device=ctx.device,
-        percentile=c.percentile, progress=True,
+        percentile=c.percentile, progress=True, rotation=ctx.recipe.kv.kv_rotation(),
     )
+
+
+def _calibrate_dir(ctx: Context) -> Path:
+    """Rotated K/V have other statistics: their calibration lives beside the unrotated one."""
+    rot = ctx.recipe.kv.kv_rotation()
+    suffix = f"-{rot.name}" if rot.active else ""
+    return _model_dir(ctx) / f"calibrate-{ctx.section_digest('calibration')}{suffix}"
+
+
+def _calibrate_key(ctx: Context) -> dict[str, Any]:
+    key = {"calibration": ctx.recipe.calibration.model_dump(mode="json"), "inputs": upstream(ctx, "convert")}
+    rot = ctx.recipe.kv.kv_rotation()
+    if rot.active:  # absent when unrotated, so earlier calibrations still match
+        key["kv_rotation"] = rot.name
+    return key
 
 
 CALIBRATE = Stage(
     "calibrate",
-    out_dir=lambda ctx: _model_dir(ctx) / f"calibrate-{ctx.section_digest('calibration')}",
-    key=lambda ctx: {"calibration": ctx.recipe.calibration.model_dump(mode="json"),
-                     "inputs": upstream(ctx, "convert")},
+    out_dir=_calibrate_dir,
+    key=_calibrate_key,
     run=_calibrate_run,
     skip_reason=_needs_calibration,
     summary=lambda o: f"{o.get('num_samples', '?')} samples x {o.get('seq_len', '?')} tokens"

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from runtime.config import ModelConfig
 from runtime.errors import InputError
 from runtime.kv_format import KVFormat
+from runtime.rotation import NO_ROTATION, KVRotation
 
 from . import corpus
 from .files import save_tensors_atomic, write_json_atomic
@@ -57,9 +58,10 @@ def calibration_windows(model_dir: str | Path, cfg: ModelConfig, dataset: str, n
 
 # ------------------------------------------------------------------ stage
 def collect_stats(model_dir: str | Path, windows: torch.Tensor, streaming: bool, device: str = "cpu",
-                  dtype: str | None = None, progress: bool = False) -> KVStats:
-    """K/V statistics of every layer over `windows`; progress: a per-batch rich bar on stderr."""
-    model = load_model(model_dir, device=device, dtype=dtype, streaming=streaming)
+                  dtype: str | None = None, progress: bool = False, rotation: KVRotation = NO_ROTATION) -> KVStats:
+    """K/V statistics of every layer over `windows`; progress: a per-batch rich bar on stderr.
+    rotation: the engine's KV rotation, so the statistics describe the K/V it stores."""
+    model = load_model(model_dir, device=device, dtype=dtype, streaming=streaming, rotation=rotation)
     c = model.cfg
     stats = KVStats(c.num_layers, c.num_kv_heads, c.head_dim)
     run = collect_layer_streaming if streaming else collect_whole_model
@@ -75,8 +77,10 @@ def _round(t: torch.Tensor, nd: int = 6) -> list:
 def run_calibration(model_dir: str | Path, out_dir: str | Path, dataset: str = "builtin", num_samples: int = 64,
                     seq_len: int = 512, policy: str = "max", seed: int = 0, streaming: bool = False,
                     device: str = "cpu", percentile: float = DEFAULT_PERCENTILE,
-                    dtype: str | None = None, progress: bool = False) -> dict:
+                    dtype: str | None = None, progress: bool = False, rotation: KVRotation = NO_ROTATION) -> dict:
     """Calibrate `model_dir` and write kv_stats / kv_scales / calibration.json into `out_dir`.
+
+    rotation: the KV rotation of the engines these scales are for (scales describe what is stored).
 
     `out_dir` must exist (the pipeline hands in a temporary directory it later
     renames). Returns the facts for the stage manifest.
@@ -89,7 +93,7 @@ def run_calibration(model_dir: str | Path, out_dir: str | Path, dataset: str = "
     t0 = time.perf_counter()
     windows, data_desc = calibration_windows(model_dir, cfg, dataset, num_samples, seq_len, seed)
     t1 = time.perf_counter()
-    stats = collect_stats(model_dir, windows, streaming, device, dtype, progress)
+    stats = collect_stats(model_dir, windows, streaming, device, dtype, progress, rotation)
     t2 = time.perf_counter()
 
     scales: dict[str, torch.Tensor] = {}
@@ -115,6 +119,7 @@ def run_calibration(model_dir: str | Path, out_dir: str | Path, dataset: str = "
         "percentile": percentile if policy == "percentile" else None,
         "scale_convention": "dequantization scale s = clip / qmax (x ~= q * s)",
         "mode": "layer-streaming" if streaming else "whole-model",
+        "kv_rotation": rotation.to_json(cfg.head_dim),
         "device": device,
         "dtype": dtype or "model default",
         "num_samples": num_samples,
@@ -136,7 +141,7 @@ def run_calibration(model_dir: str | Path, out_dir: str | Path, dataset: str = "
     return {
         "outputs": [STATS_FILE, SCALES_FILE, REPORT_FILE],
         "policy": policy, "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
-        "dataset": dataset, "streaming": streaming, "seconds": round(t3 - t0, 3),
+        "dataset": dataset, "streaming": streaming, "seconds": round(t3 - t0, 3), "kv_rotation": rotation.name,
     }
 
 
@@ -156,6 +161,16 @@ def calibration_policy(calib_dir: str | Path) -> str:
         return json.loads(p.read_text())["policy"]
     except (OSError, json.JSONDecodeError, KeyError) as e:
         raise InputError(f"{p} is missing or unreadable ({e}); re-run `kvq calibrate`.") from None
+
+
+def calibration_rotation(calib_dir: str | Path) -> str:
+    """The KV rotation (its name) the statistics of `calib_dir` were collected under."""
+    p = Path(calib_dir) / REPORT_FILE
+    try:
+        rot = json.loads(p.read_text()).get("kv_rotation") or {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{p} is missing or unreadable ({e}); re-run `kvq calibrate`.") from None
+    return KVRotation(rot.get("kind", "none"), rot.get("seed")).name
 
 
 def scales_for(calib_dir: str | Path, fmt: KVFormat, policy: str | None = None,

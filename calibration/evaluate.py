@@ -19,10 +19,11 @@ from typing import Any, Mapping
 import torch
 
 from runtime.config import ModelConfig
-from runtime.engine_dir import resolve_layer_formats, resolve_scales
+from runtime.engine_dir import resolve_layer_formats, resolve_rotation, resolve_scales
 from runtime.errors import InputError
 from runtime.kv_format import KVFormat
 from runtime.layer_formats import formats_name, formats_to_json, uniform_format
+from runtime.rotation import NO_ROTATION, KVRotation
 
 from . import corpus
 from .accuracy import PROMPTS, baseline_layer_inputs, chat_prompt_ids, engine_attention_error, greedy_agreement
@@ -61,6 +62,8 @@ class EvalSettings:
     batch_invariant: bool = True  # the engines' batch-invariant mode (runtime/batch_invariant.py)
     attention: str = "auto"  # the engines' attention backend: auto (kernels on CUDA) or reference
     eval_data: str = corpus.BUILTIN  # held-out text: 'builtin' or the user's .txt/.jsonl file or directory
+    # more texts scored for perplexity alone (e.g. another domain than the calibration data's), by path
+    extra_eval_data: list[str] = field(default_factory=list)
     seed: int = 0
 
     @classmethod
@@ -80,6 +83,7 @@ class EngineKV:
     k_scale: torch.Tensor | list | None = None  # [layers(, kv_heads)], or one entry per layer
     v_scale: torch.Tensor | list | None = None
     note: str = ""
+    rotation: KVRotation = NO_ROTATION  # K/V rotated before they are stored (runtime/rotation.py)
 
     @property
     def formats(self) -> tuple[KVFormat, ...]:
@@ -102,12 +106,13 @@ def engine_kv_from_dir(path: str | Path, name: str | None = None) -> EngineKV:
     cfg = ModelConfig.from_dir(d)
     formats = resolve_layer_formats(None, d, torch.float32, cfg.num_layers)
     k, v = resolve_scales(formats, None, d, cfg)
+    rot = resolve_rotation(None, d, cfg)
     one = uniform_format(formats)
     if one is None:
-        return EngineKV(name or d.name, formats, k, v, note=formats_name(formats))
+        return EngineKV(name or d.name, formats, k, v, note=formats_name(formats), rotation=rot)
     if one.static:
         k, v = torch.stack(k), torch.stack(v)
-    return EngineKV(name or d.name, one, k, v)
+    return EngineKV(name or d.name, one, k, v, rotation=rot)
 
 
 def _pct(a: float, b: float) -> float:
@@ -138,6 +143,8 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
     model = load_model(model_dir, device=device, dtype=dtype)
 
     windows = eval_windows(tok, s.perplexity_tokens, s.perplexity_window, s.eval_data)
+    extra = {str(p): eval_windows(tok, s.perplexity_tokens, s.perplexity_window, str(p),
+                                  field="extra_eval_data") for p in s.extra_eval_data}
     prompts = [chat_prompt_ids(tok, p) for p in (PROMPTS * 8)[: s.greedy_prompts]]
     trials = make_trials(tok, s.passkey_lengths, s.passkey_trials, s.seed, cfg.max_position_embeddings)
     flat_trials = [t.ids for ts in trials.values() for t in ts]
@@ -145,8 +152,12 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
     scored = _sequences_tokens(list(windows), flat_trials)
     inputs, _ = baseline_layer_inputs(model, windows[0, : s.attention_tokens])
 
-    def engine(fmt: KVFormat, k=None, v=None):
-        return evaluation_engine(model, model_dir, fmt, k, v, longest, batch=max(1, len(prompts)),
+    models = {NO_ROTATION: model}  # one model per KV rotation: the rotation is folded into its weights
+
+    def engine(fmt: KVFormat, k=None, v=None, rotation: KVRotation = NO_ROTATION):
+        if rotation not in models:
+            models[rotation] = load_model(model_dir, device=device, dtype=dtype, rotation=rotation)
+        return evaluation_engine(models[rotation], model_dir, fmt, k, v, longest, batch=max(1, len(prompts)),
                                  batch_invariant=s.batch_invariant, attention=s.attention)
 
     timing: dict[str, float] = {}
@@ -160,6 +171,7 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
         base = engine(baseline_format(model))
         try:
             base_ppl = perplexity(base, windows, bars.task("baseline perplexity", int(windows.numel())))
+            base_extra = {p: perplexity(base, w) for p, w in extra.items()}
             conts = greedy_continuations(base, prompts, s.greedy_tokens)
             base_passkey = passkey(base, trials, bars.task("baseline passkey", _sequences_tokens(flat_trials)))
             results["attention"] = base.stats.attention
@@ -170,19 +182,21 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
         results["baseline"] = {
             "kv": f"unquantized ({str(model.dtype).replace('torch.', '')})", "perplexity": base_ppl,
             "greedy": {"tokens": sum(c.numel() for c in conts)}, "passkey": base_passkey}
+        if extra:
+            results["baseline"]["perplexity_extra"] = base_extra
         greedy_tokens = _sequences_tokens(prompts, conts)
         for e in specs:
             t = time.perf_counter()
             if not e.quantized:
                 results["engines"][e.name] = {"kv_format": e.describe(), "note": e.note or "unquantized KV"}
                 continue
-            eng = engine(e.fmt, e.k_scale, e.v_scale)
+            eng = engine(e.fmt, e.k_scale, e.v_scale, e.rotation)
             try:
                 advance = bars.task(e.name, scored + greedy_tokens)
                 ppl = perplexity(eng, windows, advance)
                 pk = passkey(eng, trials, advance)
                 r = {
-                    "kv_format": e.describe(), "note": e.note,
+                    "kv_format": e.describe(), "kv_rotation": e.rotation.name, "note": e.note,
                     "perplexity": {**ppl, "change_pct": _pct(ppl["perplexity"], base_ppl["perplexity"])},
                     "greedy": greedy_agreement(eng, prompts, conts, advance),
                     "passkey": {**pk, "rate_relative": pk["rate"] / base_passkey["rate"] if base_passkey["rate"]
@@ -191,6 +205,12 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
                 }
                 if s.engine_greedy:
                     r["engine_greedy"] = engine_greedy(eng, prompts, conts)
+                if extra:
+                    r["perplexity_extra"] = {}
+                    for p, w in extra.items():
+                        ppl = perplexity(eng, w)
+                        r["perplexity_extra"][p] = {**ppl, "change_pct": _pct(ppl["perplexity"],
+                                                                              base_extra[p]["perplexity"])}
             finally:
                 eng.shutdown()
                 del eng

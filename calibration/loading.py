@@ -15,6 +15,7 @@ import torch
 from runtime.config import ModelConfig
 from runtime.errors import InputError
 from runtime.model import LlamaModel
+from runtime.rotation import NO_ROTATION, KVRotation
 from runtime.weights import open_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -39,10 +40,13 @@ def model_dtype(model_dir: str | Path, dtype: str | None = None) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-               streaming: bool = False) -> LlamaModel:
+               streaming: bool = False, rotation: KVRotation = NO_ROTATION) -> LlamaModel:
+    """rotation: the KV rotation folded into the weights (runtime/rotation.py), so observers see the
+    K and V a rotated engine stores."""
     cfg = ModelConfig.from_dir(model_dir)
     weights = open_weights(model_dir, cfg)
-    return LlamaModel(cfg, weights, device=device, dtype=model_dtype(model_dir, dtype), stream_layers=streaming)
+    return LlamaModel(cfg, weights, device=device, dtype=model_dtype(model_dir, dtype), stream_layers=streaming,
+                      rotation=rotation)
 
 
 def load_tokenizer(model_dir: str | Path):

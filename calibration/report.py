@@ -15,7 +15,8 @@ def _fmt_name(r: dict) -> str:
     name = f.get("dtype", "?")
     if f.get("dtype") not in ("fp32", "fp16", "bf16"):
         name += f" {f.get('granularity', '')}" + ("" if f.get("symmetric", True) else " asym")
-    return name
+    rot = r.get("kv_rotation", "none")  # results written before rotations existed lack the key
+    return name if rot == "none" else f"{name} + {rot}"
 
 
 def rows(results: dict[str, Any]) -> list[tuple[str, ...]]:

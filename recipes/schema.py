@@ -17,10 +17,12 @@ from runtime.errors import KvqError, UnsupportedError
 from runtime.kv_format import GRANULARITIES, KV_DTYPES, SCALE_DTYPES, KVFormat
 from runtime.layer_formats import layer_runs
 from runtime.parallel.sharding import check_parallelism
+from runtime.rotation import ROTATIONS, KVRotation
 
 KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 Granularity = Literal[GRANULARITIES]  # type: ignore[valid-type]
 ScaleDtype = Literal[SCALE_DTYPES]  # type: ignore[valid-type]
+Rotation = Literal[ROTATIONS]  # type: ignore[valid-type]
 
 # TensorRT-LLM's engine path stores one per-tensor scale per layer and knows only
 # INT8 and FP8 (e4m3) KV besides the unquantized baseline (trtllm.md §1.1-1.3).
@@ -65,6 +67,13 @@ class KVSection(Section):
         None, description="A KV format per layer, by layer range: {'0-1': 'int8-per_token', '2-29': "
         "'int4-per_token-asym'} (every layer once; format names as `kvq plan` prints them). The search stage "
         "writes this mapping for the formats it chose (search/recipe_kv.yaml), so a choice can be pinned.")
+    rotation: Rotation = Field(
+        "none", description="hadamard: K (with q, after RoPE) and V rotated by a normalized Walsh-Hadamard "
+        "transform over head_dim before they are stored (docs/kv-rotation.md); exact without quantization, "
+        "spreads outlier channels before it. Valid for every format of the torch backend.")
+    rotation_seed: int | None = Field(
+        0, ge=0, description="Seed of the rotation's random sign vector (recorded in the engine's "
+        "kv_format.json); null: the plain Walsh-Hadamard matrix.")
 
     def format(self) -> KVFormat:
         if self.dtype == "auto" or self.layers is not None:
@@ -76,6 +85,9 @@ class KVSection(Section):
     def per_layer(self) -> bool:
         """The formats differ per layer: chosen by the search stage (auto) or listed in kv.layers."""
         return self.dtype == "auto" or self.layers is not None
+
+    def kv_rotation(self) -> KVRotation:
+        return KVRotation(self.rotation, self.rotation_seed)
 
 
 class SearchSection(Section):
@@ -225,6 +237,12 @@ class Recipe(Section):
                 "format for all layers: kv.dtype fp8_e4m3 / int8 with granularity per_tensor, or fp16 / bf16."
             )
         if self.backend == "tensorrt-llm":
+            if kv.rotation != "none":
+                raise ValueError(
+                    "kv.rotation: TensorRT-LLM's attention has no KV rotation (it would need rotated queries "
+                    "and folded projections inside its engine); use kv.rotation: none with TensorRT-LLM, or "
+                    "backend: torch for hadamard."
+                )
             if kv.dtype == "int4":
                 raise ValueError(
                     "kv.dtype: TensorRT-LLM has no INT4 KV cache (its engine path stores INT8 or FP8 KV); "
@@ -271,6 +289,9 @@ class Recipe(Section):
             raise ValueError(f"build.pp: {b.pp} pipeline stages for {geo.num_layers} layers; use pp <= layers.")
         if self.kv.layers is not None:
             parse_layer_ranges(self.kv.layers, geo.num_layers)
+        if self.kv.rotation != "none" and geo.head_dim & (geo.head_dim - 1):
+            raise ValueError(f"kv.rotation: hadamard needs a power-of-two head_dim, this model has {geo.head_dim}; "
+                             "use kv.rotation: none.")
         if self.kv.dtype == "int4" and geo.head_dim % 2:
             raise ValueError(f"kv.dtype: int4 packs two values per byte and needs an even head_dim ({geo.head_dim}).")
         if b.max_seq_len > geo.max_position_embeddings:

@@ -27,11 +27,19 @@ from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
 from .decode_burst import DecodeBurst
-from .engine_dir import load_tokenizer, read_settings, resolve_dtype, resolve_layer_formats, resolve_scales
+from .engine_dir import (
+    load_tokenizer,
+    read_settings,
+    resolve_dtype,
+    resolve_layer_formats,
+    resolve_rotation,
+    resolve_scales,
+)
 from .errors import InputError, KvqError, RequestError, UnsupportedError
 from .kv_format import KVFormat
 from .layer_formats import as_layer_formats, formats_name, uniform_format
 from .model import LlamaModel
+from .rotation import KVRotation
 from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
 from .sampling import SamplingParams
 from .scheduler import KVCacheUsage, Scheduler, Sequence, TokenCallback
@@ -103,7 +111,7 @@ class Engine:
                 for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
             ),
             cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
-            burst_steps=burst_steps, fused_ops=fused_ops,
+            burst_steps=burst_steps, fused_ops=fused_ops, kv_rotation=model.rotation.name,
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -135,11 +143,14 @@ class Engine:
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
         batch_invariant: bool | None = None, prefix_caching: bool | None = None, tp: int | None = None,
         tp_invariant: bool | None = None, burst_steps: int | None = None, fused_ops: bool | None = None,
+        kv_rotation: KVRotation | str | None = None,
     ) -> Engine:
         """tp > 1: this process is rank 0 of a tensor-parallel engine and starts the other ranks
         (or, under torchrun, every rank calls this; ranks other than 0 serve until rank 0 shuts
         down, then return their stopped engine). tp_invariant: the same bits for every tp
-        (docs/tensor_parallel.md). runtime/parallel/ has the details."""
+        (docs/tensor_parallel.md). runtime/parallel/ has the details.
+        kv_rotation: None reads the engine's own (kv_format.json "rotation"); 'none' / 'hadamard' /
+        a KVRotation override it (the weights are folded at load time, so any rotation is exact)."""
         rank_args = {k: v for k, v in locals().items() if k not in ("cls", "path")}  # every rank's from_dir
         d = Path(path)
         if not d.is_dir():
@@ -152,8 +163,12 @@ class Engine:
         torch_dtype = resolve_dtype(dtype, dev, d)
         fmt = resolve_layer_formats(kv_format, d, torch_dtype, cfg.num_layers)
         k_scales, v_scales = resolve_scales(fmt, kv_scales, d, cfg)
+        rotation = resolve_rotation(kv_rotation, d, cfg)
         tp = _pick(tp, settings.tp)
         if tp > 1:
+            if rotation.active:
+                raise UnsupportedError("kv_rotation: a tensor-parallel engine loads its weight shards unfolded; "
+                                       "use kv.rotation: none with build.tp > 1.")
             model = parallel.load_rank(cfg, d, dev, torch_dtype, tp, rank_args, cls.from_dir)
             k_scales, v_scales = (parallel.slice_kv_scales(s, model.shard) for s in (k_scales, v_scales))
             try:
@@ -161,14 +176,14 @@ class Engine:
             except BaseException:
                 model.group.close(abort=True)
                 raise
-        model = LlamaModel(cfg, open_weights(d, cfg), dev, torch_dtype)
+        model = LlamaModel(cfg, open_weights(d, cfg), dev, torch_dtype, rotation=rotation)
         return cls._from_model(model, d, settings, fmt, k_scales, v_scales, **{**rank_args, "tp": tp})
 
     @classmethod
     def _from_model(cls, model: LlamaModel, d: Path, settings, fmt: tuple[KVFormat, ...], k_scales, v_scales, *,
                     max_batch_size, num_blocks, memory_budget, attention, block_size, max_seq_len,
-                    max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant, burst_steps, fused_ops,
-                    **_) -> Engine:
+                    max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant, burst_steps,
+                    fused_ops, **_) -> Engine:
         cfg, dev = model.cfg, model.device
         model.exact_row_sums = _pick(tp_invariant, settings.tp_invariant)
         batch = max_batch_size or settings.max_batch_size or (8 if dev.type == "cpu" else 64)
@@ -376,11 +391,12 @@ class Engine:
 
 
 def _cache_salt(model: LlamaModel, formats, k_scales, v_scales) -> str:
-    """What a page's K/V depend on besides its tokens: the model, its dtype, the layers' KV formats
-    and the static scales (a page key includes this, so their pages never match)."""
+    """What a page's K/V depend on besides its tokens: the model, its dtype, the layers' KV formats,
+    the static scales and the KV rotation (a page key includes this, so their pages never match)."""
     scales = [[None if t is None else torch.as_tensor(t).flatten().tolist() for t in s]
               for s in (k_scales, v_scales) if s is not None]
-    return repr((model.cfg, str(model.dtype), model.weight_bytes, [f.name for f in formats], scales))
+    return repr((model.cfg, str(model.dtype), model.weight_bytes, [f.name for f in formats], scales,
+                 model.rotation.name))
 
 
 def _pick(*choices):
@@ -391,7 +407,9 @@ def _pick(*choices):
 def batch_invariant_backend(model: LlamaModel):
     """The mode's ops, after measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
     layer = model.layer(0)
-    batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head], model.cfg.head_dim)
+    rotation = [model.rotation_weight] if model.rotation_weight is not None else []
+    batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head, *rotation],
+                          model.cfg.head_dim)
     return batch_invariant.backend()
 
 

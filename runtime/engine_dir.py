@@ -3,7 +3,8 @@
     config.json            model geometry (always)
     model.safetensors[...] weights, or synthetic.json {"seed"} for random weights
     kv_format.json         KVFormat fields, or {"layers": [...]} one per layer (runtime/layer_formats.py);
-                           absent: unquantized KV in the model dtype
+                           absent: unquantized KV in the model dtype; and "rotation": {kind, seed, signs}
+                           when K/V are rotated before they are stored (rotation.py)
     kv_scales.safetensors  k_scale, v_scale [layers] or [layers, kv_heads] (static formats), or
                            k_scale.<i>, v_scale.<i> per static layer of a mixed engine
     engine.json            max_batch_size, max_input_len, max_seq_len, block_size, gpu_memory_fraction,
@@ -32,6 +33,7 @@ from .layer_formats import (
     scales_from_tensors,
     uniform_format,
 )
+from .rotation import NO_ROTATION, KVRotation
 
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -150,6 +152,24 @@ def resolve_layer_formats(kv_format: KVFormat | Sequence[KVFormat] | dict | str 
     else:
         where = "kv_format"
     return formats_from_json(kv_format, num_layers, where)
+
+
+def resolve_rotation(rotation: KVRotation | str | None, d: Path, cfg: ModelConfig) -> KVRotation:
+    """The KV rotation: given (a KVRotation, or 'none' / 'hadamard' with seed 0), else kv_format.json's."""
+    try:
+        if isinstance(rotation, KVRotation):
+            rotation.check(cfg.head_dim)
+            return rotation
+        if isinstance(rotation, str):
+            rot = KVRotation(rotation)
+            rot.check(cfg.head_dim)
+            return rot
+        p = d / "kv_format.json"
+        if not p.is_file():
+            return NO_ROTATION
+        return KVRotation.from_json(read_json(p).get("rotation"), cfg.head_dim, str(p))
+    except KvqError as e:
+        raise InputError(str(e)) from None
 
 
 def resolve_scales(

@@ -31,6 +31,7 @@ from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import LayerCache
 from .rope import Rotary, apply_rotary
+from .rotation import NO_ROTATION, KVRotation, fold_o_proj, fold_v_proj
 from .weights import layer_name
 
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -80,6 +81,7 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         stream_layers: bool = False,
+        rotation: KVRotation = NO_ROTATION,
     ):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise InputError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16.")
@@ -95,6 +97,12 @@ class LlamaModel:
         # gives the bits one device gives (runtime/parallel/; the engine's `tp_invariant`)
         self.exact_row_sums = False
         self.rotary = Rotary(cfg)
+        # KV rotation (runtime/rotation.py): q and k rotated after RoPE, V's rotation folded into v/o_proj.
+        self.rotation = rotation
+        rotation.check(cfg.head_dim)
+        self._rot64 = rotation.matrix(cfg.head_dim, torch.float64) if rotation.active else None
+        # as a linear layer's weight (x @ M = linear(x, M^T)), so the batch-invariant mode's GEMM rotates too
+        self.rotation_weight = None if self._rot64 is None else self._rot64.T.contiguous().to(self.device, dtype)
         self.embed_tokens = weights.get("model.embed_tokens.weight", dtype, self.device)
         self.final_norm = weights.get("model.norm.weight", dtype, self.device)
         tied = cfg.tie_word_embeddings or not weights.has_lm_head
@@ -108,13 +116,19 @@ class LlamaModel:
 
     # ------------------------------------------------------------ weights
     def _load_layer(self, i: int) -> LayerWeights:
-        def get(name: str) -> torch.Tensor:
-            return self.weights.get(layer_name(i, name), self.dtype, self.device)
+        def get(name: str, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return self.weights.get(layer_name(i, name), dtype, self.device)
 
-        qkv = torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"])
+        if self._rot64 is None:
+            v, o = get("self_attn.v_proj.weight"), get("self_attn.o_proj.weight")
+        else:  # folded in fp64 from the stored weights, then rounded once to the model dtype
+            m = self._rot64.to(self.device)
+            v = fold_v_proj(get("self_attn.v_proj.weight", torch.float32), m).to(self.dtype)
+            o = fold_o_proj(get("self_attn.o_proj.weight", torch.float32), m).to(self.dtype)
+        qkv = torch.cat([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"), v])
         gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
         return LayerWeights(
-            get("input_layernorm.weight"), qkv, get("self_attn.o_proj.weight"),
+            get("input_layernorm.weight"), qkv, o,
             get("post_attention_layernorm.weight"), gate_up, get("mlp.down_proj.weight"),
         )
 
@@ -146,15 +160,18 @@ class LlamaModel:
     def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lin=fast_linear):
         """h [T, hidden] -> q [T, heads, D], k, v [T, kv_heads, D], RoPE applied to q and k.
         lin: the matmul (batch_invariant.linear in the batch-invariant mode)."""
-        return self.rope(lin(self._rms_norm(h, layer.input_norm), layer.qkv), cos, sin)
+        return self.rope(lin(self._rms_norm(h, layer.input_norm), layer.qkv), cos, sin, lin)
 
-    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lin=fast_linear):
         """The fused QKV matmul's output [T, (heads + 2 kv_heads) D] -> q, k (rotated), v."""
         d = self.cfg.head_dim
         t = qkv.shape[0]
         heads = self.num_heads + self.num_kv_heads
-        # q and k side by side take RoPE as one tensor: half the small ops of a decode step's layer
+        # q and k side by side take RoPE (and the KV rotation) as one tensor: half the small ops of a
+        # decode step's layer
         qk = apply_rotary(qkv[:, : heads * d].view(t, heads, d), cos, sin)
+        if self.rotation_weight is not None:  # one GEMM over the step's q and k rows, never over the cache
+            qk = lin(qk.reshape(t * heads, d), self.rotation_weight).view(t, heads, d)
         q, k = qk.split([self.num_heads, self.num_kv_heads], 1)
         if q.is_cuda:  # the Triton kernels take q and k with whole rows of heads
             q, k = q.contiguous(), k.contiguous()
@@ -281,6 +298,8 @@ class LlamaModel:
             layer = self.layer(i)
             qkv = lin(normed, layer.qkv)
             q, k = small.rope_qk(qkv, cos_t, sin_t, batch.positions, c.num_heads, c.num_kv_heads, c.head_dim)
+            if self.rotation_weight is not None:  # the KV rotation, as the unfused path applies it after RoPE
+                q, k = (lin(x.reshape(-1, c.head_dim), self.rotation_weight).view_as(x) for x in (q, k))
             v = qkv[:, heads_d:].view(-1, c.num_kv_heads, c.head_dim)
             attn = self._attend(ops, q, k, v, caches[i], batch)
             h, normed = small.add_rms_norm(h, lin(attn.reshape(h.shape[0], -1), layer.o), layer.post_norm, eps)

@@ -51,6 +51,7 @@ class EngineStats:
     prefix_hit_rate: float = 0.0  # prefix_hits / prefix_lookups
     reused_tokens: int = 0  # prompt tokens whose prefill the cache skipped
     evictions: int = 0  # cached pages evicted for new data
+    kv_rotation: str = "none"  # K/V rotated before they are stored (runtime/rotation.py)
     burst_steps: int = 0  # greedy decode steps per host read-back (runtime/decode_burst.py); 0: every step
     fused_ops: bool = False  # norms, RoPE and SwiGLU as fused Triton kernels (runtime/kernels/small_ops.py)
 

@@ -75,6 +75,14 @@ def engine_kv_format(engine_dir: Path) -> str:
     return formats_name(formats_from_json(data, len(layers) if isinstance(layers, list) else 1, str(p)))
 
 
+def kv_rotation(engine_dir: Path) -> str:
+    """The engine's KV rotation by name ("none", "hadamard-s0"), from its kv_format.json."""
+    from runtime.config import ModelConfig
+    from runtime.engine_dir import resolve_rotation
+
+    return resolve_rotation(None, engine_dir, ModelConfig.from_dir(engine_dir)).name
+
+
 def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) -> ModelSpec:
     """kvq_engine's inputs and outputs carry tensorrt_llm's names, data types and dims."""
     ragged = {"input_ids", "stop_words_list", "bad_words_list", "lora_weights", "lora_config"}
@@ -104,6 +112,8 @@ def engine_model_spec(engine_dir: Path, max_batch_size: int, s: dict[str, Any]) 
             "device": s["device"] or "auto",
             # tensorrt_llm's model-level default, which a request's exclude_input_in_output overrides
             "exclude_input_in_output": "true",
+            # informational: what the engine stores (the engine reads both from engine_dir itself)
+            "kv_rotation": kv_rotation(engine_dir),
         },
         decoupled=True,
         instance_count=int(s["instance_count"]),
@@ -160,6 +170,7 @@ def write_repository(
         "tp": tp,
         "max_queue_delay_us": int(s["max_queue_delay_us"]),
         "limits": {"max_input_len": limits.max_input_len, "max_seq_len": limits.max_seq_len},
+        "kv_rotation": engine.parameters["kv_rotation"],
         "files": files,
         "summary": f"Triton repo: ensemble -> kvq_engine x{s['instance_count']} "
         f"(decoupled, streaming={streaming})",

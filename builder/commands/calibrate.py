@@ -13,6 +13,7 @@ from builder.atomic import atomic_dir
 from calibration.calibrate import REPORT_FILE, run_calibration
 from calibration.files import write_json_atomic
 from calibration.policies import DEFAULT_PERCENTILE, POLICIES
+from runtime.rotation import ROTATIONS, KVRotation
 
 
 @click.command("calibrate")
@@ -29,9 +30,12 @@ from calibration.policies import DEFAULT_PERCENTILE, POLICIES
 @click.option("--streaming", is_flag=True, help="Layer-streaming: one decoder layer's weights resident at a time.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None, help="Model dtype (float32/bfloat16/float16); default: the model's.")
+@click.option("--rotation", type=click.Choice(ROTATIONS), default="none", show_default=True,
+              help="KV rotation of the engines these scales are for (kv.rotation): statistics of the rotated K/V.")
+@click.option("--rotation-seed", type=int, default=0, show_default=True, help="kv.rotation_seed.")
 @click.option("--force", is_flag=True, help="Replace an existing output directory once the new one is complete.")
 def command(model_dir, out_dir, dataset, num_samples, seq_len, policy, percentile, seed, streaming, device, dtype,
-            force) -> None:
+            rotation, rotation_seed, force) -> None:
     """Calibrate KV scales on sample data (writes kv_scales.safetensors, kv_stats.safetensors, calibration.json).
 
     Example: kvq calibrate --model models/smollm2 --out calib/smollm2 --policy mse
@@ -39,7 +43,8 @@ def command(model_dir, out_dir, dataset, num_samples, seq_len, policy, percentil
     with atomic_dir(out_dir, overwrite=force) as tmp:
         facts = run_calibration(model_dir, tmp, dataset=dataset, num_samples=num_samples, seq_len=seq_len,
                                 policy=policy, seed=seed, streaming=streaming, device=device,
-                                percentile=percentile, dtype=dtype, progress=True)
+                                percentile=percentile, dtype=dtype, progress=True,
+                                rotation=KVRotation(rotation, rotation_seed))
         write_json_atomic(tmp / "manifest.json", {"stage": "calibrate", "model_dir": str(Path(model_dir).resolve()),
                                                   "outputs": facts})
     report = json.loads((Path(out_dir) / REPORT_FILE).read_text())
