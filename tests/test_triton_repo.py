@@ -136,6 +136,7 @@ def test_torch_repository_layout_and_values(engine_dir, tmp_path):
     assert _params(eng) == {
         "engine_dir": str(engine_dir.resolve()),
         "kv_format": "unquantized",  # the directory has no kv_format.json
+        "kv_rotation": "none",
         "device": "cpu",
         "exclude_input_in_output": "true",
     }

@@ -78,8 +78,11 @@ def engine_kv_format(engine_dir: Path) -> str:
 def kv_rotation(engine_dir: Path) -> str:
     """The engine's KV rotation by name ("none", "hadamard-s0"), from its kv_format.json."""
     from runtime.config import ModelConfig
-    from runtime.engine_dir import resolve_rotation
+    from runtime.engine_dir import read_json, resolve_rotation
 
+    p = Path(engine_dir) / "kv_format.json"
+    if not p.is_file() or "rotation" not in read_json(p):
+        return "none"
     return resolve_rotation(None, engine_dir, ModelConfig.from_dir(engine_dir)).name
 
 
