@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.errors import StageError
-from runtime.kv_format import KVFormat
+from runtime.kv_format import KVFormat, format_fields
 
 from .pipeline import Context
 
@@ -97,10 +97,7 @@ def _write_json(path: Path, data: Any) -> None:
 def build_torch_engine(ctx: Context, out: Path) -> dict[str, Any]:
     fmt = ctx.recipe.kv_format()
     files = link_tree(ctx.dirs["convert"], out)
-    _write_json(out / "kv_format.json", {
-        "dtype": fmt.dtype, "granularity": fmt.granularity, "symmetric": fmt.symmetric,
-        "scale_dtype": fmt.scale_dtype,
-    })
+    _write_json(out / "kv_format.json", format_fields(fmt))
     outputs: dict[str, Any] = {"backend": "torch", "kv_format": fmt.name, "files": files}
     if fmt.static:
         k, v = calibrated_scales(ctx, fmt)

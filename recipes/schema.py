@@ -13,11 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.config import PRESETS, ModelConfig
 from runtime.errors import UnsupportedError
-from runtime.kv_format import GRANULARITIES, KV_DTYPES, SCALE_DTYPES, KVFormat
+from runtime.kv_format import GRANULARITIES, GROUP_SIZES, KV_DTYPES, SCALE_DTYPES, KVFormat, format_from_name
 
 KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 Granularity = Literal[GRANULARITIES]  # type: ignore[valid-type]
 ScaleDtype = Literal[SCALE_DTYPES]  # type: ignore[valid-type]
+GroupSize = Literal[GROUP_SIZES]  # type: ignore[valid-type]
 
 # TensorRT-LLM's engine path stores one per-tensor scale per layer and knows only
 # INT8 and FP8 (e4m3) KV besides the unquantized baseline (trtllm.md §1.1-1.3).
@@ -42,16 +43,47 @@ class ModelSection(Section):
 
 
 class KVSection(Section):
+    """How K and V are stored. dtype / symmetric / group_size apply to both unless k_* / v_* give one of
+    them its own (e.g. k_dtype: int8, v_dtype: int4, v_symmetric: false: "K8V4"); or `format` names a
+    whole format (KVFormat.name, e.g. k.int8-per_token+v.int4-per_token-asym) instead of the fields."""
+
+    format: str | None = Field(None, description="A KV format name (docs/kv-formats.md), instead of the fields.")
     dtype: KVDtype = "fp16"
     granularity: Granularity = "per_tensor"
     symmetric: bool = True
     scale_dtype: ScaleDtype = "float16"
+    group_size: GroupSize = Field(0, description="per_token: one scale (and zero) per group of this many "
+                                  "channels of a head; 0: one per token-head.")
+    k_dtype: KVDtype | None = None
+    v_dtype: KVDtype | None = None
+    k_symmetric: bool | None = None
+    v_symmetric: bool | None = None
+    k_group_size: GroupSize | None = None
+    v_group_size: GroupSize | None = None
     clamp_fp8_scales_to_one: bool = Field(
         False, description="Reproduce ModelOpt's TensorRT-LLM export, which clamps FP8 KV scales to >= 1.0."
     )
 
-    def format(self) -> KVFormat:
-        return KVFormat(self.dtype, self.granularity, self.symmetric, self.scale_dtype)
+    @model_validator(mode="after")
+    def _one_spelling(self) -> "KVSection":
+        fields = self.model_fields_set - {"format", "clamp_fp8_scales_to_one"}
+        if self.format is not None and fields:
+            raise ValueError(f"kv.format names the whole format; drop kv.{', kv.'.join(sorted(fields))} "
+                             "or kv.format.")
+        return self
+
+    def to_format(self) -> KVFormat:
+        if self.format is not None:
+            return format_from_name(self.format)
+
+        def pick(own, shared):
+            return shared if own is None else own
+
+        return KVFormat(
+            pick(self.k_dtype, self.dtype), self.granularity, pick(self.k_symmetric, self.symmetric),
+            self.scale_dtype, pick(self.k_group_size, self.group_size), pick(self.v_dtype, self.dtype),
+            pick(self.v_symmetric, self.symmetric), pick(self.v_group_size, self.group_size),
+        )
 
 
 class CalibrationSection(Section):
@@ -141,26 +173,27 @@ class Recipe(Section):
         if m.source == "builtin" and m.preset != "smollm2-135m":
             raise ValueError("model.preset: the only builtin model is 'smollm2-135m'.")
         try:
-            kv.format()
+            fmt = kv.to_format()
         except UnsupportedError as e:
             raise ValueError(f"kv: {e}") from None
         if self.backend == "tensorrt-llm":
-            if kv.dtype == "int4":
+            _check_trtllm_kv(fmt)
+            if fmt.dtype == "int4":
                 raise ValueError(
                     "kv.dtype: TensorRT-LLM has no INT4 KV cache (its engine path stores INT8 or FP8 KV); "
                     "use backend: torch for int4, or kv.dtype: fp8_e4m3 / int8 with TensorRT-LLM."
                 )
-            if kv.dtype not in TRTLLM_KV_DTYPES:
+            if fmt.dtype not in TRTLLM_KV_DTYPES:
                 raise ValueError(
                     f"kv.dtype: TensorRT-LLM's engine path takes {', '.join(TRTLLM_KV_DTYPES)}, not "
-                    f"{kv.dtype!r}; use backend: torch for it."
+                    f"{fmt.dtype!r}; use backend: torch for it."
                 )
-            if kv.dtype in ("int8", "fp8_e4m3") and kv.granularity != "per_tensor":
+            if fmt.dtype in ("int8", "fp8_e4m3") and fmt.granularity != "per_tensor":
                 raise ValueError(
                     "kv.granularity: TensorRT-LLM stores one KV scale per layer (per_tensor); use "
                     "granularity: per_tensor, or backend: torch for per_head / per_token scales."
                 )
-        if kv.clamp_fp8_scales_to_one and not (kv.dtype.startswith("fp8") and kv.granularity != "per_token"):
+        if kv.clamp_fp8_scales_to_one and not (not fmt.split and fmt.is_fp8 and fmt.static):
             raise ValueError("kv.clamp_fp8_scales_to_one applies only to static fp8 scales (per_tensor/per_head).")
         if b.max_input_len > b.max_seq_len:
             raise ValueError(
@@ -184,8 +217,15 @@ class Recipe(Section):
             )
         if b.pp > geo.num_layers:
             raise ValueError(f"build.pp: {b.pp} pipeline stages for {geo.num_layers} layers; use pp <= layers.")
-        if self.kv.dtype == "int4" and geo.head_dim % 2:
-            raise ValueError(f"kv.dtype: int4 packs two values per byte and needs an even head_dim ({geo.head_dim}).")
+        fmt = self.kv_format()
+        for which in ("k", "v"):
+            side = fmt.side(which)
+            if side.dtype == "int4" and geo.head_dim % 2:
+                raise ValueError(f"kv.{which}_dtype: int4 packs two values per byte and needs an even head_dim "
+                                 f"({geo.head_dim}).")
+            if side.group_size and geo.head_dim % side.group_size:
+                raise ValueError(f"kv.{which}_group_size: {side.group_size} does not divide the model's head_dim "
+                                 f"{geo.head_dim}; choose a divisor of it.")
         if b.max_seq_len > geo.max_position_embeddings:
             raise ValueError(
                 f"build.max_seq_len ({b.max_seq_len}) exceeds the model's {geo.max_position_embeddings} positions."
@@ -196,4 +236,20 @@ class Recipe(Section):
         return PRESETS[self.model.preset] if self.model.preset in PRESETS else None
 
     def kv_format(self) -> KVFormat:
-        return self.kv.format()
+        return self.kv.to_format()
+
+
+def _check_trtllm_kv(fmt: KVFormat) -> None:
+    """What TensorRT-LLM's engine path cannot store, with what it can (trtllm.md §1.1-1.3)."""
+    supported = "fp16, bf16, int8 per_tensor, fp8_e4m3 per_tensor"
+    if fmt.split:
+        raise ValueError(
+            f"kv: TensorRT-LLM stores K and V in one KV cache dtype, so {fmt.name} (K {fmt.k.dtype}, "
+            f"V {fmt.v.dtype}) has no TensorRT-LLM form; it supports {supported}. Use backend: torch for "
+            "separate K and V formats, or one kv.dtype for both."
+        )
+    if fmt.group_size:
+        raise ValueError(
+            f"kv.group_size: TensorRT-LLM keeps one KV scale per layer, not group scales; it supports {supported}. "
+            "Use backend: torch for group scales, or group_size: 0."
+        )
