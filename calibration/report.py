@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.kv_format import KVFormat
+
 HEADER = ("engine", "KV format", "perplexity", "Δ ppl", "greedy agree", "engine greedy", "passkey",
           "passkey vs base", "digit logp", "attn err (max)", "budget")
 
 
 def _fmt_name(r: dict) -> str:
     f = r.get("kv_format", {})
+    if f.get("v_dtype") is not None or f.get("group_size"):  # split / group formats: their KVFormat name
+        return KVFormat(**f).name
     name = f.get("dtype", "?")
     if f.get("dtype") not in ("fp32", "fp16", "bf16"):
         name += f" {f.get('granularity', '')}" + ("" if f.get("symmetric", True) else " asym")

@@ -314,7 +314,8 @@ def kv_bytes_per_token(cfg: ModelConfig, fmt: KVFormat, tp: int = 1, pp: int = 1
 
 # ---------------------------------------------------------------- rounding
 def _tiny(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).tiny)
+    # e8m0's 2**-127 is subnormal in fp32: its scales stay >= 2**-126, so every kernel rounds them alike
+    return max(float(torch.finfo(dtype).tiny), float(torch.finfo(torch.float32).tiny))
 
 
 def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
