@@ -34,6 +34,26 @@ def _load_meta(P, off, mask, SCALE_DT: tl.constexpr):
 
 
 @triton.jit
+def _per_channel(P, meta, nmask, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SCALE_DT: tl.constexpr, x):
+    """x [BLOCK_N, BLOCK_D] times (or, for zero points, plus) its tokens' group values P[meta, g] -- see
+    the V dequantization; returns the values broadcast to x's shape."""
+    BLOCK_N: tl.constexpr = x.shape[0]
+    if GROUPS == 1:
+        out = tl.broadcast_to(_load_meta(P, meta, nmask, SCALE_DT)[:, None], (BLOCK_N, BLOCK_D))
+    elif BLOCK_D == HEAD_DIM and (GROUPS & (GROUPS - 1)) == 0:  # [N, G] loaded once, broadcast over the group
+        g = tl.arange(0, GROUPS)
+        vals = _load_meta(P, meta[:, None] * GROUPS + g[None, :], nmask[:, None], SCALE_DT)
+        out = tl.reshape(tl.broadcast_to(vals[:, :, None], (BLOCK_N, GROUPS, HEAD_DIM // GROUPS)),
+                         (BLOCK_N, BLOCK_D))
+    else:  # head dims that are not powers of two: each column reads its group's value
+        cols = tl.arange(0, BLOCK_D)
+        grp = tl.minimum(cols // (HEAD_DIM // GROUPS), GROUPS - 1)
+        out = _load_meta(P, meta[:, None] * GROUPS + grp[None, :], nmask[:, None], SCALE_DT)
+    return out
+
+
+@triton.jit
 def _raw_tile(C, base, nmask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
               ASYM: tl.constexpr):
     """Stored values of a token tile as fp32 [BLOCK_N, BLOCK_D] (exact): int4 nibbles unpacked, even column low."""
@@ -77,7 +97,6 @@ def _decode_mixed_kernel(
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
     qf = q.to(tl.float32)
     K_GS: tl.constexpr = HEAD_DIM // K_GROUPS
-    V_GS: tl.constexpr = HEAD_DIM // V_GROUPS
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)  # finite: a split with no tokens keeps p = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -112,11 +131,9 @@ def _decode_mixed_kernel(
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        vgrp = (cols // V_GS)[None, :]
-        vs = _load_meta(VS, meta[:, None] * V_GROUPS + vgrp, nmask[:, None], SCALE_DT)
-        v = vraw * vs
+        v = vraw * _per_channel(VS, meta, nmask, V_GROUPS, HEAD_DIM, BLOCK_D, SCALE_DT, vraw)
         if V_ASYM:
-            v += _load_meta(VZ, meta[:, None] * V_GROUPS + vgrp, nmask[:, None], SCALE_DT)
+            v += _per_channel(VZ, meta, nmask, V_GROUPS, HEAD_DIM, BLOCK_D, SCALE_DT, vraw)
         acc = acc * alpha[:, None] + _dot(_operand(p, dt, DOT), _operand(v, dt, DOT), DOT)
     omask = hmask[:, None] & dmask[None, :]
     if SPLIT:
