@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 from runtime.config import PRESETS
 from runtime.engine import Engine
-from runtime.kv_format import KVFormat, kv_bytes_per_token
+from runtime.kv_format import KVFormat, format_fields, kv_bytes_per_token
 from runtime.model import PagedBatch
 
 FORMATS = {
@@ -47,6 +47,9 @@ FORMATS = {
     "int8-per_tensor": KVFormat("int8", "per_tensor"),
     "int8-per_token": KVFormat("int8", "per_token"),
     "int4-per_token-asym": KVFormat("int4", "per_token", symmetric=False),
+    # K INT8 / V INT4 asym and the all-INT4 group-64 format (docs/kv-formats.md)
+    "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
+    "int4-per_token-asym-g64": KVFormat("int4", "per_token", symmetric=False, group_size=64),
 }
 GIB = 2**30
 
@@ -58,8 +61,7 @@ def make_engine_dir(root: Path, name: str, fmt: KVFormat, block: int, max_batch:
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
     (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
-    (d / "kv_format.json").write_text(json.dumps({"dtype": fmt.dtype, "granularity": fmt.granularity,
-                                                  "symmetric": fmt.symmetric, "scale_dtype": fmt.scale_dtype}))
+    (d / "kv_format.json").write_text(json.dumps(format_fields(fmt)))
     (d / "engine.json").write_text(json.dumps({"max_batch_size": max_batch, "max_seq_len": max_seq,
                                                "block_size": block, "max_input_len": 8192}))
     if fmt.static:  # |K|,|V| of the random-weight model stay well under 4: scale = 4 / qmax
