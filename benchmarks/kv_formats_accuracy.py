@@ -43,7 +43,7 @@ SWEEP = [_int4(0, sd) for sd in ("float16", "bfloat16", "float32")] + [
 # the formats a user picks from
 FORMATS = [KVFormat("int8", "per_token"), _k8v4(), _k8v4(k_dtype="fp8_e4m3"), _k8v4(v_group=64), _int4(),
            _int4(64), _int4(32)]
-SETS = {"sweep": SWEEP, "formats": FORMATS}
+SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS))}
 
 
 def main() -> None:
@@ -76,7 +76,7 @@ def main() -> None:
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
         passkey_trials=args.passkey_trials, attention_tokens=256, engine_greedy=False)
-    res = run_evaluation(model_dir, specs, None, settings, device=args.device)
+    res = run_evaluation(model_dir, specs, None, settings, device=args.device, progress=True)
     res["bits_per_element"] = {f.name: f.bits_per_element(64) for f in fmts}
     res["host"] = {"machine": platform.machine(), "device": args.device, "torch": torch.__version__,
                    "threads": torch.get_num_threads(), "python": sys.version.split()[0],
