@@ -9,6 +9,7 @@ H200's serves every other device and the interpreter), the shape-dependent rules
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import typing
@@ -174,6 +175,10 @@ def _format_tuned(fmt: KVFormat, device: Device) -> FormatTuned:
     tuned = tuned_for_device(device)
     if fmt.name not in tuned.formats and served_by_mixed(fmt):
         fmt = format_from_name(mixed_tuned_name(fmt))
+    elif fmt.name not in tuned.formats and fmt.dynamic:
+        # the tuned kernels' choices are per dtype / granularity / symmetry: the entry of fp16 scales serves bf16 and
+        # fp32 ones (the plan functions check the scale dtype where a variant needs fp16 scales)
+        fmt = dataclasses.replace(fmt, scale_dtype="float16")
     if fmt.name not in tuned.formats:
         raise KeyError(f"tuned/{tuned_file_name(tuned.device)}.json has no entry for KV format {fmt.name!r}; "
                        f"add one with benchmarks/tune.py")
@@ -371,6 +376,6 @@ def probability_dtype(cache, q_dtype: torch.dtype) -> torch.dtype:
     if served_by_mixed(cache.fmt):  # decode_mixed.py: dots in q's dtype
         return q_dtype
     kf = kernel_format(cache)
-    tuned = tuned_for_device(DEVICE_H200).formats[cache.fmt.name].decode
+    tuned = _format_tuned(cache.fmt, DEVICE_H200).decode
     gluon = tuned.gluon and decode_gluon.serves(kf, cache.block_size, 1)  # the GQA group is not known here
     return torch.float16 if tuned.dot_fp16 or gluon else q_dtype
