@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime.kv_format import KVFormat, dynamic_scales, quantize
-from tests.helpers_kernels import DEV, K, as_bytes, fill_cache, kv, make_cache, oracle, relerr
+from tests.helpers_kernels import CUDA, DEV, K, as_bytes, fill_cache, kv, make_cache, oracle, relerr
 
 MIXED = [
     KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),  # K8V4
@@ -32,6 +32,8 @@ IDS = [f.name for f in MIXED]
 # (batch, q heads, kv heads, head_dim, block_size, seq_lens): GQA group 3 over pages of 5 with three groups of 16
 # channels in a head_dim of 48; MHA on pages of 16; lengths not multiples of the page
 SHAPES = {"gqa3-hd48-page5": (3, 9, 3, 48, 5, [17, 3, 29]), "mha2-hd32-page16": (2, 2, 2, 32, 16, [33, 1])}
+if CUDA:  # real sizes on the GPU machine: Llama-3-8B attention under the default plan's tiles and splits
+    SHAPES["llama8b"] = (8, 32, 8, 128, 16, [4000, 1, 17, 2048, 333, 1024, 4096, 77])
 
 
 def test_the_formats_here_take_the_mixed_kernels():
@@ -98,9 +100,10 @@ def test_decode_relative_oracle(fmt, splits):
     _decode_case(fmt, "gqa3-hd48-page5", splits)
 
 
+@pytest.mark.parametrize("shape", ["mha2-hd32-page16"] + (["llama8b"] if CUDA else []))
 @pytest.mark.parametrize("fmt", MIXED[:3], ids=IDS[:3])
-def test_decode_relative_oracle_mha_pages_of_16(fmt):
-    _decode_case(fmt, "mha2-hd32-page16", 2)
+def test_decode_relative_oracle_other_shapes(fmt, shape):
+    _decode_case(fmt, shape, 2)
 
 
 def test_decode_plan_of_another_kernel_is_refused():
