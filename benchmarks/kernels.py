@@ -229,7 +229,8 @@ def end_to_end(out: Path, device: str = "cuda", preset_name: str = "smollm2-135m
         vocab = preset(preset_name).vocab_size
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 40, 133, 301)]
         formats = [None, KVFormat("int8", "per_token"), KVFormat("int4", "per_token", symmetric=False),
-                   KVFormat("fp8_e4m3", "per_token"), KVFormat("int4", "per_token")]
+                   KVFormat("fp8_e4m3", "per_token"), KVFormat("int4", "per_token"), FORMATS["k8v4"],
+                   FORMATS["int4-g64-asym"]]
         for fmt in formats:
             tokens = {}
             for attention in ("reference", "triton"):
