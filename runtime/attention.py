@@ -40,7 +40,10 @@ def _write_one(cache: LayerCache, which: str, x: torch.Tensor, blocks: torch.Ten
     pages: torch.Tensor = getattr(cache, which)
     if fmt.dynamic:
         q, scale, zero = quantize_dynamic(x, fmt)
-        getattr(cache, f"{which}_scale")[blocks, :, offs] = scale
+        if scale.dtype == torch.float8_e8m0fnu:  # torch has no index_put for e8m0: write its bytes
+            getattr(cache, f"{which}_scale").view(torch.uint8)[blocks, :, offs] = scale.view(torch.uint8)
+        else:
+            getattr(cache, f"{which}_scale")[blocks, :, offs] = scale
         if zero is not None:
             getattr(cache, f"{which}_zero")[blocks, :, offs] = zero
     else:

@@ -171,3 +171,20 @@ def test_tensorrt_llm_rejects_with_the_alternatives(kv, match):
 
     with pytest.raises(ValidationError, match=match):
         Recipe(name="t", backend="tensorrt-llm", model={"source": "synthetic", "preset": "llama3-8b"}, kv=kv)
+
+
+@pytest.mark.parametrize("fmt", NEW, ids=lambda f: f.name)
+def test_reference_write_then_read_gives_each_sides_round_trip(fmt):
+    """runtime/attention.py's write_kv / read_kv (the CPU engine's path) store each side in its own format (e8m0
+    scales included, which torch cannot index_put)."""
+    from runtime import attention
+
+    gen = torch.Generator().manual_seed(1)
+    cache = allocate_layer(fmt, 4, 5, 2, 64, "cpu")
+    k, v = torch.randn(7, 2, 64, generator=gen), torch.randn(7, 2, 64, generator=gen)
+    slots = torch.tensor([0, 3, 7, 12, 19, 5, 6])
+    attention.write_kv(cache, k, v, slots)
+    got = attention.read_kv(cache, slots, torch.float32)
+    for side, x, back in ((fmt.k, k, got[0]), (fmt.v, v, got[1])):
+        q, s, z = quantize_dynamic(x, side)
+        assert torch.equal(back, dequantize(q, side, s, z))
