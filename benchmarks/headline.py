@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 from runtime.config import PRESETS
 from runtime.engine import Engine
-from runtime.kv_format import KVFormat, kv_bytes_per_token
+from runtime.kv_format import KVFormat, format_fields, kv_bytes_per_token
 from runtime.model import PagedBatch
 from runtime.rotation import NO_ROTATION, KVRotation
 
@@ -49,6 +49,9 @@ FORMATS = {
     "int8-per_token": KVFormat("int8", "per_token"),
     "int4-per_token-asym": KVFormat("int4", "per_token", symmetric=False),
     "fp8_e4m3-per_token": KVFormat("fp8_e4m3", "per_token"),
+    # K INT8 / V INT4 asym and the all-INT4 group-64 format (docs/kv-formats.md)
+    "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
+    "int4-per_token-asym-g64": KVFormat("int4", "per_token", symmetric=False, group_size=64),
 }
 # "<format>+hadamard": the same format with kv.rotation: hadamard (one more small GEMM per layer over q/k)
 ROTATED = "+hadamard"
@@ -63,8 +66,7 @@ def make_engine_dir(root: Path, name: str, fmt: KVFormat, block: int, max_batch:
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
     (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
-    kv = {"dtype": fmt.dtype, "granularity": fmt.granularity, "symmetric": fmt.symmetric,
-          "scale_dtype": fmt.scale_dtype}
+    kv = format_fields(fmt)
     if rotation.active:
         kv["rotation"] = rotation.to_json(cfg.head_dim)
     (d / "kv_format.json").write_text(json.dumps(kv))

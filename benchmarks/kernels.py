@@ -55,7 +55,18 @@ FORMATS = {
     "int4": KVFormat("int4", "per_head"),
     "int4-tok": KVFormat("int4", "per_token"),
     "int4-tok-asym": KVFormat("int4", "per_token", symmetric=False),
+    # K and V of their own formats, group scales (docs/kv-formats.md): the mixed-format kernels
+    "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
+    "kfp8v4": KVFormat("fp8_e4m3", "per_token", v_dtype="int4", v_symmetric=False),
+    "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64),
+    "int4-g32-asym": KVFormat("int4", "per_token", symmetric=False, group_size=32),
 }
+
+
+def ideal_ratio(fmt: KVFormat, head_dim: int) -> float:
+    """BF16 bytes / the format's bytes (metadata included): the decode speedup over BF16 a purely bandwidth-bound
+    kernel would reach (K8V4 ~2.6x, INT4 group-64 ~3.55x at head_dim 128)."""
+    return 16 / fmt.bits_per_element(head_dim)
 # (query heads, KV heads, head_dim): Llama-3-8B, and Llama-3-70B with TP=8 (one KV head per GPU)
 MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b-tp8": (8, 1, 128)}
 # ... and, outside the grid, for side-by-side runs: the llama70b recipes' TP 2 (4 KV heads a GPU)
@@ -132,14 +143,15 @@ class Case:
         bt = self.block_tables.long()
 
         def deq(name):
+            fmt = cache.fmt.side(name)
             x = getattr(cache, name)[bt]  # [B, pages, kvh, bs, Ds]
             s, z = getattr(cache, f"{name}_scale"), getattr(cache, f"{name}_zero")
-            if cache.fmt.dynamic:
-                s = s[bt]
+            if fmt.dynamic:
+                s = s[bt]  # [B, pages, kvh, bs (, groups)]
                 z = z[bt] if z is not None else None
             else:
                 s = s.view(1, 1, -1, 1) if s is not None and s.dim() else s
-            y = dequantize(x, cache.fmt, s, z)  # [B, pages, kvh, bs, D]
+            y = dequantize(x, fmt, s, z)  # [B, pages, kvh, bs, D]
             return y.permute(0, 2, 1, 3, 4).reshape(b, kvh, self.ctx, d)
 
         k, v = deq("k"), deq("v")
@@ -173,6 +185,7 @@ def run_case(case: Case, fmt_names, rows, sink, check: bool, plan_changes: dict 
             "kind": "decode", "model": case.model, "batch": case.batch, "ctx": case.ctx, "format": name,
             "fmt": fmt.name, "ms": ms, "kv_bytes": kvb, "gbps": kvb / ms / 1e6, "read_gbps_same_size": read_gbps(kvb, FLUSH),
             "sdpa_ms": sdpa_ms, "sdpa_backend": backend, "speedup": sdpa_ms / ms, "eager_ms": eager,
+            "ideal": ideal_ratio(fmt, case.head_dim), "bits_per_element": fmt.bits_per_element(case.head_dim),
             "timing": f"cuda graph, L2 flushed per call ({FLUSH})",
             "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6, "relerr_vs_fp32": err,
             "kernel": plan.kernel, "plan": dataclasses.asdict(plan),
@@ -181,7 +194,7 @@ def run_case(case: Case, fmt_names, rows, sink, check: bool, plan_changes: dict 
         rows.append(row)
         sink.write(json.dumps(row) + "\n")
         sink.flush()
-        print(f"  {name:14s} {ms:.4f} ms {row['gbps']:6.0f} GB/s x{row['speedup']:.2f} "
+        print(f"  {name:14s} {ms:.4f} ms {row['gbps']:6.0f} GB/s x{row['speedup']:.2f} (ideal x{row['ideal']:.2f}) "
               f"write {row['write_gbps']:5.0f} GB/s {plan_text(plan)} err={err}", flush=True)
         del cache
 
@@ -216,7 +229,8 @@ def end_to_end(out: Path, device: str = "cuda", preset_name: str = "smollm2-135m
         vocab = preset(preset_name).vocab_size
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 40, 133, 301)]
         formats = [None, KVFormat("int8", "per_token"), KVFormat("int4", "per_token", symmetric=False),
-                   KVFormat("fp8_e4m3", "per_token"), KVFormat("int4", "per_token")]
+                   KVFormat("fp8_e4m3", "per_token"), KVFormat("int4", "per_token"), FORMATS["k8v4"],
+                   FORMATS["int4-g64-asym"]]
         for fmt in formats:
             tokens = {}
             for attention in ("reference", "triton"):
@@ -256,16 +270,20 @@ def markdown(env: dict, rows: list[dict]) -> str:
         "Plan: the default DecodePlan's kernel (gluon = decode_gluon.py, one-warp programs of 16-token tiles; "
         "warps = decode_warps.py; tiles = decode_tiles.py) and its main fields (docs/interfaces.md).",
         "",
-        "| model | batch x ctx | format | ms | GB/s | % read bw | % same-size read | vs cuDNN bf16 | eager ms | write GB/s | write % of copy | plan | rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Ideal = BF16 bytes / the format's bytes (metadata included); '% of ideal' = the speedup over cuDNN / ideal.",
+        "",
+        "| model | batch x ctx | format | ms | GB/s | % read bw | % same-size read | vs cuDNN bf16 | ideal | % of ideal | eager ms | write GB/s | write % of copy | plan | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         err = "" if r["relerr_vs_fp32"] is None else f"{r['relerr_vs_fp32']:.1e}"
         eager = f"{r['eager_ms']:.3f}"
+        ideal = r.get("ideal") or ideal_ratio(FORMATS[r["format"]], r["head_dim"])
         same = f"{100 * r['gbps'] / r['read_gbps_same_size']:.0f}%"
         lines.append(
             f"| {r['model']} | {r['batch']}x{r['ctx']} | {r['format']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
-            f"{100 * r['gbps'] / env['read_gbps']:.0f}% | {same} | {r['speedup']:.2f}x ({r['sdpa_ms']:.3f} ms) | {eager} | "
+            f"{100 * r['gbps'] / env['read_gbps']:.0f}% | {same} | {r['speedup']:.2f}x ({r['sdpa_ms']:.3f} ms) | "
+            f"{ideal:.2f}x | {100 * r['speedup'] / ideal:.0f}% | {eager} | "
             f"{r['write_gbps']:.0f} | {100 * r['write_gbps'] / env['copy_gbps']:.0f}% | "
             f"{plan_text(DecodePlan(**r['plan']))} | {err} |"
         )
@@ -286,7 +304,8 @@ def check_without_gpu(grid, fmt_names) -> None:
             out = decode_attention(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, plan=plan)
             ref = case.reference(cache)
             err = ((out.float() - ref).norm() / ref.norm()).item()
-            print(f"{model} {batch}x{ctx} {name:14s} {plan_text(plan)} err={err:.2e}", flush=True)
+            print(f"{model} {batch}x{ctx} {name:14s} {plan_text(plan)} ideal x{ideal_ratio(FORMATS[name], case.head_dim):.2f} "
+                  f"err={err:.2e}", flush=True)
             assert err < 0.05, f"{name}: relative error {err} against the fp32 reference"
 
 

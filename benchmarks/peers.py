@@ -37,13 +37,19 @@ from . import peer_kernels
 from .gpu_timing import env_line
 from .peer_kernels import IMPLEMENTATIONS, LABELS
 
-FORMATS = {"bf16": KVFormat("bf16"), "fp8_e4m3": KVFormat("fp8_e4m3", "per_tensor")}
+FORMATS = {"bf16": KVFormat("bf16"), "fp8_e4m3": KVFormat("fp8_e4m3", "per_tensor"),
+           # kvq's own formats (docs/kv-formats.md): no peer reads them, so only kvq runs there (its row beside the
+           # peers' BF16 / FP8 rows of the same shape and the cuDNN baseline)
+           "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
+           "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64)}
+PEER_FORMATS = ("bf16", "fp8_e4m3")  # what FlashInfer and XQA read in kvq's layout
 # Tolerance: twice the unit roundoff u of the narrowest type a kernel may round to on the way: bf16
 # for BF16 KV; for FP8 KV its own e4m3, since XQA rounds q and P to e4m3 for its FP8 MMAs. A kernel
 # may round P, its split-K partials (XQA keeps them in bf16) and the output, each with an rms relative
 # error of u / sqrt(3): about u together, so 2u bounds a correct kernel's norm-wise error over a finite
 # sample, while a wrong page, scale or mask costs an error of order 1.
-PRODUCT_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+PRODUCT_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "k8v4": torch.bfloat16,
+                 "int4-g64-asym": torch.bfloat16}
 TOLERANCE = {name: torch.finfo(dt).eps for name, dt in PRODUCT_DTYPE.items()}  # eps = 2u
 PAGE_SIZE = 16  # kvq's engine default, and XQA's smallest (XQA takes 16, 32, 64 or 128)
 SHAPES = ["llama3-8b:16x32768", "llama3-8b:64x8192", "llama3-8b:128x4096", "llama3-8b:1x131072",
@@ -113,7 +119,7 @@ class PagedCase:
 
         scale = None
         ks = vs = None
-        if fmt.quantized:
+        if fmt.static:
             amax = max(self.k_src.abs().max().item(), self.v_src.abs().max().item())
             scale = amax / fmt.qmax
             ks = vs = torch.tensor(scale, dtype=torch.float32, device=self.q.device)
@@ -129,9 +135,17 @@ class PagedCase:
 
 def _stored(cache, which: str, pages: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's K or V exactly as stored, in fp64: [kv_heads, length, head_dim]."""
-    x = getattr(cache, which)[pages].double()  # [pages, kv_heads, page, D]
-    s = getattr(cache, f"{which}_scale")
-    x = x * s.double() if s is not None else x
+    fmt = cache.fmt.side(which)
+    if fmt.dynamic:  # per-token / group scales: kv_format's dequantization of the stored bytes
+        from runtime.kv_format import dequantize
+
+        z = getattr(cache, f"{which}_zero")
+        x = dequantize(getattr(cache, which)[pages], fmt, getattr(cache, f"{which}_scale")[pages],
+                       None if z is None else z[pages]).double()
+    else:
+        x = getattr(cache, which)[pages].double()  # [pages, kv_heads, page, D]
+        s = getattr(cache, f"{which}_scale")
+        x = x * s.double() if s is not None else x
     return x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])[:, :length]
 
 
@@ -193,7 +207,7 @@ def run(shapes: list[Shape], fmt_names: list[str], impls: list[str], page: int, 
     if peers:
         t0 = time.time()
         failed_builds = peer_kernels.compile_peers(
-            peers, torch.bfloat16, [FORMATS[f].storage_dtype for f in fmt_names], page,
+            peers, torch.bfloat16, [FORMATS[f].storage_dtype for f in fmt_names if f in PEER_FORMATS], page,
             sorted({(s.geometry[2], s.geometry[0] // s.geometry[1]) for s in shapes}))
         env["peer_build_s"] = round(time.time() - t0, 1)
         print(f"peer kernels built in {env['peer_build_s']} s; failed: {failed_builds or 'none'}", flush=True)
@@ -210,7 +224,7 @@ def run(shapes: list[Shape], fmt_names: list[str], impls: list[str], page: int, 
                 fmt = FORMATS[name]
                 cache, scale = case.cache(fmt)
                 ref = reference_fp64(case, cache)
-                for impl in impls:
+                for impl in [i for i in impls if i == "kvq" or name in PEER_FORMATS]:
                     row = {"kind": "decode", "model": shape.model, "tp": shape.tp, "batch": shape.batch,
                            "ctx": shape.ctx, "format": name, "fmt": fmt.name, "impl": impl,
                            "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim,
@@ -313,7 +327,7 @@ def markdown(rows: list[dict]) -> str:
         "fp64 attention over the stored values, the larger of a check before and one after the timing; the "
         "tolerance is twice the unit roundoff of the narrowest type a kernel may round to "
         f"(bf16 for BF16 KV: {TOLERANCE['bf16']:.1e}; e4m3 for FP8 KV: {TOLERANCE['fp8_e4m3']:.1e}, as XQA's FP8 "
-        "MMAs round q and P to e4m3).",
+        "MMAs round q and P to e4m3; bf16 for kvq's own formats k8v4 and int4-g64-asym, which no peer reads: '-').",
         "",
         "| model | batch x ctx | KV | " + " | ".join(f"{LABELS[i]} error" for i in impls) + " |",
         "|---" * (3 + len(impls)) + "|",

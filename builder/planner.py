@@ -22,13 +22,16 @@ GIB = 2**30
 KIB = 2**10
 
 # What the serving world compares against: the unquantized baseline, the
-# per-tensor FP8/INT8 of TensorRT-LLM/vLLM, and LMDeploy-style INT4.
+# per-tensor FP8/INT8 of TensorRT-LLM/vLLM, LMDeploy-style INT4, and kvq's
+# K8V4 (K int8, V int4 asym) and group-64 INT4 (docs/kv-formats.md).
 STANDARD_FORMATS = (
     KVFormat("fp16"),
     KVFormat("fp8_e4m3", "per_tensor"),
     KVFormat("int8", "per_tensor"),
     KVFormat("int8", "per_token"),
+    KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
     KVFormat("int4", "per_token", symmetric=False),
+    KVFormat("int4", "per_token", symmetric=False, group_size=64),
 )
 
 

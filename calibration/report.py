@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.kv_format import KVFormat
+
 HEADER = ("engine", "KV format", "perplexity", "Δ ppl", "greedy agree", "engine greedy", "passkey",
           "passkey vs base", "digit logp", "attn err (max)", "budget")
 
@@ -12,6 +14,8 @@ def _fmt_name(r: dict) -> str:
     f = r.get("kv_format", {})
     if "layers" in f:  # a format per layer (runtime/layer_formats.py): its note names the layer runs
         return r.get("note") or "per layer"
+    if f.get("v_dtype") is not None or f.get("group_size"):  # split / group formats: their KVFormat name
+        return KVFormat(**f).name
     name = f.get("dtype", "?")
     if f.get("dtype") not in ("fp32", "fp16", "bf16"):
         name += f" {f.get('granularity', '')}" + ("" if f.get("symmetric", True) else " asym")

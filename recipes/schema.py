@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from runtime.config import PRESETS, ModelConfig
 from runtime.engine_dir import parse_kv_format_name
 from runtime.errors import KvqError, UnsupportedError
-from runtime.kv_format import GRANULARITIES, KV_DTYPES, SCALE_DTYPES, KVFormat
+from runtime.kv_format import GRANULARITIES, GROUP_SIZES, KV_DTYPES, SCALE_DTYPES, KVFormat, format_from_name
 from runtime.layer_formats import layer_runs
 from runtime.parallel.sharding import check_parallelism
 from runtime.rotation import ROTATIONS, KVRotation
@@ -23,6 +23,7 @@ KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 Granularity = Literal[GRANULARITIES]  # type: ignore[valid-type]
 ScaleDtype = Literal[SCALE_DTYPES]  # type: ignore[valid-type]
 Rotation = Literal[ROTATIONS]  # type: ignore[valid-type]
+GroupSize = Literal[GROUP_SIZES]  # type: ignore[valid-type]
 
 # TensorRT-LLM's engine path stores one per-tensor scale per layer and knows only
 # INT8 and FP8 (e4m3) KV besides the unquantized baseline (trtllm.md §1.1-1.3).
@@ -49,7 +50,17 @@ class ModelSection(Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
 
 
+# the fields kv.format replaces (a format name says all of them)
+FORMAT_FIELDS = frozenset({"dtype", "granularity", "symmetric", "scale_dtype", "group_size", "k_dtype", "v_dtype",
+                           "k_symmetric", "v_symmetric", "k_group_size", "v_group_size"})
+
+
 class KVSection(Section):
+    """How K and V are stored. dtype / symmetric / group_size apply to both unless k_* / v_* give one of
+    them its own (e.g. k_dtype: int8, v_dtype: int4, v_symmetric: false: "K8V4"); or `format` names a
+    whole format (KVFormat.name, e.g. k.int8-per_token+v.int4-per_token-asym) instead of the fields."""
+
+    format: str | None = Field(None, description="A KV format name (docs/kv-formats.md), instead of the fields.")
     dtype: KVDtype | Literal["auto"] = Field(
         "fp16", description="The KV dtype of every layer, or 'auto': the search stage picks a format per layer "
         "from search.formats, the smallest cache within accuracy.max_perplexity_increase_pct, or the most "
@@ -57,6 +68,14 @@ class KVSection(Section):
     granularity: Granularity = "per_tensor"
     symmetric: bool = True
     scale_dtype: ScaleDtype = "float16"
+    group_size: GroupSize = Field(0, description="per_token: one scale (and zero) per group of this many "
+                                  "channels of a head; 0: one per token-head.")
+    k_dtype: KVDtype | None = None
+    v_dtype: KVDtype | None = None
+    k_symmetric: bool | None = None
+    v_symmetric: bool | None = None
+    k_group_size: GroupSize | None = None
+    v_group_size: GroupSize | None = None
     clamp_fp8_scales_to_one: bool = Field(
         False, description="Reproduce ModelOpt's TensorRT-LLM export, which clamps FP8 KV scales to >= 1.0."
     )
@@ -75,11 +94,29 @@ class KVSection(Section):
         0, ge=0, description="Seed of the rotation's random sign vector (recorded in the engine's "
         "kv_format.json); null: the plain Walsh-Hadamard matrix.")
 
-    def format(self) -> KVFormat:
-        if self.dtype == "auto" or self.layers is not None:
+    @model_validator(mode="after")
+    def _one_spelling(self) -> "KVSection":
+        fields = self.model_fields_set & FORMAT_FIELDS
+        if self.format is not None and fields:
+            raise ValueError(f"kv.format names the whole format; drop kv.{', kv.'.join(sorted(fields))} "
+                             "or kv.format.")
+        return self
+
+    def to_format(self) -> KVFormat:
+        if self.per_layer:
             raise UnsupportedError("this recipe gives the KV format per layer (kv.dtype: auto or kv.layers); "
                                    "use Recipe.layer_formats() for it.")
-        return KVFormat(self.dtype, self.granularity, self.symmetric, self.scale_dtype)
+        if self.format is not None:
+            return format_from_name(self.format)
+
+        def pick(own, shared):
+            return shared if own is None else own
+
+        return KVFormat(
+            pick(self.k_dtype, self.dtype), self.granularity, pick(self.k_symmetric, self.symmetric),
+            self.scale_dtype, pick(self.k_group_size, self.group_size), pick(self.v_dtype, self.dtype),
+            pick(self.v_symmetric, self.symmetric), pick(self.v_group_size, self.group_size),
+        )
 
     @property
     def per_layer(self) -> bool:
@@ -227,7 +264,7 @@ class Recipe(Section):
         self._check_per_layer()
         try:
             if not kv.per_layer:
-                kv.format()
+                kv.to_format()
         except UnsupportedError as e:
             raise ValueError(f"kv: {e}") from None
         if self.backend == "tensorrt-llm" and kv.per_layer:
@@ -243,22 +280,24 @@ class Recipe(Section):
                     "and folded projections inside its engine); use kv.rotation: none with TensorRT-LLM, or "
                     "backend: torch for hadamard."
                 )
-            if kv.dtype == "int4":
+            fmt = kv.to_format()
+            _check_trtllm_kv(fmt)
+            if fmt.dtype == "int4":
                 raise ValueError(
                     "kv.dtype: TensorRT-LLM has no INT4 KV cache (its engine path stores INT8 or FP8 KV); "
                     "use backend: torch for int4, or kv.dtype: fp8_e4m3 / int8 with TensorRT-LLM."
                 )
-            if kv.dtype not in TRTLLM_KV_DTYPES:
+            if fmt.dtype not in TRTLLM_KV_DTYPES:
                 raise ValueError(
                     f"kv.dtype: TensorRT-LLM's engine path takes {', '.join(TRTLLM_KV_DTYPES)}, not "
-                    f"{kv.dtype!r}; use backend: torch for it."
+                    f"{fmt.dtype!r}; use backend: torch for it."
                 )
-            if kv.dtype in ("int8", "fp8_e4m3") and kv.granularity != "per_tensor":
+            if fmt.dtype in ("int8", "fp8_e4m3") and fmt.granularity != "per_tensor":
                 raise ValueError(
                     "kv.granularity: TensorRT-LLM stores one KV scale per layer (per_tensor); use "
                     "granularity: per_tensor, or backend: torch for per_head / per_token scales."
                 )
-        if kv.clamp_fp8_scales_to_one and not (kv.dtype.startswith("fp8") and kv.granularity != "per_token"):
+        if kv.clamp_fp8_scales_to_one and not (not fmt.split and fmt.is_fp8 and fmt.static):
             raise ValueError("kv.clamp_fp8_scales_to_one applies only to static fp8 scales (per_tensor/per_head).")
         if b.max_input_len > b.max_seq_len:
             raise ValueError(
@@ -292,8 +331,15 @@ class Recipe(Section):
         if self.kv.rotation != "none" and geo.head_dim & (geo.head_dim - 1):
             raise ValueError(f"kv.rotation: hadamard needs a power-of-two head_dim, this model has {geo.head_dim}; "
                              "use kv.rotation: none.")
-        if self.kv.dtype == "int4" and geo.head_dim % 2:
-            raise ValueError(f"kv.dtype: int4 packs two values per byte and needs an even head_dim ({geo.head_dim}).")
+        for fmt in ([] if self.kv.per_layer else [self.kv_format()]):
+            for which in ("k", "v"):
+                side = fmt.side(which)
+                if side.dtype == "int4" and geo.head_dim % 2:
+                    raise ValueError(f"kv.{which}_dtype: int4 packs two values per byte and needs an even head_dim "
+                                     f"({geo.head_dim}).")
+                if side.group_size and geo.head_dim % side.group_size:
+                    raise ValueError(f"kv.{which}_group_size: {side.group_size} does not divide the model's "
+                                     f"head_dim {geo.head_dim}; choose a divisor of it.")
         if b.max_seq_len > geo.max_position_embeddings:
             raise ValueError(
                 f"build.max_seq_len ({b.max_seq_len}) exceeds the model's {geo.max_position_embeddings} positions."
@@ -304,7 +350,7 @@ class Recipe(Section):
         return PRESETS[self.model.preset] if self.model.preset in PRESETS else None
 
     def kv_format(self) -> KVFormat:
-        return self.kv.format()
+        return self.kv.to_format()
 
     def kv_label(self) -> str:
         """The KV format's name, or how the per-layer formats are chosen."""
@@ -312,7 +358,7 @@ class Recipe(Section):
             goal = (f"<= {self.kv.target_bits_per_element:g} bits/element" if self.kv.target_bits_per_element
                     else f"ppl <= +{self.accuracy.max_perplexity_increase_pct:g}%")
             return f"auto per layer ({goal})"
-        return "per layer (kv.layers)" if self.kv.layers is not None else self.kv.format().name
+        return "per layer (kv.layers)" if self.kv.layers is not None else self.kv.to_format().name
 
     def formats_needing_calibration(self) -> list[KVFormat]:
         """The static (calibrated-scale) formats this recipe may store: its format, or per-layer candidates."""
@@ -321,7 +367,7 @@ class Recipe(Section):
             return [f for f in self.search.candidates() if f.static]
         if kv.layers is not None:
             return sorted({f for f in map(parse_kv_format_name, kv.layers.values()) if f.static}, key=lambda f: f.name)
-        return [kv.format()] if kv.format().static else []
+        return [kv.to_format()] if kv.to_format().static else []
 
     def layer_formats(self, num_layers: int) -> tuple[KVFormat, ...]:
         """One format per layer for a recipe that fixes them (kv.dtype auto: the search stage's output)."""
@@ -329,7 +375,7 @@ class Recipe(Section):
             raise UnsupportedError("kv.dtype auto: the search stage chooses the per-layer formats.")
         if self.kv.layers is not None:
             return parse_layer_ranges(self.kv.layers, num_layers)
-        return (self.kv.format(),) * num_layers
+        return (self.kv.to_format(),) * num_layers
 
     def _check_per_layer(self) -> None:
         kv = self.kv
@@ -346,3 +392,19 @@ class Recipe(Section):
                 raise ValueError(f"search.formats: {e}") from None
             if len(set(cands)) != len(cands):
                 raise ValueError(f"search.formats: {self.search.formats} names a format twice; list each once.")
+
+
+def _check_trtllm_kv(fmt: KVFormat) -> None:
+    """What TensorRT-LLM's engine path cannot store, with what it can (trtllm.md §1.1-1.3)."""
+    supported = "fp16, bf16, int8 per_tensor, fp8_e4m3 per_tensor"
+    if fmt.split:
+        raise ValueError(
+            f"kv: TensorRT-LLM stores K and V in one KV cache dtype, so {fmt.name} (K {fmt.k.dtype}, "
+            f"V {fmt.v.dtype}) has no TensorRT-LLM form; it supports {supported}. Use backend: torch for "
+            "separate K and V formats, or one kv.dtype for both."
+        )
+    if fmt.group_size:
+        raise ValueError(
+            f"kv.group_size: TensorRT-LLM keeps one KV scale per layer, not group scales; it supports {supported}. "
+            "Use backend: torch for group scales, or group_size: 0."
+        )

@@ -36,11 +36,14 @@ from .kv_format import KVFormat, dequantize, quantize, quantize_dynamic
 
 # ------------------------------------------------------------------ write
 def _write_one(cache: LayerCache, which: str, x: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> None:
-    fmt = cache.fmt
+    fmt = cache.fmt.side(which)
     pages: torch.Tensor = getattr(cache, which)
     if fmt.dynamic:
         q, scale, zero = quantize_dynamic(x, fmt)
-        getattr(cache, f"{which}_scale")[blocks, :, offs] = scale
+        if scale.dtype == torch.float8_e8m0fnu:  # torch has no index_put for e8m0: write its bytes
+            getattr(cache, f"{which}_scale").view(torch.uint8)[blocks, :, offs] = scale.view(torch.uint8)
+        else:
+            getattr(cache, f"{which}_scale")[blocks, :, offs] = scale
         if zero is not None:
             getattr(cache, f"{which}_zero")[blocks, :, offs] = zero
     else:
@@ -60,7 +63,7 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 # ------------------------------------------------------------------ read
 def stores_exactly(fmt: KVFormat, dtype: torch.dtype) -> bool:
     """True when the cache holds values of `dtype` unchanged (unquantized, same dtype): read_kv is the identity."""
-    return not fmt.quantized and fmt.storage_dtype == dtype
+    return not fmt.quantized and fmt.storage_dtype == dtype  # a split format is quantized
 
 
 def read_kv(cache: LayerCache, slot_mapping: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,11 +72,11 @@ def read_kv(cache: LayerCache, slot_mapping: torch.Tensor, dtype: torch.dtype) -
     The same dequantize as gather_kv's, element by element, so a token's values here equal
     those decode reads back from its pages, bit for bit.
     """
-    fmt = cache.fmt
     slots = slot_mapping.long()
     blocks, offs = slots // cache.block_size, slots % cache.block_size
     out = []
     for which in ("k", "v"):
+        fmt = cache.fmt.side(which)
         q = getattr(cache, which)[blocks, :, offs]  # [T, kv_heads, stored_head_dim]
         scale = getattr(cache, f"{which}_scale")
         zero = getattr(cache, f"{which}_zero")
@@ -93,7 +96,6 @@ def _static_scale(scale: torch.Tensor) -> torch.Tensor:
 
 def gather_kv(cache: LayerCache, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized fp32 K and V of each sequence: [B, kv_heads, max_len, head_dim]."""
-    fmt = cache.fmt
     nb = ceil_div(max_len, cache.block_size)
     bt = block_tables[:, :nb].long()
     b = bt.shape[0]
@@ -105,6 +107,7 @@ def gather_kv(cache: LayerCache, block_tables: torch.Tensor, max_len: int) -> tu
 
     out = []
     for which in ("k", "v"):
+        fmt = cache.fmt.side(which)
         q = pages(getattr(cache, which))
         scale = getattr(cache, f"{which}_scale")
         zero = getattr(cache, f"{which}_zero")

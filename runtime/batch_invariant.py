@@ -201,7 +201,7 @@ _plans = threading.local()  # an engine's steps run on its own thread
 def _gather(cache: LayerCache, which: str, pages: torch.Tensor) -> torch.Tensor:
     """K or V pages of the plan, dequantized fp32: [B * pages, kv_heads, block_size, D] (pages along the
     first axis: an index_select of whole contiguous pages, much faster than one along a strided axis)."""
-    fmt = cache.fmt
+    fmt = cache.fmt.side(which)
     q = getattr(cache, which).index_select(0, pages)
     scale, zero = getattr(cache, f"{which}_scale"), getattr(cache, f"{which}_zero")
     if fmt.dynamic:

@@ -24,7 +24,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import InputError, KvqError, UnsupportedError
-from .kv_format import KVFormat
+from .kv_format import KVFormat, format_from_name
 from .layer_formats import (
     LayerFormats,
     as_layer_formats,
@@ -109,15 +109,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, d: Path
 
 
 def parse_kv_format_name(name: str) -> KVFormat:
-    """The inverse of KVFormat.name: "fp16", "int8-per_head", "int4-per_token-asym"."""
-    parts = name.split("-")
-    asym = parts[-1] == "asym"
-    if asym:
-        parts = parts[:-1]
-    if len(parts) not in (1, 2):
-        raise InputError(f"KV format name {name!r} is not of the form dtype[-granularity][-asym], e.g. int8-per_token.")
+    """The inverse of KVFormat.name ("fp16", "int8-per_head", "k.int8-per_token+v.int4-per_token-asym")."""
     try:
-        return KVFormat(parts[0], parts[1] if len(parts) == 2 else "per_tensor", not asym)
+        return format_from_name(name)
     except KvqError as e:
         raise InputError(f"KV format {name!r}: {e}") from None
 

@@ -2,10 +2,12 @@
 
 Layout (shared by the reference path and the Triton kernels):
 
-    k, v          [num_blocks, kv_heads, block_size, stored_head_dim]  fmt.storage_dtype
+    k, v          [num_blocks, kv_heads, block_size, stored_head_dim]  fmt.k / fmt.v storage_dtype
+                  (K and V may differ: "K8V4" stores int8 K and packed int4 V)
     k_scale, ...  static formats:  per_tensor -> [] fp32, per_head -> [kv_heads] fp32
                   dynamic formats: [num_blocks, kv_heads, block_size]   fmt.scale_torch_dtype
-    k_zero, v_zero  asymmetric per_token only, same shape/dtype as dynamic scales
+                  group scales:    [num_blocks, kv_heads, block_size, head_dim / group_size]
+    k_zero, v_zero  asymmetric per_token only, same shape/dtype as that tensor's scales
 
 A token's slot is `block_id * block_size + offset`. Block ids come from the
 torch-free BlockManager; pages of one sequence may be anywhere in the pool.
@@ -54,25 +56,21 @@ def allocate_layer(
     v_scale: torch.Tensor | None = None,
 ) -> LayerCache:
     """Allocate one layer's pages. Static formats take their calibrated scales here."""
-    shape = (num_blocks, kv_heads, block_size, fmt.stored_head_dim(head_dim))
     # Zeros, not empty: attention masks padded slots with a zero weight, but 0 * NaN
     # (uninitialized fp32, or an fp8 NaN bit pattern) would still poison the output.
-    cache = LayerCache(
-        fmt,
-        torch.zeros(shape, dtype=fmt.storage_dtype, device=device),
-        torch.zeros(shape, dtype=fmt.storage_dtype, device=device),
-    )
-    if fmt.dynamic:
-        meta = (num_blocks, kv_heads, block_size)
-        sd = fmt.scale_torch_dtype
-        cache.k_scale = torch.ones(meta, dtype=sd, device=device)
-        cache.v_scale = torch.ones(meta, dtype=sd, device=device)
-        if not fmt.symmetric:
-            cache.k_zero = torch.zeros(meta, dtype=sd, device=device)
-            cache.v_zero = torch.zeros(meta, dtype=sd, device=device)
-    elif fmt.static:
+    pages = {}
+    for which in ("k", "v"):
+        side = fmt.side(which)
+        shape = (num_blocks, kv_heads, block_size, side.stored_head_dim(head_dim))
+        pages[which] = torch.zeros(shape, dtype=side.storage_dtype, device=device)
+        if side.dynamic:
+            meta = side.meta_shape(num_blocks, kv_heads, block_size, head_dim)
+            pages[f"{which}_scale"] = torch.ones(meta, dtype=side.scale_torch_dtype, device=device)
+            if not side.symmetric:
+                pages[f"{which}_zero"] = torch.zeros(meta, dtype=side.scale_torch_dtype, device=device)
+    if fmt.static:
         if k_scale is None or v_scale is None:
             raise ValueError(f"{fmt.name} needs calibrated k/v scales")
-        cache.k_scale = k_scale.to(device=device, dtype=torch.float32)
-        cache.v_scale = v_scale.to(device=device, dtype=torch.float32)
-    return cache
+        pages["k_scale"] = k_scale.to(device=device, dtype=torch.float32)
+        pages["v_scale"] = v_scale.to(device=device, dtype=torch.float32)
+    return LayerCache(fmt, **pages)

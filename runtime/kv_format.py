@@ -1,6 +1,10 @@
 """KV-cache formats: what a stored K/V element is, and the reference math.
 
-A format is (dtype, granularity, symmetric, scale dtype). The scale convention
+A format is (dtype, granularity, symmetric, scale dtype, group size), and K and V
+may each have their own dtype, symmetry and group size ("K8V4": K int8 per-token,
+V int4 per-token asym). `fmt.k` / `fmt.v` are the two sides, each a format with
+one dtype; the element-level properties (qmax, storage_dtype, ...) belong to a
+side, and a format whose sides differ refuses them. The scale convention
 is TensorRT-LLM's: the stored scale *dequantizes*, x ~= q * s (+ zero for
 asymmetric integers), with s = amax / qmax.
 
@@ -28,6 +32,7 @@ tokens contiguous, so a decode kernel reads each page of a head as one block.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,7 +45,10 @@ from .errors import UnsupportedError
 # fp16/bf16 are the serving baselines.
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 GRANULARITIES = ("per_tensor", "per_head", "per_token")
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+# e8m0: a power of two stored as its biased exponent (MX-style), symmetric formats only.
+SCALE_DTYPES = ("float16", "bfloat16", "float32", "e8m0")
+# channels per scale within a head; 0 = one scale per token-head
+GROUP_SIZES = (0, 16, 32, 64, 128)
 
 _TORCH_DTYPES = {
     "fp32": torch.float32,
@@ -49,19 +57,44 @@ _TORCH_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-_SCALE_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_SCALE_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "e8m0": torch.float8_e8m0fnu}
+_SCALE_SHORT = {"float16": "", "bfloat16": "-sbf16", "float32": "-sfp32", "e8m0": "-se8m0"}
 _BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "int4": 4}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 
 @dataclass(frozen=True)
 class KVFormat:
+    """How one layer's K and V are stored. dtype / symmetric / group_size are K's, and V's unless the
+    v_ fields give V its own (None: same as K); granularity and scale_dtype are shared."""
+
     dtype: str = "fp16"
     granularity: str = "per_tensor"
     symmetric: bool = True
     scale_dtype: str = "float16"  # storage of per_token scales/zeros; static scales are fp32
+    group_size: int = 0  # per_token only: one scale (and zero) per group of channels; 0 = per token-head
+    v_dtype: str | None = None
+    v_symmetric: bool | None = None
+    v_group_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.split:
+            for side, name in ((self.k, "kv.k"), (self.v, "kv.v")):
+                if not (side.quantized and side.dynamic):
+                    raise UnsupportedError(
+                        f"{name}: a format with different K and V formats needs both quantized with per_token "
+                        f"granularity (dynamic scales), got {side.name}; use one dtype for both otherwise."
+                    )
+            v = self.v  # V's fields spelled out: one spelling of each format
+            for extra, value in (("v_dtype", v.dtype), ("v_symmetric", v.symmetric), ("v_group_size", v.group_size)):
+                object.__setattr__(self, extra, value)
+            return
+        for extra in ("v_dtype", "v_symmetric", "v_group_size"):  # V as K's: one spelling of each format
+            object.__setattr__(self, extra, None)
+        self._check_side()
+
+    def _check_side(self) -> None:
         if self.dtype not in KV_DTYPES:
             raise UnsupportedError(f"unknown KV dtype {self.dtype!r}; choose one of {', '.join(KV_DTYPES)}.")
         if self.granularity not in GRANULARITIES:
@@ -77,19 +110,71 @@ class KVFormat:
                 "asymmetric KV quantization needs an integer dtype (int8/int4) with per_token "
                 "granularity (a zero point per token and head); use symmetric: true otherwise."
             )
+        if self.group_size not in GROUP_SIZES:
+            raise UnsupportedError(
+                f"kv.group_size {self.group_size} is not supported; choose one of "
+                f"{', '.join(map(str, GROUP_SIZES))} (0: one scale per token-head)."
+            )
+        if self.group_size and not (self.quantized and self.granularity == "per_token"):
+            raise UnsupportedError(
+                "kv.group_size: group scales are per-token scales (computed when a token is written); "
+                "use granularity: per_token with a quantized dtype, or group_size: 0."
+            )
+        if self.scale_dtype == "e8m0" and self.dynamic and not self.symmetric:
+            raise UnsupportedError(
+                "kv.scale_dtype: e8m0 scales are powers of two and cannot hold an asymmetric zero point; "
+                "use symmetric: true, or scale_dtype float16 / bfloat16 / float32."
+            )
+
+    # ------------------------------------------------------------- K and V
+    @property
+    def k(self) -> KVFormat:
+        """K's format (one dtype)."""
+        if self.v_dtype is None and self.v_symmetric is None and self.v_group_size is None:
+            return self
+        return KVFormat(self.dtype, self.granularity, self.symmetric, self.scale_dtype, self.group_size)
+
+    @property
+    def v(self) -> KVFormat:
+        """V's format (one dtype)."""
+        if self.v_dtype is None and self.v_symmetric is None and self.v_group_size is None:
+            return self
+        return KVFormat(
+            self.dtype if self.v_dtype is None else self.v_dtype,
+            self.granularity,
+            self.symmetric if self.v_symmetric is None else self.v_symmetric,
+            self.scale_dtype,
+            self.group_size if self.v_group_size is None else self.v_group_size,
+        )
+
+    @property
+    def split(self) -> bool:
+        """K and V stored differently."""
+        return self.k != self.v
+
+    def side(self, which: str) -> KVFormat:
+        """"k" or "v" -> that tensor's format."""
+        return self.k if which == "k" else self.v
+
+    def _one(self) -> KVFormat:
+        if self.split:
+            raise UnsupportedError(
+                f"{self.name} stores K and V differently; ask fmt.k or fmt.v for element properties."
+            )
+        return self
 
     # ------------------------------------------------------------ properties
     @property
     def quantized(self) -> bool:
-        return self.dtype not in ("fp32", "fp16", "bf16")
+        return self.dtype not in ("fp32", "fp16", "bf16")  # a split format's sides are both quantized
 
     @property
     def is_int(self) -> bool:
-        return self.dtype in ("int8", "int4")
+        return self._one().dtype in ("int8", "int4")
 
     @property
     def is_fp8(self) -> bool:
-        return self.dtype in FP8_MAX
+        return self._one().dtype in FP8_MAX
 
     @property
     def dynamic(self) -> bool:
@@ -103,11 +188,12 @@ class KVFormat:
 
     @property
     def bits(self) -> int:
-        return _BITS[self.dtype]
+        return _BITS[self._one().dtype]
 
     @property
     def qmax(self) -> float:
         """Largest representable |q| (symmetric) or top of the range (asymmetric)."""
+        self._one()
         if self.is_fp8:
             return FP8_MAX[self.dtype]
         if self.is_int:
@@ -121,6 +207,7 @@ class KVFormat:
 
     @property
     def storage_dtype(self) -> torch.dtype:
+        self._one()
         if self.dtype in _TORCH_DTYPES:
             return _TORCH_DTYPES[self.dtype]
         if self.dtype == "int8" and self.symmetric:
@@ -132,28 +219,85 @@ class KVFormat:
         return _SCALE_TORCH[self.scale_dtype]
 
     def stored_head_dim(self, head_dim: int) -> int:
-        if self.dtype == "int4":
+        if self._one().dtype == "int4":
             if head_dim % 2:
                 raise UnsupportedError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}.")
             return head_dim // 2
         return head_dim
 
-    def metadata_bytes_per_token_head(self) -> int:
-        """Per-token scale (+ zero point) bytes, 0 for static formats."""
+    def groups(self, head_dim: int) -> int:
+        """Scales per token-head (1 without group scales)."""
+        g = self._one().group_size
+        if not g:
+            return 1
+        if head_dim % g:
+            raise UnsupportedError(f"kv.group_size {g} does not divide head_dim {head_dim}; use a divisor of it.")
+        return head_dim // g
+
+    def meta_shape(self, num_blocks: int, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of a dynamic format's per-token scales (and zero points) in the pool."""
+        g = self.groups(head_dim)
+        return (num_blocks, kv_heads, block_size) + ((g,) if self.group_size else ())
+
+    def metadata_bytes_per_token_head(self, head_dim: int) -> int:
+        """Per-token scale (+ zero point) bytes of one tensor (K or V), 0 for static formats."""
         if not self.dynamic:
             return 0
         per = torch.tensor([], dtype=self.scale_torch_dtype).element_size()
-        return per * (1 if self.symmetric else 2)
+        return per * (1 if self.symmetric else 2) * self.groups(head_dim)
 
     def bytes_per_token_head(self, head_dim: int) -> float:
-        return head_dim * self.bits / 8 + self.metadata_bytes_per_token_head()
+        """K and V bytes of one token-head, metadata included, over 2 (the mean of the two tensors)."""
+        if self.split:
+            return (self.k.bytes_per_token_head(head_dim) + self.v.bytes_per_token_head(head_dim)) / 2
+        return head_dim * self.bits / 8 + self.metadata_bytes_per_token_head(head_dim)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Stored bits per K/V element, metadata included (16 for fp16 KV)."""
+        return self.bytes_per_token_head(head_dim) * 8 / head_dim
 
     @property
     def name(self) -> str:
+        if self.split:
+            return f"k.{self.k.name}+v.{self.v.name}"
         if not self.quantized:
             return self.dtype
         s = f"{self.dtype}-{self.granularity}"
-        return s if self.symmetric else s + "-asym"
+        s = s if self.symmetric else s + "-asym"
+        if self.group_size:
+            s += f"-g{self.group_size}"
+        return s + (_SCALE_SHORT[self.scale_dtype] if self.dynamic else "")
+
+
+def format_fields(fmt: KVFormat) -> dict:
+    """The fields an engine directory's kv_format.json holds (V's own fields only where they differ)."""
+    return {k: v for k, v in dataclasses.asdict(fmt).items() if v is not None}
+
+
+def format_from_name(name: str) -> KVFormat:
+    """The inverse of KVFormat.name: "fp16", "int8-per_head", "int4-per_token-asym-g32-sfp32",
+    "k.int8-per_token+v.int4-per_token-asym". Raises UnsupportedError naming the expected form."""
+    if "+" in name:
+        k_name, _, v_name = name.partition("+")
+        if not (k_name.startswith("k.") and v_name.startswith("v.")):
+            raise UnsupportedError(f"KV format name {name!r}: a split format is written k.<K format>+v.<V format>.")
+        k, v = format_from_name(k_name[2:]), format_from_name(v_name[2:])
+        if (k.granularity, k.scale_dtype) != (v.granularity, v.scale_dtype):
+            raise UnsupportedError(f"KV format name {name!r}: K and V share granularity and scale dtype.")
+        return KVFormat(k.dtype, k.granularity, k.symmetric, k.scale_dtype, k.group_size, v.dtype, v.symmetric,
+                        v.group_size)
+    parts = name.split("-")
+    scale = {short[2:]: long for long, short in _SCALE_SHORT.items() if short}.get(parts[-1][1:] if
+                                                                                 parts[-1][:1] == "s" else "")
+    parts = parts[:-1] if scale else parts
+    group = int(parts[-1][1:]) if parts[-1][:1] == "g" and parts[-1][1:].isdigit() else 0
+    parts = parts[:-1] if group else parts
+    asym = parts[-1] == "asym"
+    parts = parts[:-1] if asym else parts
+    if len(parts) not in (1, 2):
+        raise UnsupportedError(f"KV format name {name!r} is not of the form dtype[-granularity][-asym][-g<group>]"
+                               "[-s<scale dtype>], e.g. int8-per_token or int4-per_token-asym-g32.")
+    return KVFormat(parts[0], parts[1] if len(parts) == 2 else "per_tensor", not asym, scale or "float16", group)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], tp: int = 1, pp: int = 1) -> float:
@@ -182,11 +326,15 @@ def kv_bytes_per_token(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], tp:
 
 # ---------------------------------------------------------------- rounding
 def _tiny(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).tiny)
+    # e8m0's 2**-127 is subnormal in fp32: its scales stay >= 2**-126, so every kernel rounds them alike
+    return max(float(torch.finfo(dtype).tiny), float(torch.finfo(torch.float32).tiny))
 
 
 def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Smallest value of `dtype` >= x (x finite), returned in `dtype`."""
+    """Smallest value of `dtype` >= x (x finite; e8m0: x > 0), returned in `dtype`."""
+    if dtype == torch.float8_e8m0fnu:  # the next power of two: frexp's mantissa is 0.5 exactly on one
+        m, e = torch.frexp(x.to(torch.float32))
+        return torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)).to(dtype)
     r = x.to(dtype)
     if dtype == x.dtype:
         return r
@@ -211,7 +359,8 @@ def static_scale_from_amax(amax: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
 
 def dynamic_scales(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-(token, head) scale and zero point for x[..., head_dim], in fmt.scale_dtype.
+    """Per-(token, head) scale and zero point for x[..., head_dim], in fmt.scale_dtype: [...]
+    without group scales, [..., head_dim / group_size] with them (one per group of channels).
 
     Symmetric: s = amax / qmax rounded up. Asymmetric: zero = min rounded down,
     s = (max - zero) / qmax rounded up, so [min, max] fits in [0, qmax].
@@ -220,7 +369,7 @@ def dynamic_scales(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.
     """
     if not fmt.dynamic:
         raise ValueError(f"{fmt.name} has no dynamic scales")
-    xf = x.to(torch.float32)
+    xf = _grouped(x.to(torch.float32), fmt)
     nan = xf.isnan()
     sd = fmt.scale_torch_dtype
     # Clamp to the scale dtype's finite range: a token beyond max * qmax saturates
@@ -249,6 +398,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------- quantize / dequant
+def _grouped(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """x[..., head_dim] -> [..., groups, group_size] for group-scaled formats (x unchanged otherwise)."""
+    if not fmt.group_size:
+        return x
+    return x.unflatten(-1, (fmt.groups(x.shape[-1]), fmt.group_size))
+
+
 def _expand(t: torch.Tensor | None) -> torch.Tensor | None:
     """Scales are shaped like x[..., :-1] (or broadcast to it): add the head_dim axis."""
     if t is None:
@@ -263,17 +419,18 @@ def quantize(
     """x[..., head_dim] -> storage tensor (packed for int4).
 
     `scale`/`zero` broadcast to x.shape[:-1]: a scalar (per_tensor), [kv_heads]
-    (per_head, x laid out [..., kv_heads, head_dim]) or [..., kv_heads] (per_token).
+    (per_head, x laid out [..., kv_heads, head_dim]) or [..., kv_heads] (per_token);
+    with group scales [..., kv_heads, groups].
     """
     if not fmt.quantized:
         return x.to(fmt.storage_dtype)
     if scale is None:
         raise ValueError(f"{fmt.name} needs a scale")
-    y = x.to(torch.float32)
+    y = _grouped(x.to(torch.float32), fmt)
     if zero is not None:
         y = y - _expand(zero)
     y = torch.nan_to_num(y / _expand(scale), nan=0.0)
-    y = y.clamp(fmt.qmin, fmt.qmax)
+    y = y.clamp(fmt.qmin, fmt.qmax).flatten(-2) if fmt.group_size else y.clamp(fmt.qmin, fmt.qmax)
     if fmt.is_fp8:
         return y.to(fmt.storage_dtype)  # the cast rounds to nearest even
     q = torch.round(y)  # round half to even
@@ -299,10 +456,10 @@ def dequantize(
             v = v - 8
     else:
         v = q.to(torch.float32)
-    v = v * _expand(scale)
+    v = _grouped(v, fmt) * _expand(scale)
     if zero is not None:
         v = v + _expand(zero)
-    return v.to(dtype)
+    return (v.flatten(-2) if fmt.group_size else v).to(dtype)
 
 
 def quantize_dynamic(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -26,7 +26,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import InputError, KvqError
-from .kv_format import KVFormat, kv_bytes_per_token
+from .kv_format import KVFormat, format_fields, kv_bytes_per_token
 
 LayerFormats = tuple[KVFormat, ...]
 
@@ -74,10 +74,6 @@ def bits_per_element(cfg: ModelConfig, formats: KVFormat | Sequence[KVFormat]) -
 
 
 # --------------------------------------------------------------- kv_format.json
-def format_fields(fmt: KVFormat) -> dict[str, Any]:
-    return dataclasses.asdict(fmt)
-
-
 def formats_to_json(formats: Sequence[KVFormat]) -> dict[str, Any]:
     one = uniform_format(formats)
     return format_fields(one) if one is not None else {"layers": [format_fields(f) for f in formats]}

@@ -115,7 +115,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def gather(cache, name, blocks, offs, dtype):
     """Dequantize one sequence's tokens [L, kv_heads, head_dim] with kv_format."""
     x = getattr(cache, name)[blocks, :, offs]
-    fmt = cache.fmt
+    fmt = cache.fmt.side(name)
     if fmt.dynamic:
         s = getattr(cache, f"{name}_scale")[blocks, :, offs]
         z = getattr(cache, f"{name}_zero")

@@ -18,8 +18,10 @@ from runtime.model import LlamaModel, PagedBatch
 from runtime.runner import allocate_pool, plan_pool
 from runtime.weights import open_weights
 
+K8V4 = KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False)
 QUANTIZED = [KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
-             KVFormat("int4", "per_token", False), KVFormat("int8", "per_head")]
+             KVFormat("int4", "per_token", False), KVFormat("int8", "per_head"), K8V4,
+             KVFormat("int4", "per_token", False, group_size=16)]
 BLOCK = 8
 PROMPT = [(11 * j) % 500 + 3 for j in range(37)]
 
@@ -78,12 +80,12 @@ def _round_trip_observer(fmt: KVFormat, scales):
 
     def observe(i, k, v):
         out = []
-        for x, s in ((k, scales[0]), (v, scales[1])):
-            if fmt.dynamic:
-                q, scale, zero = quantize_dynamic(x, fmt)
-                out.append(dequantize(q, fmt, scale, zero))
+        for side, x, s in ((fmt.k, k, scales[0]), (fmt.v, v, scales[1])):
+            if side.dynamic:
+                q, scale, zero = quantize_dynamic(x, side)
+                out.append(dequantize(q, side, scale, zero))
             else:
-                out.append(dequantize(quantize(x, fmt, s[i]), fmt, s[i]))
+                out.append(dequantize(quantize(x, side, s[i]), side, s[i]))
         return tuple(out)
 
     return observe
@@ -205,6 +207,15 @@ def test_sixty_four_mixed_requests_equal_solo_runs(tiny_model, solo):
     got, stats = _generate(tiny_model, fmt, (None, None), prompts, 8, num_blocks=600, step_tokens=160)
     assert max(stats.step_batch_sizes) >= 16
     assert got == [solo(fmt, (None, None), p, 8) for p in prompts]
+
+
+def test_k8v4_batched_requests_equal_sequential_runs(tiny_model, solo):
+    """K INT8 / V INT4 asym: sixteen mixed requests (lengths 1-60, a 48-token step budget: prompts chunked and
+    batched together) give the tokens each gives alone."""
+    prompts = [_prompt(100 + i, 1 + (i * 23) % 60) for i in range(16)]
+    got, stats = _generate(tiny_model, K8V4, (None, None), prompts, 8, num_blocks=200, step_tokens=48)
+    assert max(stats.step_batch_sizes) >= 8
+    assert got == [solo(K8V4, (None, None), p, 8) for p in prompts]
 
 
 P38 = "It was late at night when a museum guard heard"

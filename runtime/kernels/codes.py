@@ -17,6 +17,7 @@ PER_TOKEN = 3  # one per (block, head, slot), in the format's scale dtype
 SCALE_FP16 = 0
 SCALE_BF16 = 1
 SCALE_FP32 = 2
+SCALE_E8M0 = 3  # a power of two stored as its biased exponent byte (fp32's exponent field)
 
 # fp8 encodings (KernelFormat.fp8, the write kernel's FP8): the bit-exact integer encoder, or (the _HW codes) the
 # GPU's saturating conversion instruction for the same encoding.

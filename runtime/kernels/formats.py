@@ -19,7 +19,8 @@ from ..kv_format import KVFormat
 from . import codes
 
 # torch dtype of per-token scales -> its code (`codes.SCALE_FP16` ...)
-SCALE_DTYPE_CODES = {torch.float16: codes.SCALE_FP16, torch.bfloat16: codes.SCALE_BF16, torch.float32: codes.SCALE_FP32}
+SCALE_DTYPE_CODES = {torch.float16: codes.SCALE_FP16, torch.bfloat16: codes.SCALE_BF16, torch.float32: codes.SCALE_FP32,
+                     torch.float8_e8m0fnu: codes.SCALE_E8M0}
 # an fp8 encoding -> the same encoding through the GPU's saturating conversion instruction instead of the encoder
 FP8_HARDWARE = {codes.FP8_E4M3: codes.FP8_E4M3_HW, codes.FP8_E5M2: codes.FP8_E5M2_HW}
 
@@ -34,11 +35,47 @@ class KernelFormat:
     qmin: float
     scale_dtype: int  # SCALE_DTYPE_CODES value, meaningful for codes.PER_TOKEN only
     head_dim: int  # logical head dim (stored dim x2 for int4)
+    groups: int = 1  # per-token scales per token-head (group scales: head_dim / group_size)
+
+
+def served_by_mixed(fmt: KVFormat) -> bool:
+    """Formats the mixed-format kernels (`write_mixed.py`, `decode_mixed.py`) serve: K and V stored differently,
+    group scales, or e8m0 scales. The other formats keep their tuned kernels."""
+    return fmt.split or (fmt.dynamic and (fmt.group_size > 0 or fmt.scale_dtype == "e8m0"))
+
+
+def kernel_formats(cache: LayerCache) -> tuple[KernelFormat, KernelFormat]:
+    """K's and V's compile-time descriptions (a mixed-format cache: `served_by_mixed`), after checking each
+    side's pages and scales."""
+    fmt = cache.fmt
+    out = []
+    for which in ("k", "v"):
+        side, pages = fmt.side(which), getattr(cache, which)
+        if pages.dim() != 4 or pages.dtype != side.storage_dtype or not pages.is_contiguous():
+            raise ValueError(f"cache {which} must be contiguous {side.storage_dtype} pages [num_blocks, kv_heads, "
+                             f"block_size, head_dim] (kv_cache.allocate_layer), got {pages.dtype} "
+                             f"{tuple(pages.shape)}")
+        head_dim = pages.shape[-1] * (2 if side.dtype == "int4" else 1)
+        want = side.meta_shape(*pages.shape[:3], head_dim)
+        names = [f"{which}_scale"] + ([f"{which}_zero"] if not side.symmetric else [])
+        for name in names:
+            t = getattr(cache, name)
+            if t is None or tuple(t.shape) != want or t.dtype != side.scale_torch_dtype or t.device != pages.device \
+                    or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {side.scale_torch_dtype} tensor of shape {want} on "
+                                 f"{pages.device} (kv_cache.allocate_layer)")
+        out.append(format_codes(side, head_dim))
+    if out[0].head_dim != out[1].head_dim or cache.k.shape[:3] != cache.v.shape[:3] or cache.k.device != cache.v.device:
+        raise ValueError(f"cache k {tuple(cache.k.shape)} and v {tuple(cache.v.shape)} must hold the same tokens "
+                         "of one head_dim on one device")
+    return out[0], out[1]
 
 
 def kernel_format(cache: LayerCache) -> KernelFormat:
     """Compile-time description of `cache`, after checking its tensors."""
     fmt = cache.fmt
+    if served_by_mixed(fmt):
+        raise ValueError(f"{fmt.name} runs on the mixed-format kernels: use kernel_formats(cache)")
     k, v = cache.k, cache.v
     if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
         raise ValueError(f"cache k {tuple(k.shape)}/{k.dtype} and v {tuple(v.shape)}/{v.dtype} must match")
@@ -57,7 +94,8 @@ def kernel_format(cache: LayerCache) -> KernelFormat:
 
 @functools.cache
 def format_codes(fmt: KVFormat, head_dim: int) -> KernelFormat:
-    """The kernels' constants for a KV format (no cache needed: plans are made from the format alone)."""
+    """The kernels' constants for a KV format of one dtype (no cache needed: plans are made from the format alone);
+    a format whose K and V differ has one for each side (`fmt.k`, `fmt.v`)."""
     kind = codes.INT4 if fmt.dtype == "int4" else codes.INT8 if fmt.dtype == "int8" else codes.FLOAT
     if not fmt.quantized:
         mode = codes.NO_SCALE
@@ -75,6 +113,7 @@ def format_codes(fmt: KVFormat, head_dim: int) -> KernelFormat:
         qmin=fmt.qmin if fmt.quantized else 0.0,
         scale_dtype=SCALE_DTYPE_CODES[fmt.scale_torch_dtype],
         head_dim=head_dim,
+        groups=fmt.groups(head_dim) if fmt.dynamic else 1,
     )
 
 

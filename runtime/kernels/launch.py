@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..kv_cache import LayerCache
-from . import codes, decode_gluon
+from . import codes, decode_gluon, launch_mixed
 from .decode_tiles import _decode_kernel
 from .decode_warps import _decode_kernel_warps
 from .formats import (
@@ -22,6 +22,7 @@ from .formats import (
     meta_strides,
     out_dtype,
     scale_tensors,
+    served_by_mixed,
 )
 from .plan import (
     KERNELS,
@@ -68,6 +69,8 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
                      sm_scale: float, plan: DecodePlan | None = None) -> torch.Tensor:
     """q [B, H, D] against the paged cache -> out [B, H, D] in q.dtype (seq_lens >= 1). block_tables: int32
     [B, max_blocks]; its width bounds the context (no device sync)."""
+    if served_by_mixed(cache.fmt):
+        return launch_mixed.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan)
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
     _, kv_heads, bs, stored = cache.k.shape
@@ -209,6 +212,8 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
              plan: WritePlan | None = None) -> None:
     """Quantize k, v [T, kv_heads, head_dim] (after RoPE) into `cache` at `slot_mapping` [T] int64 (negative slots:
     padding, skipped); the bytes equal `kv_format.quantize`'s."""
+    if served_by_mixed(cache.fmt):
+        return launch_mixed.write_kv(cache, k, v, slot_mapping, plan)
     kf = kernel_format(cache)
     check_device(cache.k, k, v, slot_mapping)
     _, heads, bs, stored = cache.k.shape
@@ -265,6 +270,9 @@ def prefill_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """runtime/attention.py's prefill_context_attention, reading the context from the pages in place. Only shapes and
     dtypes are checked: values of cu_seqlens / context_lens stay on the device (no host sync); a context longer than
     the block table's width is cut to it, as in decode."""
+    if served_by_mixed(cache.fmt):
+        return launch_mixed.prefill_context_attention(q, k, v, cu_seqlens, cache, block_tables, context_lens,
+                                                      sm_scale, plan)
     kf = kernel_format(cache)
     check_device(q, k, v, cu_seqlens, context_lens, cache.k, block_tables)
     _, kv_heads, bs, stored = cache.k.shape

@@ -9,6 +9,7 @@ H200's serves every other device and the interpreter), the shape-dependent rules
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import typing
@@ -19,12 +20,13 @@ from typing import Literal
 import torch
 import triton
 
-from ..kv_format import KVFormat
+from ..kv_format import KVFormat, format_from_name
 from . import codes, decode_gluon, tuning
-from .formats import format_codes, kernel_format
+from .formats import format_codes, kernel_format, served_by_mixed
 from .split_k import choose_num_splits
 
 KERNELS = ("gluon", "warps", "tiles")  # decode_gluon.py, decode_warps.py, decode_tiles.py
+MIXED = "mixed"  # decode_mixed.py: the formats of `formats.served_by_mixed`, and only those
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,20 @@ def tuned_for_device(device: Device) -> TunedFile:
     return _load_tuned(stem if has else TUNED_FALLBACK)
 
 
+def mixed_tuned_name(fmt: KVFormat) -> str:
+    """The tuned entry a mixed format without one of its own takes: K8V4's for formats whose K and V differ, group-64
+    INT4's for the group / e8m0 formats (the mixed kernels' choices depend on the format only through its bytes)."""
+    return "k.int8-per_token+v.int4-per_token-asym" if fmt.split else "int4-per_token-asym-g64"
+
+
 def _format_tuned(fmt: KVFormat, device: Device) -> FormatTuned:
     tuned = tuned_for_device(device)
+    if fmt.name not in tuned.formats and served_by_mixed(fmt):
+        fmt = format_from_name(mixed_tuned_name(fmt))
+    elif fmt.name not in tuned.formats and fmt.dynamic:
+        # the tuned kernels' choices are per dtype / granularity / symmetry: the entry of fp16 scales serves bf16 and
+        # fp32 ones (the plan functions check the scale dtype where a variant needs fp16 scales)
+        fmt = dataclasses.replace(fmt, scale_dtype="float16")
     if fmt.name not in tuned.formats:
         raise KeyError(f"tuned/{tuned_file_name(tuned.device)}.json has no entry for KV format {fmt.name!r}; "
                        f"add one with benchmarks/tune.py")
@@ -176,7 +190,7 @@ class DecodePlan:
     """How `decode_attention` runs. kernel: "gluon" (decode_gluon.py: one warp a program, hand-placed layouts; CUDA,
     head_dim 128, <= 8 query heads per KV head, pages of 16k tokens, quantized formats, fp16 / bf16 q), "warps"
     (decode_warps.py: one softmax state per warp; quantized formats) or "tiles" (decode_tiles.py: query heads x tokens;
-    unquantized formats). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
+    unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
     (None: none; GPU only).
 
     Gluon kernel: stages: int4 tiles through a shared-memory ring of this many stages (0: registers a step ahead);
@@ -191,7 +205,7 @@ class DecodePlan:
     warp, its tokens sharing a page.
     """
 
-    kernel: Literal["gluon", "warps", "tiles"]
+    kernel: Literal["gluon", "warps", "tiles", "mixed"]
     splits: int
     registers: int | None = None
     stages: int = 0
@@ -236,8 +250,12 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     kernel family instead of the default choice ("triton": the format's Triton kernel, warps or tiles), for tests
     and benchmarks that compare kernels."""
     device = device if isinstance(device, Device) else device_of(device)
-    kf = format_codes(fmt, head_dim)
     tuned = _format_tuned(fmt, device).decode
+    if served_by_mixed(fmt):
+        splits = choose_num_splits(batch, kv_heads, max_tokens, tuned.block_n, device.sms, tuned.resident_per_sm)
+        return DecodePlan(MIXED, splits, tuned.tile_registers or None, block_n=tuned.block_n,
+                          num_warps=min(4, tuned.block_n // 16), num_stages=tuned.num_stages)
+    kf = format_codes(fmt, head_dim)
     group = heads // kv_heads
     one_warp = tuned.warps and tuned.block_n == 16
     gluon, block_n, resident = tuned.gluon, tuned.block_n, tuned.resident_per_sm
@@ -304,10 +322,12 @@ def write_plan(fmt: KVFormat, tokens: int, kv_heads: int, device: Device | torch
                head_dim: int = 128, k_dtype: torch.dtype = torch.bfloat16) -> WritePlan:
     """The default plan for writing `tokens` tokens of `kv_heads` KV heads."""
     device = device if isinstance(device, Device) else device_of(device)
-    kf = format_codes(fmt, head_dim)
     tuned = _format_tuned(fmt, device).write
     fast = device.cuda and not device.interpret
     block_t = 16 if tokens >= 16 * kv_heads else 4
+    if served_by_mixed(fmt):  # write_mixed.py: the [tokens, head_dim] tile, IEEE division everywhere
+        return WritePlan(block_t, write_warps(0, block_t), False)
+    kf = format_codes(fmt, head_dim)
     words = fast and k_dtype == torch.bfloat16 and kf.scale_mode == codes.PER_TOKEN and kf.scale_dtype == 0
     if kf.kind == codes.INT4:
         lanes = tuned.lanes if rows_fit(head_dim, tuned.lanes) else 0
@@ -345,7 +365,7 @@ def prefill_plan(fmt: KVFormat, device: Device | torch.device | str = DEVICE_H20
     runs); measured: benchmarks/results/prefill_context.jsonl (rule=p_scale)"""
     device = device if isinstance(device, Device) else device_of(device)
     tile = tuned_for_device(device).prefill["fp32" if q_dtype == torch.float32 else "16bit"]
-    p_scale = fmt.dynamic and fmt.symmetric and q_dtype == torch.bfloat16
+    p_scale = fmt.dynamic and not served_by_mixed(fmt) and fmt.symmetric and q_dtype == torch.bfloat16
     return PrefillPlan(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages, p_scale)
 
 
@@ -353,7 +373,9 @@ def probability_dtype(cache, q_dtype: torch.dtype) -> torch.dtype:
     """The dtype the default decode launch rounds softmax probabilities to before p . V on the GPU (fp16 in the Gluon
     kernel, which serves head_dim 128 and pages of 16k tokens, and in the Triton kernels' fp16 dots), for reference
     runs that mimic it."""
+    if served_by_mixed(cache.fmt):  # decode_mixed.py: dots in q's dtype
+        return q_dtype
     kf = kernel_format(cache)
-    tuned = tuned_for_device(DEVICE_H200).formats[cache.fmt.name].decode
+    tuned = _format_tuned(cache.fmt, DEVICE_H200).decode
     gluon = tuned.gluon and decode_gluon.serves(kf, cache.block_size, 1)  # the GQA group is not known here
     return torch.float16 if tuned.dot_fp16 or gluon else q_dtype

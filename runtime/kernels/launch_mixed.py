@@ -1,0 +1,132 @@
+"""The public ops for the mixed formats (`formats.served_by_mixed`: K and V stored differently, group scales, e8m0
+scales): `launch.py` hands such caches here. Same signatures and checks; the kernels are `write_mixed.py` and
+`decode_mixed.py`. Chunked prefill over such a cache runs runtime/attention.py's reference op on the device (the
+prefill-context kernel reads one format per cache)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .. import attention as reference
+from ..kv_cache import LayerCache
+from .decode_mixed import _decode_mixed_kernel
+from .formats import Q_DTYPES, KernelFormat, check_device, check_q, kernel_formats, out_dtype
+from .plan import MIXED, DecodePlan, WritePlan, decode_plan, device_of, dot_mode, write_plan
+from .split_k import merge_splits, split_plan
+from .write_mixed import _write_mixed_kernel
+
+_LOG2E = 1.4426950408889634
+
+
+
+def _meta(cache: LayerCache) -> tuple[torch.Tensor, ...]:
+    """(k_scale, v_scale, k_zero, v_zero) as the kernels read them: e8m0 as bytes, absent ones replaced by a
+    tensor the compile-time branches never touch."""
+    def view(t):
+        if t is None:
+            return cache.k
+        return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
+    return tuple(view(t) for t in (cache.k_scale, cache.v_scale, cache.k_zero, cache.v_zero))
+
+
+def _pages(cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages as the write addresses them: fp8 as bytes (its integer encoder stores bytes)."""
+    def view(t):
+        return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+    return view(cache.k), view(cache.v)
+
+
+def _side(kf: KernelFormat, prefix: str) -> dict:
+    return {f"{prefix}_KIND": kf.kind, f"{prefix}_ASYM": kf.asym, f"{prefix}_GROUPS": kf.groups}
+
+
+def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             plan: WritePlan | None = None) -> None:
+    """`launch.write_kv` for a mixed-format cache; the bytes equal `kv_format.quantize_dynamic`'s."""
+    kf_k, kf_v = kernel_formats(cache)
+    check_device(cache.k, k, v, slot_mapping)
+    _, heads, bs, _ = cache.k.shape
+    head_dim = kf_k.head_dim
+    if k.dim() != 3 or k.shape != v.shape or k.shape[1] != heads or k.shape[2] != head_dim:
+        raise ValueError(f"k and v must both be [tokens, {heads}, {head_dim}] for this cache, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if k.dtype not in Q_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"k and v must share a float dtype (fp16/bf16/fp32), got {k.dtype} and {v.dtype}")
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    plan = write_plan(cache.fmt, num_tokens, heads, device_of(k.device), head_dim=head_dim,
+                      k_dtype=k.dtype) if plan is None else plan
+    if plan.fast or plan.lanes or plan.packed:
+        raise ValueError(f"WritePlan {plan}: the mixed-format write has no fast / lanes / packed variants; make the "
+                         "plan with runtime.kernels.write_plan")
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    kc, vc = _pages(cache)
+    _write_mixed_kernel[(triton.cdiv(num_tokens, plan.block_t), heads, 2)](
+        k, v, kc, vc, *_meta(cache), slot_mapping.contiguous(), num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *kc.stride()[:3], *vc.stride()[:3], heads * bs, bs,
+        BLOCK_SIZE=bs, HEAD_DIM=head_dim, BLOCK_D=max(2, triton.next_power_of_2(head_dim)), BLOCK_T=plan.block_t,
+        K_KIND=kf_k.kind, K_ASYM=kf_k.asym, K_FP8=kf_k.fp8, K_QMIN=kf_k.qmin, K_QMAX=kf_k.qmax, K_GROUPS=kf_k.groups,
+        V_KIND=kf_v.kind, V_ASYM=kf_v.asym, V_FP8=kf_v.fp8, V_QMIN=kf_v.qmin, V_QMAX=kf_v.qmax, V_GROUPS=kf_v.groups,
+        SCALE_DT=kf_k.scale_dtype, num_warps=plan.num_warps,
+    )
+
+
+def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float, plan: DecodePlan | None = None) -> torch.Tensor:
+    """`launch.decode_attention` for a mixed-format cache."""
+    kf_k, kf_v = kernel_formats(cache)
+    check_device(q, cache.k, block_tables, seq_lens)
+    _, kv_heads, bs, _ = cache.k.shape
+    check_q(q, kf_k, kv_heads, "batch")
+    batch, num_heads, head_dim = q.shape
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
+    if batch == 0:
+        return out.to(q.dtype)
+    max_tokens = block_tables.shape[1] * bs  # an upper bound that needs no device sync
+    if plan is None:
+        plan = decode_plan(cache.fmt, batch, num_heads, kv_heads, max_tokens, device_of(q.device),
+                           head_dim=head_dim, block_size=bs, q_dtype=q.dtype)
+    if plan.kernel != MIXED:
+        raise ValueError(f"DecodePlan.kernel={plan.kernel!r}: {cache.fmt.name} runs on the {MIXED!r} kernel; make "
+                         "the plan with runtime.kernels.decode_plan")
+    if plan.block_n < 16 or plan.block_n & (plan.block_n - 1):
+        raise ValueError(f"DecodePlan.block_n={plan.block_n}: use a power of two >= 16 (a tensor-core tile)")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, max_tokens, plan.splits, plan.block_n, cache)
+    group = num_heads // kv_heads
+    kc, vc = cache.k, cache.v  # fp8 pages as fp8: the kernel widens them exactly
+    cuda = q.device.type == "cuda"
+    _decode_mixed_kernel[(batch, kv_heads, num_splits)](
+        q, kc, vc, *_meta(cache), block_tables, seq_lens.contiguous(), out, pm, pl, pacc,
+        sm_scale * _LOG2E, tokens_per_split, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *kc.stride()[:3], *vc.stride()[:3], kv_heads * bs, bs,
+        NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SK=max(16, triton.next_power_of_2(kc.shape[-1])),
+        BLOCK_SV=max(16, triton.next_power_of_2(vc.shape[-1])), BLOCK_N=plan.block_n,
+        SPLIT=num_splits > 1, DOT=dot_mode(q.dtype, device_of(q.device)), **_side(kf_k, "K"), **_side(kf_v, "V"),
+        SCALE_DT=kf_k.scale_dtype, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **({"maxnreg": plan.registers} if plan.registers and cuda else {}),
+    )
+    if num_splits > 1:
+        merge_splits(pm, pl, pacc, out, num_splits)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def prefill_context_attention(q, k, v, cu_seqlens, cache: LayerCache, block_tables, context_lens, sm_scale,
+                              plan=None) -> torch.Tensor:
+    """Chunked prefill over a mixed-format cache: the reference op (gather, dequantize, SDPA) on the device."""
+    kernel_formats(cache)
+    return reference.prefill_context_attention(q, k, v, cu_seqlens, cache, block_tables, context_lens, sm_scale)

@@ -1,0 +1,125 @@
+"""Quantize-on-write for the mixed formats (`formats.served_by_mixed`): K and V with their own dtype, group scales,
+e8m0 scales.
+
+One program quantizes BLOCK_T tokens of one KV head of one side (program_id 2: 0 = K, 1 = V), each side with its
+own compile-time format, so a K8V4 cache is written by one launch. The rounding decisions are
+`runtime/kv_format.py`'s, so the bytes equal `kv_format.quantize_dynamic`'s:
+
+* scales per token and group of GS channels (GS = head_dim without group scales): s = amax / qmax (asymmetric:
+  (max - zero) / qmax, zero = min rounded down) with IEEE division, clamped to the scale dtype's range, rounded up
+  to it; e8m0 scales round up to the next power of two (the exponent field, + 0x7FFFFF masked), stored as the
+  exponent byte;
+* values: (x - zero) / s with IEEE division, NaN -> 0, clamped, rounded half to even (integers) or encoded by the
+  integer fp8 encoder (`exact_round._fp8_byte`).
+
+Group membership is a mask over the columns, looped over the (at most head_dim / 16) groups at compile time, so
+head dims that are not powers of two need no padding of the group axis.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import codes
+from .exact_round import _clamp_round, _fp8_byte
+from .write_kv import _to_int
+
+E8M0_TINY = 1.1754943508222875e-38  # 2**-126: e8m0 scales are kept normal in fp32 (kv_format.dynamic_scales)
+E8M0_BIG = 1.7014118346046923e38  # 2**127
+
+
+@triton.jit
+def _round_scale(s, SCALE_DT: tl.constexpr):
+    """A per-token scale clamped and rounded up to its storage dtype, as fp32."""
+    if SCALE_DT == codes.SCALE_E8M0:
+        s = tl.minimum(tl.maximum(s, E8M0_TINY), E8M0_BIG)
+        out = ((s.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    else:
+        out = _clamp_round(s, SCALE_DT, True)
+    return out
+
+
+@triton.jit
+def _store_scale(ptr, off, s, mask, SCALE_DT: tl.constexpr):
+    """Store a rounded scale (or zero point): e8m0 as its exponent byte, else in the tensor's dtype."""
+    if SCALE_DT == codes.SCALE_E8M0:
+        tl.store(ptr + off, (s.to(tl.int32, bitcast=True) >> 23).to(tl.uint8), mask=mask)
+    else:
+        tl.store(ptr + off, s.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _side_write(
+    X, C, S, Z, t, mask_t, head, stride_xt, stride_xh, dst, meta,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
+    QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr, GROUPS: tl.constexpr, GS: tl.constexpr,
+):
+    """Quantize rows t of one side (K or V) and store values, scales and zero points."""
+    BLOCK_T: tl.constexpr = t.shape[0]
+    cols = tl.arange(0, BLOCK_D)
+    m2 = mask_t[:, None] & (cols < HEAD_DIM)[None, :]
+    x = tl.load(X + t[:, None] * stride_xt + head * stride_xh + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    real = m2 & (x == x)  # NaNs stay out of the reductions (kv_format.dynamic_scales)
+    grp = cols // GS
+    s_el = tl.full([BLOCK_T, BLOCK_D], 1.0, tl.float32)
+    z_el = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for g in tl.static_range(GROUPS):
+        gm = real & (grp == g)[None, :]
+        if ASYM:
+            lo = tl.min(tl.where(gm, x, float("inf")), 1)
+            hi = tl.max(tl.where(gm, x, -float("inf")), 1)
+            z = _clamp_round(lo, SCALE_DT, False)
+            s = _round_scale(tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32)), SCALE_DT)
+            _store_scale(Z, meta * GROUPS + g, z, mask_t, SCALE_DT)
+            z_el = tl.where((grp == g)[None, :], z[:, None], z_el)
+        else:
+            amax = tl.max(tl.where(gm, tl.abs(x), 0.0), 1)
+            s = _round_scale(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), SCALE_DT)
+        _store_scale(S, meta * GROUPS + g, s, mask_t, SCALE_DT)
+        s_el = tl.where((grp == g)[None, :], s[:, None], s_el)
+    y = tl.math.div_rn(x - z_el, s_el)
+    if KIND == codes.FLOAT:
+        tl.store(C + dst[:, None] + cols[None, :], _fp8_byte(y, FP8, QMIN, QMAX), mask=m2)
+    elif KIND == codes.INT8:
+        n = _to_int(y, QMIN, QMAX, False)
+        if ASYM:
+            tl.store(C + dst[:, None] + cols[None, :], n.to(tl.uint8), mask=m2)
+        else:
+            tl.store(C + dst[:, None] + cols[None, :], n.to(tl.int8), mask=m2)
+    else:
+        n = _to_int(y, QMIN, QMAX, False)
+        if not ASYM:
+            n += 8
+        lo, hi = tl.split(tl.reshape(n, (BLOCK_T, BLOCK_D // 2, 2)))  # even column in the low nibble
+        half = tl.arange(0, BLOCK_D // 2)
+        tl.store(C + dst[:, None] + half[None, :], (lo | (hi << 4)).to(tl.uint8),
+                 mask=mask_t[:, None] & (half < HEAD_DIM // 2)[None, :])
+
+
+@triton.jit
+def _write_mixed_kernel(
+    K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, num_tokens,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kch, stride_kct, stride_vcb, stride_vch, stride_vct, stride_mb, stride_mh,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    K_KIND: tl.constexpr, K_ASYM: tl.constexpr, K_FP8: tl.constexpr, K_QMIN: tl.constexpr, K_QMAX: tl.constexpr,
+    K_GROUPS: tl.constexpr, V_KIND: tl.constexpr, V_ASYM: tl.constexpr, V_FP8: tl.constexpr,
+    V_QMIN: tl.constexpr, V_QMAX: tl.constexpr, V_GROUPS: tl.constexpr, SCALE_DT: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=-1)
+    mask_t = slot >= 0  # negative slots: padding, skipped
+    slot = tl.where(mask_t, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    meta = blk * stride_mb + head * stride_mh + off
+    if tl.program_id(2) == 0:
+        _side_write(K, KC, KS, KZ, t, mask_t, head, stride_kt, stride_kh,
+                    blk * stride_kcb + head * stride_kch + off * stride_kct, meta, HEAD_DIM, BLOCK_D,
+                    K_KIND, K_ASYM, K_FP8, K_QMIN, K_QMAX, SCALE_DT, K_GROUPS, HEAD_DIM // K_GROUPS)
+    else:
+        _side_write(V, VC, VS, VZ, t, mask_t, head, stride_vt, stride_vh,
+                    blk * stride_vcb + head * stride_vch + off * stride_vct, meta, HEAD_DIM, BLOCK_D,
+                    V_KIND, V_ASYM, V_FP8, V_QMIN, V_QMAX, SCALE_DT, V_GROUPS, HEAD_DIM // V_GROUPS)

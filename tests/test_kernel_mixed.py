@@ -1,0 +1,148 @@
+"""The mixed-format kernels (write_mixed.py, decode_mixed.py; `formats.served_by_mixed`): K and V of their own
+formats ("K8V4"), group scales, e8m0 scales. The write's bytes, scales and zero points equal kv_format's exactly
+(slots out of order, padding slots skipped, special values); decode meets the relative fp64 oracle of
+shared/reference/style.md (pages from randperm, lengths not multiples of the page, head dims that are not powers of
+two, split-K on and off); chunked prefill over such a cache equals the reference op."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import replace
+
+import pytest
+import torch
+
+from runtime.kv_format import KVFormat, dynamic_scales, quantize
+from tests.helpers_kernels import CUDA, DEV, K, as_bytes, fill_cache, kv, make_cache, oracle, relerr
+
+MIXED = [
+    KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),  # K8V4
+    KVFormat("fp8_e4m3", "per_token", v_dtype="int4", v_symmetric=False),
+    KVFormat("int4", "per_token", False, group_size=16),
+    KVFormat("int4", "per_token", False, "float32", 16),
+    KVFormat("int4", "per_token", True, "e8m0", 16),
+    KVFormat("int8", "per_token", True, "e8m0", 16),
+    KVFormat("fp8_e4m3", "per_token", True, "float16", 16),
+    KVFormat("fp8_e5m2", "per_token", True, "bfloat16", 16),
+    KVFormat("int4", "per_token", False, "float16", 16, "int8", True, 0),  # group-scaled int4 K, per-token int8 V
+]
+IDS = [f.name for f in MIXED]
+
+# (batch, q heads, kv heads, head_dim, block_size, seq_lens): GQA group 3 over pages of 5 with three groups of 16
+# channels in a head_dim of 48; MHA on pages of 16; lengths not multiples of the page
+SHAPES = {"gqa3-hd48-page5": (3, 9, 3, 48, 5, [17, 3, 29]), "mha2-hd32-page16": (2, 2, 2, 32, 16, [33, 1])}
+if CUDA:  # real sizes on the GPU machine: Llama-3-8B attention under the default plan's tiles and splits
+    SHAPES["llama8b"] = (8, 32, 8, 128, 16, [4000, 1, 17, 2048, 333, 1024, 4096, 77])
+
+
+def test_the_formats_here_take_the_mixed_kernels():
+    from runtime.kernels.formats import served_by_mixed
+
+    assert all(served_by_mixed(f) for f in MIXED)
+    assert not served_by_mixed(KVFormat("int4", "per_token", False))  # the tuned int4 kernels keep theirs
+    plan = K.decode_plan(MIXED[0], 16, 32, 8, 32768)
+    assert plan.kernel == "mixed" and plan.splits >= 1
+
+
+@pytest.mark.parametrize("head_dim", [16, 48])
+@pytest.mark.parametrize("fmt", MIXED, ids=IDS)
+def test_write_bytes_equal_reference(fmt, head_dim):
+    gen = torch.Generator().manual_seed(zlib.crc32(fmt.name.encode()))
+    kv_heads, bs, nb, tokens = 3, 5, 9, 23
+    k, v = kv(tokens, kv_heads, head_dim, torch.bfloat16, gen)
+    k[3] = 0.0  # an all-zero token: the scale floor must match too
+    k[5, 1, 2] = 3.0e7  # beyond the fp16 scale range: the scale saturates
+    v[4, 0, :2] = -0.0
+    v[6, 2, 3] = float("nan")  # stored as 0, and left out of its group's scale
+    cache = make_cache(fmt, nb, bs, kv_heads, head_dim)
+    before_k, before_v = as_bytes(cache.k).clone(), as_bytes(cache.v).clone()
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens]
+    slots[7] = -1  # padding: skipped
+    K.write_kv(cache, k, v, slots.to(DEV))
+    keep = slots >= 0
+    blk, off = slots[keep] // bs, slots[keep] % bs
+    for name, x, before in (("k", k, before_k), ("v", v, before_v)):
+        side = fmt.side(name)
+        s_ref, z_ref = dynamic_scales(x[keep].cpu(), side)
+        s_got = getattr(cache, f"{name}_scale").cpu()[blk, :, off]
+        assert torch.equal(as_bytes(s_got), as_bytes(s_ref)), f"{name} scales differ"
+        if z_ref is not None:
+            assert torch.equal(getattr(cache, f"{name}_zero").cpu()[blk, :, off], z_ref), f"{name} zero points differ"
+        stored = getattr(cache, name).cpu()[blk, :, off]
+        q_ref = quantize(x[keep].cpu(), side, s_ref, z_ref)
+        assert torch.equal(as_bytes(stored), as_bytes(q_ref)), f"{name}: {(as_bytes(stored) != as_bytes(q_ref)).sum()} " \
+            "bytes differ from kv_format.quantize"
+        untouched = torch.ones(nb, bs, dtype=torch.bool)
+        untouched[blk, off] = False
+        now = as_bytes(getattr(cache, name)).cpu()
+        assert torch.equal(now.transpose(1, 2)[untouched], before.cpu().transpose(1, 2)[untouched])
+
+
+def _decode_case(fmt, shape, splits):
+    batch, heads, kv_heads, head_dim, bs, seq_lens = SHAPES[shape]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{shape}{fmt.name}".encode()))
+    cache, block_tables, lens = fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
+    sm_scale = 0.25
+    plan = K.decode_plan(fmt, batch, heads, kv_heads, block_tables.shape[1] * bs, q.device, head_dim=head_dim,
+                         block_size=bs, q_dtype=q.dtype)
+    out = K.decode_attention(q, cache, block_tables, lens, sm_scale, plan=replace(plan, splits=splits, block_n=16))
+    assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
+    truth, torch_err = oracle(q, cache, block_tables, lens, sm_scale, torch.bfloat16)
+    err = relerr(out.cpu(), truth)
+    assert err <= 2 * torch_err + 1e-5, f"kernel error {err:.3e} > 2 x PyTorch bf16 error {torch_err:.3e}"
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "split-k"])
+@pytest.mark.parametrize("fmt", MIXED, ids=IDS)
+def test_decode_relative_oracle(fmt, splits):
+    _decode_case(fmt, "gqa3-hd48-page5", splits)
+
+
+@pytest.mark.parametrize("shape", ["mha2-hd32-page16"] + (["llama8b"] if CUDA else []))
+@pytest.mark.parametrize("fmt", MIXED[:3], ids=IDS[:3])
+def test_decode_relative_oracle_other_shapes(fmt, shape):
+    _decode_case(fmt, shape, 2)
+
+
+def test_decode_plan_of_another_kernel_is_refused():
+    fmt = MIXED[0]
+    cache, block_tables, lens = fill_cache(fmt, 1, 1, 16, 5, [7], torch.Generator().manual_seed(0))
+    q = torch.randn(1, 1, 16).to(torch.bfloat16).to(DEV)
+    warps = K.decode_plan(KVFormat("int8", "per_token"), 1, 1, 1, 16, q.device, head_dim=16, block_size=5)
+    with pytest.raises(ValueError, match="runs on the 'mixed' kernel"):
+        K.decode_attention(q, cache, block_tables, lens, 0.25, plan=warps)
+
+
+def test_prefill_context_equals_reference():
+    from runtime import attention as ref
+
+    fmt = MIXED[0]
+    gen = torch.Generator().manual_seed(3)
+    cache, block_tables, lens = fill_cache(fmt, 2, 3, 16, 5, [12, 7], gen)
+    chunk = 4
+    q = torch.randn(2 * chunk, 9, 16, generator=gen).to(torch.bfloat16).to(DEV)
+    k, v = kv(2 * chunk, 3, 16, torch.bfloat16, gen)
+    cu = torch.tensor([0, chunk, 2 * chunk], dtype=torch.int32, device=DEV)
+    ctx = (lens - chunk).to(torch.int32)
+    got = K.prefill_context_attention(q, k, v, cu, cache, block_tables, ctx, 0.25)
+    want = ref.prefill_context_attention(q, k, v, cu, cache, block_tables, ctx, 0.25)
+    assert torch.equal(got, want)
+
+
+def test_decode_matches_a_per_token_kernel_on_one_group():
+    """group_size = head_dim is one scale per token-head: the mixed kernel's output equals what the tuned int4
+    kernel computes from the same stored bytes within the oracle's bound (same math, other kernel)."""
+    fmt = KVFormat("int4", "per_token", False, group_size=16)
+    gen = torch.Generator().manual_seed(5)
+    cache, block_tables, lens = fill_cache(fmt, 2, 2, 16, 5, [9, 14], gen)
+    plain = replace(cache, fmt=KVFormat("int4", "per_token", False), k_scale=cache.k_scale[..., 0].contiguous(),
+                    v_scale=cache.v_scale[..., 0].contiguous(), k_zero=cache.k_zero[..., 0].contiguous(),
+                    v_zero=cache.v_zero[..., 0].contiguous())
+    q = torch.randn(2, 4, 16, generator=gen).to(torch.bfloat16).to(DEV)
+    a = K.decode_attention(q, cache, block_tables, lens, 0.25)
+    b = K.decode_attention(q, plain, block_tables, lens, 0.25)
+    truth, torch_err = oracle(q, plain, block_tables, lens, 0.25, torch.bfloat16)
+    assert relerr(a.cpu(), truth) <= 2 * torch_err + 1e-5 and relerr(b.cpu(), truth) <= 2 * torch_err + 1e-5
+    assert math.isclose(relerr(a.cpu(), b.cpu().double()), 0.0, abs_tol=4 * torch_err)
