@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from recipes import Recipe
 from runtime.config import ModelConfig, ceil_div
-from runtime.errors import InputError, RecipeError
+from runtime.errors import InputError, RecipeError, UnsupportedError
 from runtime.kv_format import KVFormat, kv_bytes_per_token
 from runtime.layer_formats import formats_name, uniform_format
 
@@ -76,6 +76,15 @@ def weights_bytes_per_gpu(cfg: ModelConfig, dtype: str, tp: int, pp: int) -> int
     return ceil_div(cfg.num_parameters * _WEIGHT_BYTES[dtype], tp * pp)
 
 
+def _stores(fmt: KVFormat, cfg) -> bool:
+    """Whether this model's heads can be stored in `fmt` (group sizes must divide head_dim)."""
+    try:
+        fmt.bytes_per_token_head(cfg.head_dim)
+    except UnsupportedError:
+        return False
+    return True
+
+
 def make_plan(
     recipe: Recipe,
     cfg: ModelConfig | None = None,
@@ -106,7 +115,7 @@ def make_plan(
     mine = None if recipe.kv.dtype == "auto" else recipe.layer_formats(cfg.num_layers)
     if mine is not None and uniform_format(mine) is not None:
         mine = mine[0]
-    fmts = list(STANDARD_FORMATS)
+    fmts = [f for f in STANDARD_FORMATS if _stores(f, cfg)]  # e.g. group-64 scales need head_dim % 64 == 0
     if mine is not None and mine not in fmts:
         fmts.append(mine)
     base_bpt = kv_bytes_per_token(cfg, STANDARD_FORMATS[0], tp, pp)
