@@ -169,9 +169,9 @@ def _attend_padded(q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, masked: t
     n, _, d = q.shape
     nb = k.shape[1] // KEY_BLOCK
     # [N, nb, R, KEY_BLOCK]: one matmul shape per key block, whatever L is
-    s = torch.matmul(q[:, None], k.view(n, nb, KEY_BLOCK, d).transpose(-1, -2)) * sm_scale
+    s = torch.matmul(q[:, None], k.view(n, nb, KEY_BLOCK, d).transpose(-1, -2)).mul_(sm_scale)
     s.masked_fill_(masked, float("-inf"))
-    p = torch.exp(s - s.amax(dim=(1, 3), keepdim=True))
+    p = s.sub_(s.amax(dim=(1, 3), keepdim=True)).exp_()  # in place: the same values, two temporaries fewer
     # partial sums per key block, added left to right: a scan's last element
     acc = torch.matmul(p, v1.view(n, nb, KEY_BLOCK, d + 1)).cumsum(1)[:, -1]
     return acc[..., :d] / acc[..., d:]
