@@ -6,7 +6,9 @@ batch 8; kvq with its batch-invariant mode (the CPU default) unless
 --no-batch-invariant. Each (backend, batch) runs in its own process so peak RSS
 (VmHWM) belongs to that run alone. One timed run after one short warm-up;
 --repeats alternates transformers and kvq runs so that both see the same load on
-a shared machine, and the table gives kvq's speed as a ratio of each pair.
+a shared machine, and the table gives kvq's speed as a ratio of each pair, per wall-clock
+second and per CPU second of the process (with --threads 1 the second is what other jobs on a
+shared machine disturb least).
 
     python -m benchmarks.cpu_generate [--model-dir DIR] [--new-tokens 32] [--repeats 3] \
         [--out benchmarks/results/cpu_generate.json]
@@ -19,6 +21,7 @@ Results are data rows (JSON list), printed as a table too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -67,7 +70,7 @@ def prompts(tokenizer, batch: int) -> list[list[int]]:
     return out
 
 
-def run_kvq(model_dir: str, batch: int, new_tokens: int, batch_invariant: bool = True) -> float:
+def run_kvq(model_dir: str, batch: int, new_tokens: int, batch_invariant: bool = True) -> tuple[float, float]:
     from runtime.engine import Engine
 
     n_max = max(len(p) for p in prompts(_tokenizer(model_dir), 8)) + new_tokens
@@ -77,9 +80,8 @@ def run_kvq(model_dir: str, batch: int, new_tokens: int, batch_invariant: bool =
     assert eng.stats.batch_invariant is batch_invariant
     ps = prompts(eng.tokenizer, batch)
     eng.generate(ps, max_tokens=2, ignore_eos=True)  # warm-up
-    t = time.perf_counter()
-    out = eng.generate(ps, max_tokens=new_tokens, ignore_eos=True)
-    dt = time.perf_counter() - t
+    with _clocks() as dt:
+        out = eng.generate(ps, max_tokens=new_tokens, ignore_eos=True)
     assert all(len(g.token_ids) == new_tokens for g in out)
     eng.shutdown()
     return dt
@@ -91,7 +93,7 @@ def _tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def run_transformers(model_dir: str, batch: int, new_tokens: int) -> float:
+def run_transformers(model_dir: str, batch: int, new_tokens: int) -> tuple[float, float]:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -107,11 +109,22 @@ def run_transformers(model_dir: str, batch: int, new_tokens: int) -> float:
           "temperature": None}
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
-        t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        dt = time.perf_counter() - t
+        with _clocks() as dt:
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
     assert out.shape[1] - width == new_tokens
     return dt
+
+
+@contextlib.contextmanager
+def _clocks():
+    """Yields a list that gets [wall seconds, CPU seconds of this process] of the block. CPU time
+    counts every thread (kvq's step loop runs on its own) and not the time other jobs hold the
+    cores, so with --threads 1 it compares the backends' work on a loaded machine too; with more
+    threads it also counts OpenMP's spin-waits."""
+    out: list[float] = []
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield out
+    out += [time.perf_counter() - wall, time.process_time() - cpu]
 
 
 def _peak_rss_kib() -> int:
@@ -133,12 +146,13 @@ def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: i
     if threads:
         torch.set_num_threads(threads)
     if backend == "kvq":
-        dt = run_kvq(model_dir, batch, new_tokens, batch_invariant)
+        dt, cpu = run_kvq(model_dir, batch, new_tokens, batch_invariant)
     else:
-        dt = run_transformers(model_dir, batch, new_tokens)
+        dt, cpu = run_transformers(model_dir, batch, new_tokens)
     return {
         "backend": backend, "batch": batch, "new_tokens": new_tokens, "seconds": round(dt, 3),
-        "tokens_per_s": round(batch * new_tokens / dt, 2),
+        "tokens_per_s": round(batch * new_tokens / dt, 2), "cpu_seconds": round(cpu, 3),
+        "tokens_per_cpu_s": round(batch * new_tokens / cpu, 2),
         "peak_rss_mib": round(_peak_rss_kib() / 1024, 1),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
     }
@@ -176,12 +190,15 @@ def main() -> None:
                            kv="unquantized fp32", repeat=repeat,
                            batch_invariant=backend == "kvq" and not a.no_batch_invariant)
                 rows.append(row)
-                pair[backend] = row["tokens_per_s"]
+                pair[backend] = row
                 print(f"{backend:>12}  batch {batch}:  {row['tokens_per_s']:7.2f} tok/s  "
-                      f"{row['seconds']:7.2f} s  peak RSS {row['peak_rss_mib']:7.1f} MiB  "
+                      f"{row['seconds']:7.2f} s  {row['cpu_seconds']:7.2f} CPU s  peak RSS {row['peak_rss_mib']:7.1f} MiB  "
                       f"load {row['load_avg_1m']}", flush=True)
-            rows[-1]["speed_vs_transformers"] = round(pair["kvq"] / pair["transformers"], 3)
-            print(f"{'':>12}  batch {batch}:  kvq / transformers = {rows[-1]['speed_vs_transformers']:.2f}x", flush=True)
+            kvq, hf = pair["kvq"], pair["transformers"]
+            rows[-1]["speed_vs_transformers"] = round(kvq["tokens_per_s"] / hf["tokens_per_s"], 3)
+            rows[-1]["cpu_speed_vs_transformers"] = round(kvq["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"], 3)
+            print(f"{'':>12}  batch {batch}:  kvq / transformers = {rows[-1]['speed_vs_transformers']:.2f}x "
+                  f"(per CPU second {rows[-1]['cpu_speed_vs_transformers']:.2f}x)", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = out.with_suffix(".json.tmp")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import prefill_attention, read_kv, reference_backend, stores_exactly
-from .batch_invariant import fast_linear
+from .batch_invariant import fast_linear, pack_weight
 from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import LayerCache
@@ -106,7 +106,9 @@ class LlamaModel:
         self.embed_tokens = weights.get("model.embed_tokens.weight", dtype, self.device)
         self.final_norm = weights.get("model.norm.weight", dtype, self.device)
         tied = cfg.tie_word_embeddings or not weights.has_lm_head
-        self.lm_head = self.embed_tokens if tied else weights.get("lm_head.weight", dtype, self.device)
+        # matmul weights in the layout the CPU GEMM multiplies fastest (batch_invariant.pack_weight; a tied
+        # head then is a packed copy beside the embedding table, which lookups still need plain)
+        self.lm_head = pack_weight(self.embed_tokens if tied else weights.get("lm_head.weight", dtype, self.device))
         # Layer streaming (calibration of models larger than memory) keeps one layer resident.
         self.stream_layers = stream_layers
         self._layers: list[LayerWeights] | None = None if stream_layers else [
@@ -128,8 +130,8 @@ class LlamaModel:
         qkv = torch.cat([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"), v])
         gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
         return LayerWeights(
-            get("input_layernorm.weight"), qkv, o,
-            get("post_attention_layernorm.weight"), gate_up, get("mlp.down_proj.weight"),
+            get("input_layernorm.weight"), pack_weight(qkv), pack_weight(o),
+            get("post_attention_layernorm.weight"), pack_weight(gate_up), pack_weight(get("mlp.down_proj.weight")),
         )
 
     def layer(self, i: int) -> LayerWeights:
@@ -188,6 +190,7 @@ class LlamaModel:
         how the sum is split and ordered is lost in the final rounding; a quantized KV cache would
         otherwise turn the last-bit differences of another split into other codes."""
         if self.exact_row_sums:
+            w = w.to_dense() if w.is_mkldnn else w  # a CPU weight packed for oneDNN (batch_invariant.pack_weight)
             return self._reduce(F.linear(x.double(), w.double())).to(x.dtype)
         return self._reduce(lin(x, w))
 

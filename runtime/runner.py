@@ -178,7 +178,9 @@ class ModelRunner:
     def run(self, step: Step) -> torch.Tensor:
         """fp32 logits [len(step.sampled), vocab]: no row for a prefill chunk that is not its sequence's last."""
         logits = self.forward(self.build_batch(step))
-        if not bool(torch.isfinite(logits).all()):
+        # one NaN or inf anywhere makes the sum non-finite (finite logits are far too small to overflow it):
+        # a reduction instead of a [rows, vocab] mask, ~30x cheaper at 8 rows of SmolLM2's 49152 on the CPU
+        if not bool(torch.isfinite(logits.sum())):
             raise NumericsError(
                 "the model produced NaN/Inf logits; check the weights (convert stage), use float32/bfloat16 "
                 "instead of float16, or check the KV scales (calibrate stage)."

@@ -12,14 +12,13 @@ import json
 import pytest
 import torch
 from helpers_runtime import (
-    CHAT_QUESTIONS,
-    chat_prompt_ids,
     sample_text,
     smollm2_dir,
     smollm2_hf,
     tiny_llama_dir,
 )
 
+from benchmarks import cpu_generate
 from runtime.block_manager import BlockManager
 from runtime.config import ModelConfig
 from runtime.engine import Engine
@@ -199,14 +198,20 @@ def test_smollm2_logits_match_transformers_on_256_tokens(smol):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_32_tokens_identical_to_transformers(smol):
+def test_smollm2_greedy_identical_to_transformers_at_batch_1_and_8(smol):
+    """The prompts benchmarks/cpu_generate.py times, on the CPU engine's default path (batch-invariant mode,
+    oneDNN-packed weights: a lone row's GEMM unpadded): 24 greedy tokens of each, generated alone and all 8
+    together, equal transformers' fp32 greedy tokens."""
     d, hf = smol
     eng = Engine.from_dir(d, num_blocks=128)
+    assert eng.stats.batch_invariant
     try:
-        prompts = [chat_prompt_ids(eng.tokenizer, q) for q in CHAT_QUESTIONS]
-        got = eng.generate(prompts, max_tokens=32)
+        prompts = cpu_generate.prompts(eng.tokenizer, 8)
+        together = eng.generate(prompts, max_tokens=24)
+        alone = [eng.generate([p], max_tokens=24)[0] for p in prompts]
     finally:
         eng.shutdown()
-    for p, g in zip(prompts, got):
-        assert g.token_ids == _hf_greedy(hf, p, 32, eng.cfg.eos_token_id)
-    assert "Paris" in got[0].text
+    for p, g, a in zip(prompts, together, alone):
+        ref = _hf_greedy(hf, p, 24, eng.cfg.eos_token_id)
+        assert (g.token_ids, a.token_ids) == (ref, ref)
+    assert "Paris" in together[0].text
