@@ -131,8 +131,8 @@ def prefill_cost(base: Engine, fmt: KVFormat, scales, a, rng: random.Random) -> 
     variants = (("write_then_read_s", False), ("computed_kv_s", True))
     out = {}
     try:
-        # Both variants warm first (the first prefills of an engine compile and allocate), then
-        # measured in turn, twice, keeping the second round.
+        # Pass 0 warms both variants (an engine's first prefills compile and allocate); passes 1
+        # and 2 time them in turn, the later timing kept.
         for _round in range(3):
             for name, skip in variants:
                 model_module.stores_exactly = (lambda f, d: True) if skip else real

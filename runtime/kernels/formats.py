@@ -153,6 +153,15 @@ def check_q(q: torch.Tensor, kf: KernelFormat, kv_heads: int, rows: str) -> None
         raise ValueError(f"q must be fp16/bf16/fp32, got {q.dtype}")
 
 
+def check_decode_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int) -> None:
+    """Decode's block tables int32 [batch, max_blocks] and lengths int32 [batch], or a ValueError naming them."""
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+
+
 def check_device(*tensors: torch.Tensor) -> None:
     """Kernels run on CUDA, or on CPU under the Triton interpreter (tests)."""
     import triton  # noqa: F401  (imported for knobs)

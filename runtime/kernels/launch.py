@@ -16,6 +16,7 @@ from .decode_warps import _decode_kernel_warps
 from .formats import (
     FP8_HARDWARE,
     Q_DTYPES,
+    check_decode_tables,
     check_device,
     check_q,
     kernel_format,
@@ -76,11 +77,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     _, kv_heads, bs, stored = cache.k.shape
     check_q(q, kf, kv_heads, "batch")
     batch, num_heads, head_dim = q.shape
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
-    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
-        raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    check_decode_tables(block_tables, seq_lens, batch)
     out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
     if batch == 0:
         return out.to(q.dtype)

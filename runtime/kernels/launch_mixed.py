@@ -11,7 +11,15 @@ import triton
 from .. import attention as reference
 from ..kv_cache import LayerCache
 from .decode_mixed import _decode_mixed_kernel
-from .formats import Q_DTYPES, KernelFormat, check_device, check_q, kernel_formats, out_dtype
+from .formats import (
+    Q_DTYPES,
+    KernelFormat,
+    check_decode_tables,
+    check_device,
+    check_q,
+    kernel_formats,
+    out_dtype,
+)
 from .plan import MIXED, DecodePlan, WritePlan, decode_plan, device_of, dot_mode, write_plan
 from .split_k import merge_splits, split_plan
 from .write_mixed import _write_mixed_kernel
@@ -85,11 +93,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     _, kv_heads, bs, _ = cache.k.shape
     check_q(q, kf_k, kv_heads, "batch")
     batch, num_heads, head_dim = q.shape
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
-    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
-        raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    check_decode_tables(block_tables, seq_lens, batch)
     out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
     if batch == 0:
         return out.to(q.dtype)
