@@ -42,6 +42,12 @@ from runtime.rotation import KVRotation
 DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 GRANULARITIES = ("per_tensor", "per_head", "per_token")
 HADAMARD = KVRotation("hadamard", 0)
+SPLIT_AND_GROUP = (
+    KVFormat("int8", "per_token", True, "float16", 0, "int4", False, 0),  # K8V4
+    KVFormat("fp8_e4m3", "per_token", True, "float16", 0, "int4", False, 0),
+    KVFormat("int4", "per_token", False, "float16", 64),
+    KVFormat("int4", "per_token", True, "e8m0", 32),
+)
 
 
 def engines(calib: Path, mo_amax: tuple[torch.Tensor, torch.Tensor] | None) -> list[EngineKV]:
@@ -53,6 +59,11 @@ def engines(calib: Path, mo_amax: tuple[torch.Tensor, torch.Tensor] | None) -> l
             out.append(EngineKV(f.name, f, k, v, "max policy" if f.static else "dynamic per-token scales"))
     # K/V rotated before they are stored (docs/kv-rotation.md): dynamic formats, which need no rotated calibration
     for f in (KVFormat("int4", "per_token", False), KVFormat("int8", "per_token"), KVFormat("fp8_e4m3", "per_token")):
+        out.append(EngineKV(f"{f.name}+{HADAMARD.name}", f, note="dynamic per-token scales, Hadamard rotation",
+                            rotation=HADAMARD))
+    # K and V stored differently, and per-token group scales (docs/kv-formats.md), without and with the rotation
+    for f in SPLIT_AND_GROUP:
+        out.append(EngineKV(f.name, f, note="dynamic per-token scales"))
         out.append(EngineKV(f"{f.name}+{HADAMARD.name}", f, note="dynamic per-token scales, Hadamard rotation",
                             rotation=HADAMARD))
     for g in ("per_tensor", "per_head"):

@@ -73,6 +73,8 @@ def main() -> None:
         fmts = [f for f in fmts if f.name in args.only.split(",")]
     specs = [EngineKV(f.name, f, note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64") for f in fmts]
     settings = EvalSettings(
+        # the batch-invariant mode where the device's GEMMs allow it (docs/numerics.md: not fp32 cuBLAS)
+        batch_invariant=args.device == "cpu",
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
         passkey_trials=args.passkey_trials, attention_tokens=256, engine_greedy=False)

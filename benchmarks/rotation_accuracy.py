@@ -196,6 +196,8 @@ def main() -> None:
         print(f"calibrated ({rot.name}) in {cal_facts[rot.name]['seconds']} s", flush=True)
     engines = [e for e in specs(calib, formats) if wanted is None or e.name in wanted]
     settings = EvalSettings(
+        # the batch-invariant mode where the device's GEMMs allow it (docs/numerics.md: not fp32 cuBLAS)
+        batch_invariant=args.device == "cpu",
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
         passkey_trials=args.passkey_trials, attention_tokens=args.attention_tokens, engine_greedy=not args.no_engine_greedy,
