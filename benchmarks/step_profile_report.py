@@ -76,7 +76,42 @@ def _components(comps: list[dict], steps: list[dict], keys: list, modes: list) -
     return lines
 
 
+def _batch1_bounds(steps: list[dict]) -> list[str]:
+    """Batch-1 steps: GPU and host time, the kernels a captured step launches and the GPU time per kernel, beside
+    the byte bound: a step far above its bound with a few microseconds a kernel is bound by launches."""
+    mine = [r for r in steps if r["batch"] == 1]
+    if not mine:
+        return []
+    lines = ["", "What bounds a batch-1 step: GPU / host ms, kernels one captured step launches, GPU us per kernel, "
+             "and the byte bound.", "",
+             "| geometry | KV format | scenario | mode | step ms | GPU ms | host ms | kernels | GPU us / kernel | "
+             "bound ms | % of bound |", "|" + "---|" * 11]
+    for r in mine:
+        k = r.get("kernels_per_step")
+        per = f"{1e3 * r['gpu_step_ms'] / k:.1f}" if k else "-"
+        lines.append(f"| {r.get('preset', '-')} | {r['format']} | {r['scenario']} | {r['mode']} | {r['step_ms']:.3f} | "
+                     f"{r['gpu_step_ms']:.3f} | {r['host_ms']:.3f} | {k if k else '-'} | {per} | "
+                     f"{r['bound_ms']:.3g} | {r['pct_of_bound']:.0f}% |")
+    return lines
+
+
+def _plans(rows: list[dict]) -> list[str]:
+    plans = [r for r in rows if r["kind"] == "plan"]
+    if not plans:
+        return []
+    lines = ["", "Batch-1 decode-attention plans (runtime/kernels/tuning.py): splits the launch runs, (KV head, split) "
+             "programs, SMs with work, programs an SM; block table padded to the engine's longest sequence or fitted.",
+             "", "| KV format | scenario | table (tokens) | kernel | splits | ring stages | programs | SMs with work | "
+             "programs / SM |", "|" + "---|" * 9]
+    for r in plans:
+        lines.append(f"| {r['format']} | {r['scenario']} | {r['table']} ({r['width_tokens']}) | {r['kernel']} | "
+                     f"{r['splits']} | {r['ring_stages']} | {r['programs']} | {r['sms_with_work']} of {r['sms']} | "
+                     f"{r['programs_per_sm']:.1f} |")
+    return lines
+
+
 def _extra_sections(rows: list[dict], lines: list[str]) -> str:
+    lines += _batch1_bounds([r for r in rows if r["kind"] == "step"]) + _plans(rows)
     sweep = [r for r in rows if r["kind"] == "splits"]
     if sweep:
         lines += ["", "Batch-1 attention, all layers, by split count (* the default plan's): GPU ms and % of the "
