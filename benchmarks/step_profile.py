@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="cuBLAS vs the Triton GEMV at M = 1..16 on the model's weights (CUDA); writes gemv_<gpu>.json.")
     ap.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="HBM ceiling (H200: measured copy rate).")
     ap.add_argument("--tflops", type=float, default=790.0, help="bf16 matrix ceiling (H200: measured).")
-    ap.add_argument("--time-budget-s", type=float, default=330.0, help="Start no new format after this long.")
+    ap.add_argument("--time-budget-s", type=float, default=300.0, help="Start no new format after this long.")
     args = ap.parse_args(argv)
     args.preset = PRESET_ALIASES.get(args.preset, args.preset)
     args.tag = ""  # the small geometry's scenarios are named with its preset
