@@ -10,7 +10,7 @@ from helpers_runtime import smollm2_dir, tiny_llama_dir
 
 from runtime.decode_burst import DecodeBurst
 from runtime.engine import Engine
-from runtime.errors import InputError
+from runtime.errors import InputError, UnsupportedError
 from runtime.sampling import SamplingParams
 
 PROMPTS = [[(7 * i + 13 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([3, 17, 5, 40, 9, 26, 1, 12])]
@@ -103,7 +103,11 @@ def test_defaults_burst_and_fuse_on_one_gpu_only(tiny_dir):
     if not torch.cuda.is_available():
         return
     for invariant in (False, True):
-        eng = Engine.from_dir(tiny_dir, device="cuda", dtype="bfloat16", num_blocks=8, batch_invariant=invariant)
+        try:
+            eng = Engine.from_dir(tiny_dir, device="cuda", dtype="bfloat16", num_blocks=8, batch_invariant=invariant)
+        except UnsupportedError:  # the batch-invariant mode measured that this GPU's GEMMs cannot serve it
+            assert invariant
+            continue
         try:
             assert eng.stats.burst_steps == DEFAULT_BURST_STEPS and eng.stats.fused_ops is (not invariant)
         finally:
