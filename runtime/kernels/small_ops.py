@@ -62,6 +62,7 @@ def _add_rms_norm_kernel(H, DELTA, W, OUT_H, OUT_N, eps, N: tl.constexpr, BLOCK:
         tl.store(OUT_H + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
     xd = xf.to(tl.float64)
+    # fp64 division and root are IEEE on the GPU (only fp32 ones take the approximate instructions)
     inv = (1.0 / tl.sqrt(tl.sum(xd * xd, 0) / N + eps)).to(tl.float32)
     normed = _round(xf * inv, OUT_N.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
