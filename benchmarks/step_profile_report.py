@@ -14,9 +14,9 @@ def markdown(rows: list[dict], env: dict) -> str:
              f"bound: weights + K/V + logits read once at {env.get('bandwidth_gbs'):g} GB/s. Step ms is wall time "
              "per token of every sequence through the engine's step loop; GPU is the captured step replayed "
              "alone; host is the rest. x legacy: tokens/s over the legacy step's.", ""]
-    head = "| KV format | scenario | " + " | ".join(
+    head = "| KV format | scenario | sequences | " + " | ".join(
         f"{m}: step ms (GPU / host) | {m}: tok/s | {m}: % of bound" for m in modes) + " | bound ms | x legacy | tokens match |"
-    lines += [head, "|" + "---|" * (3 * len(modes) + 5)]
+    lines += [head, "|" + "---|" * (3 * len(modes) + 6)]
     keys = list(dict.fromkeys((r["format"], r["scenario"]) for r in steps))
     for fmt, sc in keys:
         mine = {r["mode"]: r for r in steps if (r["format"], r["scenario"]) == (fmt, sc)}
@@ -31,7 +31,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         gains = " / ".join(f"{mine[m]['tok_s'] / legacy['tok_s']:.2f}" for m in modes if m != "legacy" and m in mine) \
             if legacy else "-"
         match = " / ".join(f"{m}: {'yes' if mine[m].get('tokens_match') else 'NO'}" for m in modes if m != "legacy")
-        lines.append(f"| {fmt} | {sc} | " + " | ".join(cells) + f" | {any_row['bound_ms']:.3g} | {gains} | {match} |")
+        lines.append(f"| {fmt} | {sc} | {any_row['batch']} | " + " | ".join(cells) +
+                     f" | {any_row['bound_ms']:.3g} | {gains} | {match} |")
     lines += _formats_side_by_side(steps, modes)
     comps = [r for r in rows if r["kind"] == "component"]
     if comps:
