@@ -140,12 +140,15 @@ def sync(engine: Engine) -> None:
 
 
 def step_bound_ms(engine: Engine, n: int, ctx: int, args) -> float:
-    """Weights read once (the embedding table only for the n rows it gathers), every sequence's K/V, logits."""
+    """Weights read once (the embedding table only for the n rows it gathers) -- or the matmuls' FLOPs at --tflops
+    where those take longer (bf16 weights from about 184 rows at 790 TFLOP/s and 4300 GB/s: INT4's 350 requests of 8k at the maximum) -- then
+    every sequence's K/V and the logits."""
     cfg, model = engine.cfg, engine.model
     el = model.embed_tokens.element_size()
     weights = model.weight_bytes - (model.embed_tokens.numel() * el if model.lm_head is not model.embed_tokens else 0)
-    total = weights + n * cfg.hidden_size * el + n * ctx * kv_bytes_per_token(cfg, engine.fmt) + n * cfg.vocab_size * 4
-    return total / (args.bandwidth_gbs * 1e6)
+    matmuls = max(weights / (args.bandwidth_gbs * 1e6), 2.0 * n * weights / el / (args.tflops * 1e9))
+    rest = n * cfg.hidden_size * el + n * ctx * kv_bytes_per_token(cfg, engine.fmt) + n * cfg.vocab_size * 4
+    return matmuls + rest / (args.bandwidth_gbs * 1e6)
 
 
 def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, args) -> list[dict]:

@@ -11,7 +11,8 @@ def markdown(rows: list[dict], env: dict) -> str:
     steps = [r for r in rows if r["kind"] == "step"]
     modes = list(dict.fromkeys(r["mode"] for r in steps))
     lines = [f"{env.get('preset')} geometry, synthetic weights, {env.get('gpu', 'cpu')}, torch {env.get('torch')}; "
-             f"bound: weights + K/V + logits read once at {env.get('bandwidth_gbs'):g} GB/s. Step ms is wall time "
+             f"bound: weights (or their matmuls at {env.get('tflops'):g} TFLOP/s, where slower) + K/V + logits "
+             f"read once at {env.get('bandwidth_gbs'):g} GB/s. Step ms is wall time "
              "per token of every sequence through the engine's step loop; GPU is the captured step replayed "
              "alone; host is the rest. x legacy: tokens/s over the legacy step's.", ""]
     head = "| KV format | scenario | sequences | " + " | ".join(
