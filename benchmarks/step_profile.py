@@ -141,8 +141,8 @@ def sync(engine: Engine) -> None:
 
 def step_bound_ms(engine: Engine, n: int, ctx: int, args) -> float:
     """Weights read once (the embedding table only for the n rows it gathers) -- or the matmuls' FLOPs at --tflops
-    where those take longer (bf16 weights from about 184 rows at 790 TFLOP/s and 4300 GB/s: INT4's 350 requests of 8k at the maximum) -- then
-    every sequence's K/V and the logits."""
+    where those take longer (bf16 weights from about 184 rows at 790 TFLOP/s and 4300 GB/s: INT4's ~350 requests
+    of 8k at the maximum) -- then every sequence's K/V and the logits."""
     cfg, model = engine.cfg, engine.model
     el = model.embed_tokens.element_size()
     weights = model.weight_bytes - (model.embed_tokens.numel() * el if model.lm_head is not model.embed_tokens else 0)
