@@ -66,6 +66,21 @@ def replay_ms(replay: Callable[[], None], reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def kernels_per_call(replay: Callable[[], None]) -> int | None:
+    """CUDA kernels one call of `replay` (a captured step's replay) launches, as the profiler sees them (None if it
+    sees none): at batch 1 on a small model the step's time is about its launches, not its bytes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    return len(kernels) or None
+
+
 def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_ops=None) -> list[Component]:
     """One step's components for n = len(tables) sequences at context ctx, through `engine`'s backend."""
     model, cfg, backend = engine.model, engine.cfg, engine.backend
@@ -196,4 +211,30 @@ def split_sweep(engine, table: list[int], ctx: int, bandwidth_gbs: float, reps: 
             rows.append({"kind": "splits", "table": label, "width_tokens": width * bs, "kernel": plan.kernel,
                          "splits": splits, "default": splits == default.splits, "ms": ms, "bound_ms": bound,
                          "pct_of_bound": 100 * bound / ms})
+    return rows
+
+
+def attention_plans(engine, ctx: int) -> list[dict]:
+    """The default decode-attention plan of one sequence at ctx tokens, for the legacy graphs' table (padded to the
+    engine's longest sequence) and a burst's (fitted): kernel, splits that the launch runs, programs, and how they
+    spread over the SMs -- the data behind the batch-1 split choice (runtime/kernels/tuning.py)."""
+    import triton
+
+    from runtime.kernels import decode_plan_for
+    from runtime.kernels.plan import device_of, split_tile
+    from runtime.kernels.split_k import split_tokens
+
+    model, cfg, bs = engine.model, engine.cfg, engine.stats.block_size
+    q = torch.empty(1, cfg.num_heads, cfg.head_dim, device=model.device, dtype=model.dtype)
+    sms = device_of(model.device).sms
+    rows = []
+    for label, width in (("engine", -(-engine.max_seq_len // bs)), ("fitted", table_width(ctx + 1, bs, 1 << 30))):
+        bt = torch.zeros(1, width, dtype=torch.int32, device=model.device)
+        plan = decode_plan_for(q, engine.runner.caches[0], bt)
+        tokens = width * bs
+        splits = triton.cdiv(tokens, split_tokens(tokens, plan.splits, split_tile(plan)))
+        programs = model.num_kv_heads * splits
+        rows.append({"kind": "plan", "table": label, "width_tokens": tokens, "kernel": plan.kernel,
+                     "splits": splits, "ring_stages": plan.stages, "programs": programs, "sms": sms,
+                     "sms_with_work": min(sms, programs), "programs_per_sm": programs / sms})
     return rows

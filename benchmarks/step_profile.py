@@ -1,17 +1,22 @@
 """Where one decode step's time goes, against its byte bound, for each way kvq can run the step.
 
-    python3 -m benchmarks.step_profile --out $OUT                       # H200, Llama-3-8B geometry
-    python3 -m benchmarks.step_profile --device cpu --preset tiny --out /tmp/p   # the CI smoke run
+    python3 -m benchmarks.step_profile --out $OUT                       # H200, Llama-3-8B geometry, ~5 min
+    python3 -m benchmarks.step_profile --device cpu --preset tiny --small-preset tiny --out /tmp/p  # CI smoke run
 
 Per KV format and scenario (batch 1 at each --contexts, and the most sequences of --max-ctx tokens the
 KV budget holds), every --step mode runs real engine steps (runtime/step_loop.py: schedule, model,
 sampling, stop checks, callbacks) on sequences whose K/V fill the pool, interleaved in --rounds:
 
   legacy  one host round trip per step: the decode CUDA graph returns the logits, the host checks and
-          samples them (runtime/cuda_graphs.py, runtime/sampling.py);
+          samples them (runtime/cuda_graphs.py, runtime/sampling.py); a CUDA engine's step before bursts and
+          fused ops were its defaults;
   burst   --burst greedy steps per host read, the pick and the next inputs on the device
           (runtime/decode_burst.py);
-  fused   burst, plus norms / RoPE / SwiGLU as fused Triton kernels (runtime/kernels/small_ops.py).
+  fused   burst, plus norms / RoPE / SwiGLU as fused Triton kernels (runtime/kernels/small_ops.py): a CUDA
+          engine's default step.
+
+First the --small-preset geometry (SmolLM2-135M) at batch 1 in BF16, whose step is bound by its kernel
+launches and the host, not its bytes: its rows count the kernels one captured step launches.
 
 Rows: step ms (wall, per token of every sequence), its GPU part (the captured step replayed alone) and the
 host's (the rest), tokens/s, and the bound: weights read once + every sequence's K/V read once + logits,
@@ -33,8 +38,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.headline import FORMATS, make_engine_dir
-from benchmarks.step_components import bound_ms, components, replay_ms, split_sweep, time_ms
+from benchmarks.step_components import (
+    attention_plans,
+    bound_ms,
+    components,
+    kernels_per_call,
+    replay_ms,
+    split_sweep,
+    time_ms,
+)
 from benchmarks.step_profile_report import markdown
+from runtime.config import PRESETS
 from runtime.cuda_graphs import bucket_for
 from runtime.decode_burst import DecodeBurst
 from runtime.engine import Engine, with_small_ops
@@ -105,16 +119,19 @@ def run_steps(engine: Engine, seqs: list[Sequence], tokens: int) -> tuple[float,
     return (time.perf_counter() - t0) * 1e3 / done, done
 
 
-def gpu_step_ms(engine: Engine, burst: DecodeBurst | None, n: int) -> float | None:
-    """The captured step alone (CUDA: graph replays timed by events); None where no graph was captured."""
+def captured_step(engine: Engine, burst: DecodeBurst | None, n: int, ctx: int):
+    """The replay of the captured step of n sequences at ctx tokens (the legacy graph, or the burst's of the
+    narrowest block table that holds them); None where none was captured."""
     if engine.model.device.type != "cuda":
         return None
     size = bucket_for(n)
     if burst is None:
         captured = engine.runner.graphs._graphs.get(size) if engine.runner.graphs else None
-        return replay_ms(captured.graph.replay) if captured else None
-    buf = burst._buffers.get(size)
-    return replay_ms(buf.graph.replay) if buf is not None and buf.graph is not None else None
+        return captured.graph.replay if captured else None
+    need = -(-(ctx + 1) // engine.stats.block_size)
+    fits = sorted((width, b) for (bucket, width), b in burst._buffers.items()
+                  if bucket == size and width >= need and b.graph is not None)
+    return fits[0][1].graph.replay if fits else None
 
 
 def sync(engine: Engine) -> None:
@@ -123,12 +140,15 @@ def sync(engine: Engine) -> None:
 
 
 def step_bound_ms(engine: Engine, n: int, ctx: int, args) -> float:
-    """Weights read once (the embedding table only for the n rows it gathers), every sequence's K/V, logits."""
+    """Weights read once (the embedding table only for the n rows it gathers) -- or the matmuls' FLOPs at --tflops
+    where those take longer (bf16 weights from about 184 rows at 790 TFLOP/s and 4300 GB/s: INT4's ~350 requests
+    of 8k at the maximum) -- then every sequence's K/V and the logits."""
     cfg, model = engine.cfg, engine.model
     el = model.embed_tokens.element_size()
     weights = model.weight_bytes - (model.embed_tokens.numel() * el if model.lm_head is not model.embed_tokens else 0)
-    total = weights + n * cfg.hidden_size * el + n * ctx * kv_bytes_per_token(cfg, engine.fmt) + n * cfg.vocab_size * 4
-    return total / (args.bandwidth_gbs * 1e6)
+    matmuls = max(weights / (args.bandwidth_gbs * 1e6), 2.0 * n * weights / el / (args.tflops * 1e9))
+    rest = n * cfg.hidden_size * el + n * ctx * kv_bytes_per_token(cfg, engine.fmt) + n * cfg.vocab_size * 4
+    return matmuls + rest / (args.bandwidth_gbs * 1e6)
 
 
 def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, args) -> list[dict]:
@@ -147,11 +167,12 @@ def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, 
                 timed[mode] += done
                 in_bursts[mode] += (burst.steps_run - before) if burst is not None else 0
         rows = []
-        base = {"format": engine.fmt.name, "scenario": label, "batch": n, "context": ctx}
+        base = {"preset": args.preset, "format": engine.fmt.name, "scenario": label, "batch": n, "context": ctx}
         bound = step_bound_ms(engine, n, ctx, args)
         for mode, (burst, ops_set) in modes.items():
             step = sorted(steps[mode])[len(steps[mode]) // 2]
-            gpu = gpu_step_ms(engine, burst, n)
+            replay = captured_step(engine, burst, n, ctx)
+            gpu = replay_ms(replay) if replay is not None else None
             small = getattr(burst.backend, "small_ops", None) if burst is not None else None
             comps = components(engine, [engine.blocks.block_table(s.request_id) for s in seqs], ctx, ops_set, small)
             comp_rows = []
@@ -167,8 +188,11 @@ def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, 
                          "unattributed_ms": gpu_part - sum(r["ms"] for r in comp_rows),
                          "tok_s": n / step * 1e3, "bound_ms": bound, "pct_of_bound": 100 * bound / step,
                          "burst": args.burst if burst is not None else 1,
+                         "kernels_per_step": kernels_per_call(replay) if replay is not None else None,
                          "burst_share": in_bursts[mode] / timed[mode]})
             rows += comp_rows
+        if n == 1 and engine.backend.name.startswith("triton"):
+            rows += [{**base, **r} for r in attention_plans(engine, ctx)]
         if n == 1 and args.split_sweep and engine.backend.name.startswith("triton"):
             rows += [{**base, **r} for r in split_sweep(engine, engine.blocks.block_table(seqs[0].request_id), ctx,
                                                           args.bandwidth_gbs, args.reps)]
@@ -203,16 +227,18 @@ def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], di
 def measure_format(args, name: str, root: Path) -> list[dict]:
     fmt = FORMATS[name]
     room = args.rounds * len(args.step) * (args.warmup + args.tokens + 2 * args.burst) + args.block + 4
-    max_seq = min(max(args.contexts + [args.max_ctx]) + room, args.max_positions)
+    max_seq = min(max(args.contexts + [args.max_ctx]) + room, PRESETS[args.preset].max_position_embeddings)
+    root.mkdir(parents=True, exist_ok=True)
     d = make_engine_dir(root, name, fmt, args.block, args.max_batch, max_seq, args.preset)
+    # the legacy step's engine (no bursts, torch's small ops); the other modes are built beside it (`_modes`)
     engine = Engine.from_dir(d, device=args.device, memory_budget=int(args.kv_gib * GIB), prefix_caching=False,
-                             max_seq_len=max_seq)
+                             max_seq_len=max_seq, burst_steps=0, fused_ops=False)
     try:
         modes = _modes(engine, args)
         match, errors = tokens_match(engine, modes, args)  # first: a mode that fails here is not profiled
         modes = {m: v for m, v in modes.items() if m in match}
         rows = [{"kind": "error", "format": fmt.name, "mode": m, "error": e} for m, e in errors.items()]
-        scenarios = [(f"batch1@{c}", 1, c) for c in args.contexts if c + room <= max_seq]
+        scenarios = [(f"{args.tag}batch1@{c}", 1, c) for c in args.contexts if c + room <= max_seq]
         if args.max_ctx:
             per_req = math.ceil((args.max_ctx + room) / args.block) + 3  # pages to spare: a burst needs its own
             n = min(args.max_batch, engine.stats.pool_blocks // per_req)
@@ -247,34 +273,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="llama3-8b")
-    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3-per_tensor", "int4-per_token-asym"],
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3-per_tensor", "int4-per_token-asym", "k8v4"],
                     choices=list(FORMATS))
-    ap.add_argument("--step", nargs="+", default=list(MODES), choices=MODES, help="Step modes, side by side.")
+    ap.add_argument("--small-preset", default="smollm2-135m", help="The launch-bound geometry, batch 1, BF16 KV.")
+    ap.add_argument("--small-contexts", nargs="*", type=int, default=[2048], help="Its contexts (none: skip it).")
+    ap.add_argument("--step", nargs="+", default=["legacy", "fused"], choices=MODES,
+                    help="Step modes, side by side (legacy: the old default, fused: the CUDA default).")
     ap.add_argument("--burst", type=int, default=8, help="Decode steps per host read in the burst modes.")
     ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 130000], help="Batch-1 contexts.")
     ap.add_argument("--max-ctx", type=int, default=8192, help="Context of the max-concurrency scenario (0: none).")
     ap.add_argument("--kv-gib", type=float, default=96.0)
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--block", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=8, help="Untimed tokens per sequence before each timed run.")
-    ap.add_argument("--tokens", type=int, default=32, help="Timed tokens per sequence per mode and round.")
+    ap.add_argument("--tokens", type=int, default=24, help="Timed tokens per sequence per mode and round.")
     ap.add_argument("--reps", type=int, default=20, help="Timed replays per component.")
     ap.add_argument("--check-tokens", type=int, default=24, help="Greedy tokens compared between modes.")
-    ap.add_argument("--split-sweep", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--split-sweep", action=argparse.BooleanOptionalAction, default=False,
                     help="Batch-1 attention at split counts around the default plan's (CUDA).")
-    ap.add_argument("--gemm-sweep", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--gemm-sweep", action=argparse.BooleanOptionalAction, default=False,
                     help="cuBLAS vs the Triton GEMV at M = 1..16 on the model's weights (CUDA); writes gemv_<gpu>.json.")
     ap.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="HBM ceiling (H200: measured copy rate).")
     ap.add_argument("--tflops", type=float, default=790.0, help="bf16 matrix ceiling (H200: measured).")
-    ap.add_argument("--time-budget-s", type=float, default=330.0, help="Start no new format after this long.")
+    ap.add_argument("--time-budget-s", type=float, default=300.0, help="Start no new format after this long.")
     args = ap.parse_args(argv)
     args.preset = PRESET_ALIASES.get(args.preset, args.preset)
-    from runtime.config import PRESETS
-
-    args.max_positions = PRESETS[args.preset].max_position_embeddings
-    env = {"preset": args.preset, "torch": torch.__version__, "bandwidth_gbs": args.bandwidth_gbs,
-           "tflops": args.tflops, "burst": args.burst, "steps": args.step}
+    args.tag = ""  # the small geometry's scenarios are named with its preset
+    small = PRESET_ALIASES.get(args.small_preset, args.small_preset)
+    env = {"preset": args.preset, "small_preset": small if args.small_contexts else None, "torch": torch.__version__,
+           "bandwidth_gbs": args.bandwidth_gbs, "tflops": args.tflops, "burst": args.burst, "steps": args.step}
     if torch.device(args.device).type == "cuda":
         from benchmarks.gpu_timing import gpu_env
 
@@ -282,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(tempfile.mkdtemp())
     rows: list[dict] = []
     t0 = time.perf_counter()
+    if args.small_contexts:  # first: a few seconds, never cut by the time budget
+        small_args = argparse.Namespace(**{**vars(args), "preset": small, "tag": f"{small} ", "contexts": args.small_contexts,
+                                           "max_ctx": 0, "gemm_sweep": False, "split_sweep": False})
+        rows += measure_format(small_args, "bf16", root / "small")
     for name in args.formats:
         if time.perf_counter() - t0 > args.time_budget_s:
             print(f"skipping {name}: time budget of {args.time_budget_s:.0f} s spent", flush=True)

@@ -11,12 +11,13 @@ def markdown(rows: list[dict], env: dict) -> str:
     steps = [r for r in rows if r["kind"] == "step"]
     modes = list(dict.fromkeys(r["mode"] for r in steps))
     lines = [f"{env.get('preset')} geometry, synthetic weights, {env.get('gpu', 'cpu')}, torch {env.get('torch')}; "
-             f"bound: weights + K/V + logits read once at {env.get('bandwidth_gbs'):g} GB/s. Step ms is wall time "
+             f"bound: weights (or their matmuls at {env.get('tflops'):g} TFLOP/s, where slower) + K/V + logits "
+             f"read once at {env.get('bandwidth_gbs'):g} GB/s. Step ms is wall time "
              "per token of every sequence through the engine's step loop; GPU is the captured step replayed "
              "alone; host is the rest. x legacy: tokens/s over the legacy step's.", ""]
-    head = "| KV format | scenario | " + " | ".join(
+    head = "| KV format | scenario | sequences | " + " | ".join(
         f"{m}: step ms (GPU / host) | {m}: tok/s | {m}: % of bound" for m in modes) + " | bound ms | x legacy | tokens match |"
-    lines += [head, "|" + "---|" * (3 * len(modes) + 5)]
+    lines += [head, "|" + "---|" * (3 * len(modes) + 6)]
     keys = list(dict.fromkeys((r["format"], r["scenario"]) for r in steps))
     for fmt, sc in keys:
         mine = {r["mode"]: r for r in steps if (r["format"], r["scenario"]) == (fmt, sc)}
@@ -31,7 +32,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         gains = " / ".join(f"{mine[m]['tok_s'] / legacy['tok_s']:.2f}" for m in modes if m != "legacy" and m in mine) \
             if legacy else "-"
         match = " / ".join(f"{m}: {'yes' if mine[m].get('tokens_match') else 'NO'}" for m in modes if m != "legacy")
-        lines.append(f"| {fmt} | {sc} | " + " | ".join(cells) + f" | {any_row['bound_ms']:.3g} | {gains} | {match} |")
+        lines.append(f"| {fmt} | {sc} | {any_row['batch']} | " + " | ".join(cells) +
+                     f" | {any_row['bound_ms']:.3g} | {gains} | {match} |")
     lines += _formats_side_by_side(steps, modes)
     comps = [r for r in rows if r["kind"] == "component"]
     if comps:
@@ -76,7 +78,42 @@ def _components(comps: list[dict], steps: list[dict], keys: list, modes: list) -
     return lines
 
 
+def _batch1_bounds(steps: list[dict]) -> list[str]:
+    """Batch-1 steps: GPU and host time, the kernels a captured step launches and the GPU time per kernel, beside
+    the byte bound: a step far above its bound with a few microseconds a kernel is bound by launches."""
+    mine = [r for r in steps if r["batch"] == 1]
+    if not mine:
+        return []
+    lines = ["", "What bounds a batch-1 step: GPU / host ms, kernels one captured step launches, GPU us per kernel, "
+             "and the byte bound.", "",
+             "| geometry | KV format | scenario | mode | step ms | GPU ms | host ms | kernels | GPU us / kernel | "
+             "bound ms | % of bound |", "|" + "---|" * 11]
+    for r in mine:
+        k = r.get("kernels_per_step")
+        per = f"{1e3 * r['gpu_step_ms'] / k:.1f}" if k else "-"
+        lines.append(f"| {r.get('preset', '-')} | {r['format']} | {r['scenario']} | {r['mode']} | {r['step_ms']:.3f} | "
+                     f"{r['gpu_step_ms']:.3f} | {r['host_ms']:.3f} | {k if k else '-'} | {per} | "
+                     f"{r['bound_ms']:.3g} | {r['pct_of_bound']:.0f}% |")
+    return lines
+
+
+def _plans(rows: list[dict]) -> list[str]:
+    plans = [r for r in rows if r["kind"] == "plan"]
+    if not plans:
+        return []
+    lines = ["", "Batch-1 decode-attention plans (runtime/kernels/tuning.py): splits the launch runs, (KV head, split) "
+             "programs, SMs with work, programs an SM; block table padded to the engine's longest sequence or fitted.",
+             "", "| KV format | scenario | table (tokens) | kernel | splits | ring stages | programs | SMs with work | "
+             "programs / SM |", "|" + "---|" * 9]
+    for r in plans:
+        lines.append(f"| {r['format']} | {r['scenario']} | {r['table']} ({r['width_tokens']}) | {r['kernel']} | "
+                     f"{r['splits']} | {r['ring_stages']} | {r['programs']} | {r['sms_with_work']} of {r['sms']} | "
+                     f"{r['programs_per_sm']:.1f} |")
+    return lines
+
+
 def _extra_sections(rows: list[dict], lines: list[str]) -> str:
+    lines += _batch1_bounds([r for r in rows if r["kind"] == "step"]) + _plans(rows)
     sweep = [r for r in rows if r["kind"] == "splits"]
     if sweep:
         lines += ["", "Batch-1 attention, all layers, by split count (* the default plan's): GPU ms and % of the "

@@ -29,6 +29,11 @@ from .cuda_graphs import bucket_for
 from .kv_cache import LayerCache
 from .model import LlamaModel, PagedBatch
 
+# The bursts a single-GPU engine runs unless told otherwise (engine.json / from_dir `burst_steps`). why: 8 steps
+# took the host's share of a batch-1 Llama-3-8B step from 0.74 to 0.28 ms on the H200, and a streaming caller
+# then gets its tokens 8 at a time (docs/decode_step.md: benchmarks/results/step_profile.md)
+DEFAULT_BURST_STEPS = 8
+
 
 @dataclass
 class _Buffers:

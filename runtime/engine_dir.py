@@ -52,8 +52,12 @@ class EngineSettings:
     prefix_caching: bool = True  # reuse cached full KV pages across requests (runtime/block_manager.py)
     tp: int = 1  # tensor-parallel ranks, one process (and GPU) each (runtime/parallel/)
     tp_invariant: bool = False  # outputs bit-identical for every tp (float64 row-parallel sums; slower)
-    burst_steps: int = 0  # greedy decode steps per host read-back (runtime/decode_burst.py); 0: every step
-    fused_ops: bool = False  # norms, RoPE, SwiGLU as fused Triton kernels (CUDA; runtime/kernels/small_ops.py)
+    # greedy decode steps per host read-back (runtime/decode_burst.py); 0: every step; None: DEFAULT_BURST_STEPS on
+    # a single CUDA device, else 0
+    burst_steps: int | None = None
+    # norms, RoPE, SwiGLU as fused Triton kernels (runtime/kernels/small_ops.py); None: on for a single CUDA device
+    # outside the batch-invariant mode
+    fused_ops: bool | None = None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -82,12 +86,13 @@ def read_settings(d: Path) -> EngineSettings:
             raise InputError(f"{p}: {name} must be a positive integer, got {v!r}; fix engine.json or rebuild.")
     if not 0 < s.gpu_memory_fraction <= 1:
         raise InputError(f"{p}: gpu_memory_fraction must be in (0, 1], got {s.gpu_memory_fraction!r}.")
-    if not isinstance(s.burst_steps, int) or isinstance(s.burst_steps, bool) or s.burst_steps < 0:
+    if s.burst_steps is not None and (not isinstance(s.burst_steps, int) or isinstance(s.burst_steps, bool)
+                                      or s.burst_steps < 0):
         raise InputError(f"{p}: burst_steps must be an integer >= 0 (0: one host round trip per step), "
                          f"got {s.burst_steps!r}; fix engine.json or rebuild.")
     for name in ("cuda_graphs", "batch_invariant", "prefix_caching", "tp_invariant", "fused_ops"):
         v = getattr(s, name)
-        if not isinstance(v, bool) and not (name == "batch_invariant" and v is None):
+        if not isinstance(v, bool) and not (name in ("batch_invariant", "fused_ops") and v is None):
             raise InputError(f"{p}: {name} must be true or false, got {v!r}; fix engine.json or rebuild.")
     return s
 

@@ -18,6 +18,7 @@ on CPU the per-op overhead, not the FLOPs, dominates small-batch decode.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,6 +36,15 @@ from .rotation import NO_ROTATION, KVRotation, fold_o_proj, fold_v_proj
 from .weights import layer_name
 
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+@functools.cache
+def _cuda_rms_norm():
+    """runtime/kernels/small_ops.rms_norm, imported on first use: the kernel tests choose the Triton interpreter
+    before any kernel module is imported."""
+    from .kernels.small_ops import rms_norm
+
+    return rms_norm
 
 
 class WeightSource(Protocol):
@@ -153,6 +163,8 @@ class LlamaModel:
 
     # ------------------------------------------------------------- pieces
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # the fused step's norm kernel: fused and unfused steps share one reduction, and its bits
+            return _cuda_rms_norm()(x, w, self.cfg.rms_norm_eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, w.shape, w, self.cfg.rms_norm_eps)
         xf = x.to(torch.float32)

@@ -60,8 +60,9 @@ def _engine(d, fmt: KVFormat) -> Engine:
     if fmt.static:
         s = static_scale_from_amax(torch.full((cfg.num_layers,), 6.0), fmt)
         scales = {"k_scale": s, "v_scale": s}
+    # the legacy step's graphs: no bursts, which would run every decode step here
     return Engine.from_dir(d, device="cuda", dtype="bfloat16", kv_format=fmt, kv_scales=scales, num_blocks=96,
-                           block_size=16, max_batch_size=16, max_seq_len=256)
+                           block_size=16, max_batch_size=16, max_seq_len=256, burst_steps=0)
 
 
 def _prefill(eng: Engine) -> list[list[int]]:

@@ -132,6 +132,10 @@ def test_gluon_plan_takes_the_ring_for_long_splits_or_few_programs():
     # splits = 976 programs)
     for fmt in (int4, tok, asym):
         assert _gluon_plan(fmt, 1, 8, 131072)[1:] == (128, 4, True)
+        # one sequence: >= 7 programs on each of the 132 SMs is enough, so a table of 130112 tokens (127 splits, 1016
+        # programs; a 130000-token sequence's in a legacy graph) takes the ring too, while 1 x 65536's 512 do not
+        assert _gluon_plan(fmt, 1, 8, 130112)[1:] == (127, 4, True)
+        assert _gluon_plan(fmt, 1, 8, 65536)[2:] == (0, False)
         assert _gluon_plan(fmt, 4, 8, 32768)[1:] == (32, 4, True)
         assert _gluon_plan(fmt, 16, 1, 32768)[2:] == (0, False)
         assert _gluon_plan(fmt, 32, 1, 32768)[2:] == (0, False)

@@ -18,7 +18,8 @@ def profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("step_profile")
     main(["--device", "cpu", "--preset", "tiny", "--out", str(out), "--formats", "bf16", "--contexts", "40",
           "--max-ctx", "24", "--kv-gib", "0.001", "--max-batch", "6", "--block", "8", "--rounds", "1",
-          "--warmup", "1", "--tokens", "3", "--reps", "4", "--burst", "2", "--check-tokens", "3"])
+          "--warmup", "1", "--tokens", "3", "--reps", "4", "--burst", "2", "--check-tokens", "3",
+          "--step", "legacy", "burst", "fused", "--small-preset", "tiny", "--small-contexts", "16"])
     rows = [json.loads(line) for line in (out / "step_profile.jsonl").read_text().splitlines()]
     return rows, (out / "step_profile.md").read_text()
 
@@ -28,7 +29,9 @@ def test_every_scenario_has_each_mode_with_its_components(profile):
     assert rows[0]["kind"] == "env" and rows[0]["preset"] == "tiny-llama3"
     steps = [r for r in rows if r["kind"] == "step"]
     # batch 1 at 40 tokens, and as many 24-token sequences as the pool holds (capped at --max-batch)
-    assert {(r["scenario"], r["batch"]) for r in steps} == {("batch1@40", 1), ("max@24", 6)}
+    # and first the small geometry's batch 1 (the tiny preset again here), named by its preset
+    assert {(r["scenario"], r["batch"]) for r in steps} == {("tiny-llama3 batch1@16", 1), ("batch1@40", 1),
+                                                            ("max@24", 6)}
     assert {r["mode"] for r in steps} == {"legacy", "burst"}  # fused needs CUDA
     for step in steps:
         mine = [r for r in rows if r["kind"] == "component" and
@@ -52,3 +55,6 @@ def test_the_markdown_puts_the_modes_side_by_side(profile):
     _, md = profile
     assert "| legacy: step ms (GPU / host) |" in md and "| burst: tok/s |" in md
     assert "| bf16 | batch1@40 |" in md and "| bf16 | max@24 | burst |" in md and "burst: yes" in md
+    # batch-1 steps with what bounds them (no captured step to count kernels in on the CPU)
+    bounds = md.split("What bounds a batch-1 step")[1].split("\n\n")[1]
+    assert "| tiny-llama3 | bf16 | tiny-llama3 batch1@16 | legacy |" in bounds and "max@24" not in bounds

@@ -35,6 +35,7 @@ from .plan import (
     dot_mode,
     prefill_plan,
     rows_fit,
+    split_tile,
     warp_page_fits,
     write_plan,
 )
@@ -90,7 +91,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     qk_scale = sm_scale * _LOG2E
     if plan.kernel == "gluon":
         _check_gluon_plan(plan, kf, q, bs, group)  # before the split buffers: no partial output
-        splits = split_plan(out, max_tokens, plan.splits, decode_gluon.TILE * (2 if plan.pairs else 1), cache)
+        splits = split_plan(out, max_tokens, plan.splits, split_tile(plan), cache)
         _launch_gluon(q, cache, kf, block_tables, seq_lens, qk_scale, out, splits, plan)
         return out
     if plan.kernel not in KERNELS:
@@ -113,7 +114,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
         if not (cuda and dot == codes.DOT_NATIVE and kf.kind != codes.FLOAT):
             raise _bad_plan(plan, "widen_ptx", "the PTX widening serves int8 / int4 pages on the GPU")
         asm = widen_asm(4 if kf.kind == codes.INT4 else 8, torch.float16 if plan.dot_fp16 else q.dtype, not kf.asym)
-    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, max_tokens, plan.splits, plan.block_n, cache)
+    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, max_tokens, plan.splits, split_tile(plan), cache)
     split = num_splits > 1
     block_d = max(16, triton.next_power_of_2(stored))
     args = (q, cache.k, cache.v, *scale_tensors(cache, cache.k), block_tables, seq_lens, out, pm, pl, pacc,

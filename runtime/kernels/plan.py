@@ -225,6 +225,12 @@ class DecodePlan:
     warp_page: bool = True
 
 
+def split_tile(plan: DecodePlan) -> int:
+    """Tokens a split of `plan`'s launch is a multiple of (`split_k.split_plan`): the Gluon kernel's tile, two with
+    pairs; the Triton kernels' block_n."""
+    return decode_gluon.TILE * (2 if plan.pairs else 1) if plan.kernel == "gluon" else plan.block_n
+
+
 def dot_mode(q_dtype: torch.dtype, device: Device) -> int:
     if q_dtype == torch.float32:
         return codes.DOT_IEEE

@@ -3,18 +3,26 @@
 In an eager or captured decode step of an 8B model these are ~10 torch kernels per layer (casts,
 a square, a mean, rsqrt, two multiplies, the residual add; RoPE's gathers, halves, negation, cat,
 multiplies and add; silu and a multiply), each a full read and write of a small activation: at
-batch 1 every one costs a launch's latency, not bandwidth. One kernel per op keeps the torch
-path's roundings, so the values match model.py's ops:
+batch 1 every one costs a launch's latency, not bandwidth. The fused kernels give the bits of the
+ops they replace, so a step through them produces the tokens of the unfused step:
 
 * `add_rms_norm(h, delta, w, eps)`: h + delta rounded once to the model dtype (torch's add), then
-  RMSNorm in fp32, rounded to the dtype and multiplied by the weight (model._rms_norm's order);
-  without delta just the norm. The sum of squares is reduced in another order than torch's mean
-  and rsqrt may differ by an fp32 ulp, so a normed value can differ from torch's in its last bit.
+  RMSNorm, rounded to the dtype and multiplied by the weight (model._rms_norm's order); without delta
+  just the norm. A reduction's order decides its last bit and no Triton kernel can follow torch's
+  mean, so on CUDA the unfused model runs this kernel too (`rms_norm`, model._rms_norm): one
+  reduction serves both. Its sum of squares runs in fp64 (squares of 16-/32-bit floats are exact
+  there), the inverse root in fp64, rounded once to fp32: closer to the exact norm than torch's fp32
+  mean and rsqrt, and the same bits however the GPU orders the sum's additions.
 * `rope_qk(qkv, table_cos, table_sin, positions, heads, kv_heads)`: q and k out of the fused QKV
   matmul's rows, rotated (HF's rotate-half) and written contiguous, the cos/sin rows read from the
   fp32 tables and rounded to the dtype as Rotary.cos_sin does; each product and the sum rounded as
   torch rounds them: bit-identical to rope.apply_rotary.
-* `swiglu(gate_up)`: silu(gate) rounded to the dtype, times up, rounded (F.silu(gate) * up).
+* `swiglu(gate_up)`: silu(gate) = g / (1 + exp(-g)) in fp32 (torch's CUDA kernel: the accurate expf,
+  an IEEE division), rounded to the dtype, times up, rounded (F.silu(gate) * up).
+
+Every kernel is compiled without FMA contraction (`enable_fp_fusion=False`): torch rounds each
+elementwise product and sum, and a fused multiply-add skips the rounding between them (the GPU
+narrows fp32 ops on fp16 operands to fp16 ones, which it then fused: fp16 RoPE lost bits that way).
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.language.extra import libdevice
+
+# torch rounds every elementwise op: no multiply-add contraction in these kernels (the module docstring)
+EXACT = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -48,7 +61,9 @@ def _add_rms_norm_kernel(H, DELTA, W, OUT_H, OUT_N, eps, N: tl.constexpr, BLOCK:
         x = _round(x.to(tl.float32) + d.to(tl.float32), OUT_H.dtype.element_ty)
         tl.store(OUT_H + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    xd = xf.to(tl.float64)
+    # fp64 division and root are IEEE on the GPU (only fp32 ones take the approximate instructions)
+    inv = (1.0 / tl.sqrt(tl.sum(xd * xd, 0) / N + eps)).to(tl.float32)
     normed = _round(xf * inv, OUT_N.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
     tl.store(OUT_N + row * N + offs, _round(w.to(tl.float32) * normed.to(tl.float32), OUT_N.dtype.element_ty),
@@ -57,15 +72,22 @@ def _add_rms_norm_kernel(H, DELTA, W, OUT_H, OUT_N, eps, N: tl.constexpr, BLOCK:
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, rms_norm(h + delta) * w) for h, delta [T, N]; delta None: (h, rms_norm(h) * w)."""
+    """(h + delta, rms_norm(h + delta) * w) for contiguous h, delta [T, N]; delta None: (h, rms_norm(h) * w)."""
     t, n = h.shape
     out_h = torch.empty_like(h) if delta is not None else h
     out_n = torch.empty_like(h)
     if t:
+        # one launch configuration for both variants: the sum's order (and so its bits) is the layout's
         _add_rms_norm_kernel[(t,)](h, delta if delta is not None else h, w, out_h, out_n, eps, N=n,
                                    BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None,
-                                   num_warps=4 if n <= 4096 else 8)
+                                   num_warps=4 if n <= 4096 else 8, **EXACT)
     return out_h, out_n
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * w over the last dim of x [..., N]: `add_rms_norm`'s norm, for the unfused model on CUDA."""
+    n = x.shape[-1]
+    return add_rms_norm(x.reshape(-1, n).contiguous(), None, w, eps)[1].view(x.shape)
 
 
 @triton.jit
@@ -103,19 +125,22 @@ def rope_qk(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
     k = torch.empty(t, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t:
         _rope_kernel[(t, heads + kv_heads)](qkv, cos_table, sin_table, positions, q, k, qkv.stride(0),
-                                            HEADS=heads, KV_HEADS=kv_heads, D=head_dim, num_warps=1)
+                                            HEADS=heads, KV_HEADS=kv_heads, D=head_dim, num_warps=1, **EXACT)
     return q, k
 
 
 @triton.jit
-def _swiglu_kernel(GU, OUT, N: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_kernel(GU, OUT, N: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     g = tl.load(GU + row * 2 * N + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + row * 2 * N + N + offs, mask=mask, other=0.0).to(tl.float32)
     dt = OUT.dtype.element_ty
-    act = _round(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
+    # torch's silu: x / (1 + expf(-x)), the accurate expf (libdevice's; tl.exp is the approximate ex2) and an
+    # IEEE division; the interpreter has no libdevice and takes numpy's exp
+    e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+    act = _round(tl.math.div_rn(g, 1.0 + e), dt).to(tl.float32)
     tl.store(OUT + row * N + offs, _round(act * u, dt), mask=mask)
 
 
@@ -126,5 +151,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(n))
     if t:
-        _swiglu_kernel[(t, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block, num_warps=4)
+        _swiglu_kernel[(t, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block, LIBDEVICE=not knobs.runtime.interpret,
+                                                   num_warps=4, **EXACT)
     return out

@@ -22,6 +22,11 @@ RING_MIN_TOKENS_ONE_HEAD = 2048
 RING_FEW_PROGRAMS = 512  # the ring for few programs makes at least this many (`_few_splits`) ...
 RING_MAX_SPLITS = 512  # ... with at most this many splits (the split rule's own limit is decode_gluon.MAX_SPLITS)
 GLUON_PAIR_STAGES = 4  # a ring with tiles two a step: two stages read while two fill
+# why: one sequence's 1024-token splits through the ring beat the registers at 1024 programs (Llama-3-8B 1 x 131072,
+# 7.8 programs an SM of the H200's 132: asym 0.0492 against 0.0524 ms); the ONE_WARP_PROGRAMS threshold sent the
+# legacy step's table at 130000 tokens (1016 programs) to the registers; measured:
+# benchmarks/results/kernel_variants.jsonl (rule=_long_splits), benchmarks/results/step_profile.jsonl (kind=plan)
+ONE_SEQUENCE_PROGRAMS_PER_SM = 7
 
 # why: among split counts > 1 the fewest within 5% of the best by the wave model (16 splits beat 15 at 16 x 32768);
 # measured: benchmarks/results/kernel_variants.jsonl (rule=GLUON_SPLIT_TOLERANCE)
@@ -114,7 +119,7 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
         # splits of RING_MIN_TOKENS
         few = batch * kv_heads * ring_plan[1] <= ONE_WARP_PROGRAMS
         splits = _few_splits(batch * kv_heads, max_tokens, ring_plan[1]) if few else _long_splits(
-            batch, kv_heads, max_tokens)
+            batch, kv_heads, max_tokens, sms)
         if few or splits:
             return plan(True, splits, True, short=few)
     return plan(False)
@@ -129,10 +134,13 @@ def _few_splits(pairs: int, max_tokens: int, splits: int) -> int:
     return max(splits, min(want, max_tokens // decode_gluon.MIN_TOKENS_PER_SPLIT, RING_MAX_SPLITS))
 
 
-def _long_splits(batch: int, kv_heads: int, max_tokens: int) -> int | None:
+def _long_splits(batch: int, kv_heads: int, max_tokens: int, sms: int) -> int | None:
     """Splits of RING_MIN_TOKENS for int4 where the split rule's are too short for the ring, if that leaves >=
-    ONE_WARP_PROGRAMS (sequence, KV head, split) programs; not with one KV head.
+    ONE_WARP_PROGRAMS (sequence, KV head, split) programs -- for one sequence, >= ONE_SEQUENCE_PROGRAMS_PER_SM on
+    every SM; not with one KV head.
     why: Llama-3-8B 1 x 131072 ran faster through the ring at 128 splits than from registers at 244; with one KV head
     the registers won; measured: benchmarks/results/kernel_variants.jsonl (rule=_long_splits)"""
     splits = max_tokens // RING_MIN_TOKENS
-    return splits if kv_heads > 1 and splits > 1 and batch * kv_heads * splits >= ONE_WARP_PROGRAMS else None
+    programs = batch * kv_heads * splits
+    enough = programs >= (ONE_SEQUENCE_PROGRAMS_PER_SM * sms if batch == 1 else ONE_WARP_PROGRAMS)
+    return splits if kv_heads > 1 and splits > 1 and enough else None
