@@ -335,6 +335,8 @@ def main() -> None:
         layer_paths = [p for p in args.layer_paths.split(",") if p]
         plan += [("per-layer", f"L-{label}", formats, args.layer_preset, layer_paths)
                  for label, formats in layered.comparison(chosen, uniform)]
+    if not plan:
+        raise SystemExit("nothing to measure: give --formats and/or --kv-layers.")
     machine = f"host {platform.node()}, {os.cpu_count()} CPUs, device {args.device}"
     if args.device.startswith("cuda"):
         import torch
