@@ -90,7 +90,7 @@ def markdown(rows: list[dict], machine: str) -> str:
     if not rows:
         return ""
     r0 = rows[0]
-    head = (f"## Per-layer KV formats served: {r0['preset']} geometry (synthetic weights), {r0['concurrency']} "
+    head = (f"\n## Per-layer KV formats served: {r0['preset']} geometry (synthetic weights), {r0['concurrency']} "
             f"concurrent requests, {r0['prompt_len']} prompt + {r0['output_len']} output tokens, greedy\n\n"
             f"{machine}\n\n| engine | KV bytes/token | path | decode tok/s | vs in-process | ITL p50 / p99 ms "
             "| vs bf16 | TTFT p50 ms | attention |\n|---|---:|---|---:|---:|---:|---:|---:|---|\n")

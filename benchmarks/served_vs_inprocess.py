@@ -21,7 +21,7 @@ numpy < 2, carried first on the path; serving loads tokenizers without AutoToken
 CPU proof (tiny model, seconds of generation; tests/data/tiny_kv_layers.yaml is a per-layer choice for it):
 
     python -m benchmarks.served_vs_inprocess --preset tiny-llama3 --device cpu \\
-        --concurrency 4 --prompt-len 16 --output-len 8 --layer-preset tiny-llama3 \\
+        --concurrency 4 --prompt-len 16 --output-len 32 --block-size 16 --layer-preset tiny-llama3 \\
         --kv-layers tests/data/tiny_kv_layers.yaml --out /tmp/svi
 
 For each engine, the same engine directory (random weights from a seed, so every path computes
