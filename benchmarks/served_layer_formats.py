@@ -49,7 +49,7 @@ def read_layer_formats(path: Path, num_layers: int) -> LayerFormats:
     layers = (data.get("kv") or {}).get("layers") if isinstance(data, dict) else None
     if not isinstance(layers, dict):
         raise InputError(f"--kv-layers {path} has no kv.layers mapping (e.g. kv: {{layers: {{'0-29': "
-                         "int8-per_token}}}}); pass the search stage's recipe_kv.yaml.")
+                         "int8-per_token}}); pass the search stage's recipe_kv.yaml.")
     try:
         return parse_layer_ranges(layers, num_layers, where=f"{path}: kv.layers")
     except (ValueError, KvqError) as e:
@@ -76,6 +76,10 @@ def static_scales(engine_dir: Path, formats: LayerFormats, calib: Path, device: 
     if not (calib / "kv_scales.safetensors").is_file():
         calib.mkdir(parents=True, exist_ok=True)
         run_calibration(engine_dir, calib, num_samples=CALIBRATION_SAMPLES, seq_len=CALIBRATION_LEN, device=device)
+        if device.startswith("cuda"):  # the calibration's model is gone: give its memory to the server
+            import torch
+
+            torch.cuda.empty_cache()
     k, v = [None] * len(formats), [None] * len(formats)
     for fmt in {f for f in formats if f.static}:
         ks, vs = scales_for(calib, fmt)

@@ -59,6 +59,7 @@ import numpy as np
 from benchmarks import served_layer_formats as layered
 from runtime.config import PRESETS
 from runtime.engine_dir import parse_kv_format_name
+from runtime.errors import InputError, KvqError
 from runtime.layer_formats import LayerFormats, formats_name, formats_to_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,6 +294,25 @@ def markdown(rows: list[dict], args, machine: str) -> str:
     return head + body
 
 
+def engines_to_serve(args) -> list[tuple[str, str, LayerFormats, str, list[str]]]:
+    """(part, engine name, formats, preset, served paths) for every engine, checked before a server starts."""
+    plan = [("deployment", n, (parse_kv_format_name(n),) * PRESETS[args.preset].num_layers, args.preset,
+             ["engine", "ensemble"] + (["openai"] if args.openai else []))
+            for n in filter(None, args.formats.split(","))]
+    if args.kv_layers is not None:
+        num_layers = PRESETS[args.layer_preset].num_layers
+        chosen = layered.read_layer_formats(args.kv_layers, num_layers)
+        uniform = None if args.layer_uniform is None else [
+            parse_kv_format_name(n) for n in args.layer_uniform.split(",") if n]
+        layer_paths = [p for p in args.layer_paths.split(",") if p]
+        known = ["engine", "ensemble"] + (["openai"] if args.openai else [])
+        if not layer_paths or set(layer_paths) - set(known):
+            raise InputError(f"--layer-paths {args.layer_paths!r}: give one or more of {', '.join(known)}.")
+        plan += [("per-layer", f"L-{label}", formats, args.layer_preset, layer_paths)
+                 for label, formats in layered.comparison(chosen, uniform)]
+    return plan
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="the deployment's geometry")
@@ -324,17 +344,10 @@ def main() -> None:
             print(f"no OpenAI stack here ({e}); measuring without the openai path", flush=True)
             args.openai = False
     # (part, engine name, formats, preset, served paths), all checked before the first server starts
-    plan = [("deployment", n, (parse_kv_format_name(n),) * PRESETS[args.preset].num_layers, args.preset,
-             ["engine", "ensemble"] + (["openai"] if args.openai else []))
-            for n in filter(None, args.formats.split(","))]
-    if args.kv_layers is not None:
-        num_layers = PRESETS[args.layer_preset].num_layers
-        chosen = layered.read_layer_formats(args.kv_layers, num_layers)
-        uniform = None if args.layer_uniform is None else [
-            parse_kv_format_name(n) for n in args.layer_uniform.split(",") if n]
-        layer_paths = [p for p in args.layer_paths.split(",") if p]
-        plan += [("per-layer", f"L-{label}", formats, args.layer_preset, layer_paths)
-                 for label, formats in layered.comparison(chosen, uniform)]
+    try:
+        plan = engines_to_serve(args)
+    except KvqError as e:
+        raise SystemExit(f"error: {e}") from None
     if not plan:
         raise SystemExit("nothing to measure: give --formats and/or --kv-layers.")
     machine = f"host {platform.node()}, {os.cpu_count()} CPUs, device {args.device}"

@@ -69,6 +69,8 @@ if mode == "control":
 else:
     import benchmarks.served_vs_inprocess  # noqa: F401  (the GPU benchmark's own process)
     import builder.loadgen  # noqa: F401
+    import calibration.calibrate  # noqa: F401  (the benchmark's static scales for synthetic engines)
+    import recipes.schema  # noqa: F401  (the benchmark reads kv.layers)
     import runtime.tokenizer
     import triton_repo.bench  # noqa: F401
     import triton_repo.openai_api.app  # noqa: F401
