@@ -3,15 +3,16 @@
 Two comparisons in one command (GPU, H200):
   * the deployment: Llama-3-8B geometry (recipes synthetic-8b-fp16kv / -fp8kv), BF16 and FP8 per-token KV,
     256 concurrent requests (the recipes' max_batch_size), through every served path and in-process;
-  * per-layer KV formats (--kv-layers FILE, the search stage's recipe_kv.yaml or kv_format.json): that choice
-    on the SmolLM2-135M geometry against BF16 and each format it uses as a uniform engine, same concurrency,
+  * per-layer KV formats (--kv-layers FILE, the search stage's recipe_kv.yaml or kv_format.json; default
+    served_kv_layers_smollm2.yaml, the H200 search's choice for SmolLM2 at +1%): that choice on the
+    SmolLM2-135M geometry against BF16 and each format it uses as a uniform engine, same concurrency,
     served (gRPC streams to kvq_engine) and in-process (benchmarks/served_layer_formats.py).
 The GPU machine has torch, transformers and numpy; tritonserver, tritonclient/grpcio, pydantic and the
 OpenAI stack travel in .whl/serve (wheels plus pytriton-slim-*.tar.xz, benchmarks/pack_pytriton.py):
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/serve/*.whl
     tar -xJf .whl/serve/pytriton-slim-0.7.0-py312.tar.xz -C /tmp/site
-    PYTHONPATH=/tmp/site:. python -m benchmarks.served_vs_inprocess --kv-layers recipe_kv.yaml --out $OUT
+    PYTHONPATH=/tmp/site:. python -m benchmarks.served_vs_inprocess --out $OUT
 
 The python backend's stub imports what this process imports (triton_repo/server.py gives it the
 same sys.path), so nothing needs installing into the machine's own environment. The stub needs
@@ -64,6 +65,7 @@ from runtime.layer_formats import LayerFormats, formats_name, formats_to_json
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOYMENT_FORMATS = "bf16,fp8_e4m3-per_token"  # the synthetic-8b recipes' KV formats
+KV_LAYERS = Path(__file__).with_name("served_kv_layers_smollm2.yaml")  # SmolLM2's choice at +1% (H200 search)
 
 
 # ------------------------------------------------------------------ the engine
@@ -299,9 +301,9 @@ def engines_to_serve(args) -> list[tuple[str, str, LayerFormats, str, list[str]]
     plan = [("deployment", n, (parse_kv_format_name(n),) * PRESETS[args.preset].num_layers, args.preset,
              ["engine", "ensemble"] + (["openai"] if args.openai else []))
             for n in filter(None, args.formats.split(","))]
-    if args.kv_layers is not None:
+    if args.kv_layers != "none":
         num_layers = PRESETS[args.layer_preset].num_layers
-        chosen = layered.read_layer_formats(args.kv_layers, num_layers)
+        chosen = layered.read_layer_formats(Path(args.kv_layers), num_layers)
         uniform = None if args.layer_uniform is None else [
             parse_kv_format_name(n) for n in args.layer_uniform.split(",") if n]
         layer_paths = [p for p in args.layer_paths.split(",") if p]
@@ -317,9 +319,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="the deployment's geometry")
     ap.add_argument("--formats", default=DEPLOYMENT_FORMATS, help="the deployment's KV formats ('' skips it)")
-    ap.add_argument("--kv-layers", type=Path, default=None,
+    ap.add_argument("--kv-layers", default=str(KV_LAYERS),
                     help="a per-layer choice (search/recipe_kv.yaml, a recipe with kv.layers, or kv_format.json) "
-                    "served against each format it uses, uniform")
+                    f"served against each format it uses, uniform; 'none' skips it (default: benchmarks/{KV_LAYERS.name})")
     ap.add_argument("--layer-preset", default="smollm2-135m", choices=sorted(PRESETS),
                     help="the per-layer comparison's geometry (the model the choice was made for)")
     ap.add_argument("--layer-uniform", default=None,
@@ -349,7 +351,7 @@ def main() -> None:
     except KvqError as e:
         raise SystemExit(f"error: {e}") from None
     if not plan:
-        raise SystemExit("nothing to measure: give --formats and/or --kv-layers.")
+        raise SystemExit("nothing to measure: --formats is empty and --kv-layers is none.")
     machine = f"host {platform.node()}, {os.cpu_count()} CPUs, device {args.device}"
     if args.device.startswith("cuda"):
         import torch

@@ -86,3 +86,12 @@ def test_synthetic_mixed_engine_gets_calibrated_scales_for_its_static_layers(tmp
     assert not (tmp_path / "uniform").exists()
     bf16 = make_engine_dir(tmp_path, "uniform", (BF16, BF16), "tiny-llama3", args)
     assert not (bf16 / "kv_scales.safetensors").exists()
+
+
+def test_the_default_choice_names_a_format_for_each_of_smollm2s_layers():
+    from benchmarks.served_vs_inprocess import KV_LAYERS
+    from runtime.config import PRESETS
+
+    formats = layered.read_layer_formats(KV_LAYERS, PRESETS["smollm2-135m"].num_layers)
+    assert len(formats) == 30 and len(set(formats)) > 1
+    assert formats[10] == INT8_HEAD and formats[12] == parse_kv_format_name("fp8_e4m3-per_tensor")
