@@ -38,17 +38,20 @@ token, before the first request ends); TTFT and inter-token latency per request.
 paths say where throughput goes: inprocess -> engine is the python backend and one response per
 token; engine -> ensemble adds tokenization and per-token detokenization models; engine -> openai
 the HTTP frontend. Client CPU time per wall second is recorded so a saturated client shows.
-Rows: OUT/served_vs_inprocess.jsonl (`part`: deployment / per-layer); tables: OUT/served_vs_inprocess.md.
+Rows: OUT/served_vs_inprocess.jsonl (`part`: deployment / per-layer); tables: OUT/served_vs_inprocess.md;
+each server's log: OUT/logs/tritonserver-ENGINE.log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -238,6 +241,16 @@ def start_frontend(grpc_url: str, port: int) -> subprocess.Popen:
     return proc
 
 
+@contextlib.contextmanager
+def keep_log(server, name: str, out: Path):
+    """The server's log beside the results, whatever happens (the temporary directory goes)."""
+    try:
+        yield
+    finally:
+        (out / "logs").mkdir(exist_ok=True)
+        shutil.copy(server.log_path, out / "logs" / f"tritonserver-{name}.log")
+
+
 def run_format(name: str, formats: LayerFormats, preset: str, paths: list[str], work: Path, args) -> list[dict]:
     """One engine through one tritonserver on each of `paths`, then in-process: its rows."""
     from triton_repo.repo_torch import write_repository
@@ -252,7 +265,8 @@ def run_format(name: str, formats: LayerFormats, preset: str, paths: list[str], 
     write_repository(engine_dir, repo, {"device": args.device})
     rows = []
     t = time.perf_counter()
-    with start_server(repo, log_dir=work, ready_timeout_s=900) as server:
+    server = start_server(repo, log_dir=work, ready_timeout_s=900)
+    with keep_log(server, name, args.out), server:  # the log is copied after the server has stopped
         print(f"[{name}] tritonserver ready in {time.perf_counter() - t:.0f} s", flush=True)
         for i, path in enumerate(paths):
             fe = None
