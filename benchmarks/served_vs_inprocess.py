@@ -1,23 +1,31 @@
-"""Served vs in-process: one synthetic engine through the real tritonserver and called directly, in one run.
+"""Served vs in-process: synthetic engines through the real tritonserver and called directly, in one run.
 
-GPU (H200; Llama-3-8B geometry as in recipes synthetic-8b-fp16kv / -fp8kv, BF16 and FP8 per-token KV,
-256 concurrent requests = the recipes' max_batch_size), about 4-5 minutes. The GPU machine has torch,
-transformers and numpy; tritonserver, tritonclient/grpcio and the OpenAI stack travel in .whl/serve
-(wheels plus pytriton-slim-*.tar.xz, benchmarks/pack_pytriton.py):
+Two comparisons in one command (GPU, H200):
+  * the deployment: Llama-3-8B geometry (recipes synthetic-8b-fp16kv / -fp8kv), BF16 and FP8 per-token KV,
+    256 concurrent requests (the recipes' max_batch_size), through every served path and in-process;
+  * per-layer KV formats (--kv-layers FILE, the search stage's recipe_kv.yaml or kv_format.json; default
+    served_kv_layers_smollm2.yaml, the H200 search's choice for SmolLM2 at +1%): that choice on the
+    SmolLM2-135M geometry against BF16 and each format it uses as a uniform engine, same concurrency,
+    served (gRPC streams to kvq_engine) and in-process (benchmarks/served_layer_formats.py).
+The GPU machine has torch, transformers and numpy; tritonserver, tritonclient/grpcio, pydantic and the
+OpenAI stack travel in .whl/serve (wheels plus pytriton-slim-*.tar.xz, benchmarks/pack_pytriton.py):
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/serve/*.whl
     tar -xJf .whl/serve/pytriton-slim-0.7.0-py312.tar.xz -C /tmp/site
     PYTHONPATH=/tmp/site:. python -m benchmarks.served_vs_inprocess --out $OUT
 
 The python backend's stub imports what this process imports (triton_repo/server.py gives it the
-same sys.path), so nothing needs installing into the machine's own environment.
+same sys.path), so nothing needs installing into the machine's own environment. The stub needs
+numpy < 2, carried first on the path; serving loads tokenizers without AutoTokenizer
+(runtime/tokenizer.py), so nothing on this path imports sklearn or scipy built for the image's numpy 2.
 
-CPU proof (tiny model, seconds of generation):
+CPU proof (tiny model, seconds of generation; tests/data/tiny_kv_layers.yaml is a per-layer choice for it):
 
     python -m benchmarks.served_vs_inprocess --preset tiny-llama3 --device cpu \\
-        --concurrency 4 --prompt-len 16 --output-len 8 --out /tmp/svi
+        --concurrency 4 --prompt-len 16 --output-len 32 --block-size 16 --layer-preset tiny-llama3 \\
+        --kv-layers tests/data/tiny_kv_layers.yaml --out /tmp/svi
 
-For each KV format, the same engine directory (random weights from a seed, so every path computes
+For each engine, the same engine directory (random weights from a seed, so every path computes
 the same tokens) is driven with the same prompts, all requests at once (one wave), greedy:
   * served paths, through one tritonserver: `engine` = gRPC streams straight to kvq_engine with token
     ids (grpc.aio, one client thread); `ensemble` = text through preprocessing -> kvq_engine ->
@@ -30,17 +38,20 @@ token, before the first request ends); TTFT and inter-token latency per request.
 paths say where throughput goes: inprocess -> engine is the python backend and one response per
 token; engine -> ensemble adds tokenization and per-token detokenization models; engine -> openai
 the HTTP frontend. Client CPU time per wall second is recorded so a saturated client shows.
-Rows: OUT/served_vs_inprocess.jsonl; table: OUT/served_vs_inprocess.md.
+Rows: OUT/served_vs_inprocess.jsonl (`part`: deployment / per-layer); tables: OUT/served_vs_inprocess.md;
+each server's log: OUT/logs/tritonserver-ENGINE.log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,15 +60,15 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import served_layer_formats as layered
 from runtime.config import PRESETS
+from runtime.engine_dir import parse_kv_format_name
+from runtime.errors import InputError, KvqError
+from runtime.layer_formats import LayerFormats, formats_name, formats_to_json
 
 REPO = Path(__file__).resolve().parents[1]
-
-FORMATS = {
-    "bf16": {"dtype": "bf16", "granularity": "per_tensor", "symmetric": True, "scale_dtype": "float16"},
-    "fp8_e4m3-per_token": {"dtype": "fp8_e4m3", "granularity": "per_token", "symmetric": True,
-                           "scale_dtype": "float16"},
-}
+DEPLOYMENT_FORMATS = "bf16,fp8_e4m3-per_token"  # the synthetic-8b recipes' KV formats
+KV_LAYERS = Path(__file__).with_name("served_kv_layers_smollm2.yaml")  # SmolLM2's choice at +1% (H200 search)
 
 
 # ------------------------------------------------------------------ the engine
@@ -73,13 +84,19 @@ def word_tokenizer(vocab_size: int, out: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(str(out))
 
 
-def make_engine_dir(root: Path, name: str, args) -> Path:
-    cfg = PRESETS[args.preset]
+def make_engine_dir(root: Path, name: str, formats: LayerFormats, preset: str, args) -> Path:
+    """A synthetic engine of `preset` (weights from seed 0: the same for every format) storing `formats`."""
+    from safetensors.torch import save_file
+
+    cfg = PRESETS[preset]
     d = root / name
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg.to_hf_dict("bfloat16")))
     (d / "synthetic.json").write_text(json.dumps({"seed": 0}))
-    (d / "kv_format.json").write_text(json.dumps(FORMATS[name]))
+    (d / "kv_format.json").write_text(json.dumps(formats_to_json(formats)))
+    scales = layered.static_scales(d, formats, root / f"calibration-{preset}", args.device)
+    if scales:
+        save_file(scales, str(d / "kv_scales.safetensors"))
     # max_input_len twice the prompt: the ensemble bounds text in bytes (max_input_len x the longest token)
     # before it tokenizes, and the spaces between this tokenizer's words count too
     (d / "engine.json").write_text(json.dumps({
@@ -152,7 +169,8 @@ def run_inprocess(engine_dir: Path, ids: list[list[int]], warm: list[list[int]],
         sizes = engine.stats.step_batch_sizes[before:]
         steps = {b: sizes.count(b) for b in set(sizes)}
         row = summarize("inprocess", res["traces"], wall, cpu, steps)
-        row["cuda_graphs"] = getattr(engine.stats, "cuda_graphs", None)
+        row.update(cuda_graphs=engine.stats.cuda_graphs, attention=engine.stats.attention,
+                   kv_bytes_per_token=engine.stats.kv_bytes_per_token)
         return row
     finally:
         engine.shutdown()
@@ -223,12 +241,23 @@ def start_frontend(grpc_url: str, port: int) -> subprocess.Popen:
     return proc
 
 
-def run_format(name: str, work: Path, args) -> list[dict]:
+@contextlib.contextmanager
+def keep_log(server, name: str, out: Path):
+    """The server's log beside the results, whatever happens (the temporary directory goes)."""
+    try:
+        yield
+    finally:
+        (out / "logs").mkdir(exist_ok=True)
+        shutil.copy(server.log_path, out / "logs" / f"tritonserver-{name}.log")
+
+
+def run_format(name: str, formats: LayerFormats, preset: str, paths: list[str], work: Path, args) -> list[dict]:
+    """One engine through one tritonserver on each of `paths`, then in-process: its rows."""
     from triton_repo.repo_torch import write_repository
     from triton_repo.server import free_port, start_server
 
-    engine_dir = make_engine_dir(work, name, args)
-    vocab = PRESETS[args.preset].vocab_size
+    engine_dir = make_engine_dir(work, name, formats, preset, args)
+    vocab = PRESETS[preset].vocab_size
     ids = prompts(args, vocab, args.requests, args.prompt_len, seed=1)
     warm = prompts(args, vocab, args.concurrency, min(16, args.prompt_len), seed=2)
     repo = work / f"repo-{name}"
@@ -236,16 +265,17 @@ def run_format(name: str, work: Path, args) -> list[dict]:
     write_repository(engine_dir, repo, {"device": args.device})
     rows = []
     t = time.perf_counter()
-    with start_server(repo, log_dir=work, ready_timeout_s=900) as server:
+    server = start_server(repo, log_dir=work, ready_timeout_s=900)
+    with keep_log(server, name, args.out), server:  # the log is copied after the server has stopped
         print(f"[{name}] tritonserver ready in {time.perf_counter() - t:.0f} s", flush=True)
-        for path in ("engine", "ensemble") + (("openai",) if args.openai else ()):
+        for i, path in enumerate(paths):
             fe = None
             try:
                 if path == "openai":
                     port = free_port()
                     fe = start_frontend(server.grpc_url, port)
                 url = f"http://127.0.0.1:{port}/v1" if fe else None
-                rows.append(measure_served(path, server, ids, warm, args, url, first=path == "engine"))
+                rows.append(measure_served(path, server, ids, warm, args, url, first=i == 0))
             finally:
                 if fe is not None:
                     fe.terminate()
@@ -253,16 +283,21 @@ def run_format(name: str, work: Path, args) -> list[dict]:
             print(f"[{name}] {rows[-1]}", flush=True)
     rows.append(run_inprocess(engine_dir, ids, warm, args))
     print(f"[{name}] {rows[-1]}", flush=True)
-    base = rows[-1]["decode_tokens_per_s"]
+    inproc = rows[-1]
+    base = inproc["decode_tokens_per_s"]
     for r in rows:
-        r.update(kv_format=name, preset=args.preset, device=args.device, concurrency=args.concurrency,
-                 prompt_len=args.prompt_len, output_len=args.output_len,
+        # the server loads the same directory on the same device, so it runs the same attention ops
+        r.update(engine=name, kv_format=formats_name(formats), preset=preset, device=args.device,
+                 concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len,
+                 attention=inproc["attention"], kv_bytes_per_token=inproc["kv_bytes_per_token"],
                  decode_vs_inprocess=r["decode_tokens_per_s"] / base if base else float("nan"))
     return rows
 
 
 def markdown(rows: list[dict], args, machine: str) -> str:
-    head = (f"# Served vs in-process: {args.preset} geometry (synthetic weights), {args.concurrency} concurrent "
+    if not rows:
+        return ""
+    head = (f"## Served vs in-process: {args.preset} geometry (synthetic weights), {args.concurrency} concurrent "
             f"requests, {args.prompt_len} prompt + {args.output_len} output tokens, greedy\n\n{machine}\n\n"
             "| KV | path | decode tok/s | vs in-process | tok/s (all) | TTFT p50 / p99 ms | ITL p50 / p99 ms "
             "| mean batch | client CPU/s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
@@ -275,10 +310,37 @@ def markdown(rows: list[dict], args, machine: str) -> str:
     return head + body
 
 
+def engines_to_serve(args) -> list[tuple[str, str, LayerFormats, str, list[str]]]:
+    """(part, engine name, formats, preset, served paths) for every engine, checked before a server starts."""
+    plan = [("deployment", n, (parse_kv_format_name(n),) * PRESETS[args.preset].num_layers, args.preset,
+             ["engine", "ensemble"] + (["openai"] if args.openai else []))
+            for n in filter(None, args.formats.split(","))]
+    if args.kv_layers != "none":
+        num_layers = PRESETS[args.layer_preset].num_layers
+        chosen = layered.read_layer_formats(Path(args.kv_layers), num_layers)
+        uniform = None if args.layer_uniform is None else [
+            parse_kv_format_name(n) for n in args.layer_uniform.split(",") if n]
+        layer_paths = [p for p in args.layer_paths.split(",") if p]
+        known = ["engine", "ensemble"] + (["openai"] if args.openai else [])
+        if not layer_paths or set(layer_paths) - set(known):
+            raise InputError(f"--layer-paths {args.layer_paths!r}: give one or more of {', '.join(known)}.")
+        plan += [("per-layer", f"L-{label}", formats, args.layer_preset, layer_paths)
+                 for label, formats in layered.comparison(chosen, uniform)]
+    return plan
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="the deployment's geometry")
+    ap.add_argument("--formats", default=DEPLOYMENT_FORMATS, help="the deployment's KV formats ('' skips it)")
+    ap.add_argument("--kv-layers", default=str(KV_LAYERS),
+                    help="a per-layer choice (search/recipe_kv.yaml, a recipe with kv.layers, or kv_format.json) "
+                    f"served against each format it uses, uniform; 'none' skips it (default: benchmarks/{KV_LAYERS.name})")
+    ap.add_argument("--layer-preset", default="smollm2-135m", choices=sorted(PRESETS),
+                    help="the per-layer comparison's geometry (the model the choice was made for)")
+    ap.add_argument("--layer-uniform", default=None,
+                    help="the uniform formats beside the choice (default: bf16 and every format the choice uses)")
+    ap.add_argument("--layer-paths", default="engine", help="served paths of the per-layer comparison")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", type=int, default=256, help="the synthetic-8b recipes' max_batch_size")
     ap.add_argument("--requests", type=int, default=None, help="default: one wave (= concurrency)")
@@ -297,6 +359,13 @@ def main() -> None:
         except ImportError as e:
             print(f"no OpenAI stack here ({e}); measuring without the openai path", flush=True)
             args.openai = False
+    # (part, engine name, formats, preset, served paths), all checked before the first server starts
+    try:
+        plan = engines_to_serve(args)
+    except KvqError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not plan:
+        raise SystemExit("nothing to measure: --formats is empty and --kv-layers is none.")
     machine = f"host {platform.node()}, {os.cpu_count()} CPUs, device {args.device}"
     if args.device.startswith("cuda"):
         import torch
@@ -306,12 +375,24 @@ def main() -> None:
     rows: list[dict] = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvq-svi-") as tmp:
-        for name in args.formats.split(","):
-            rows += run_format(name, Path(tmp), args)
-            (args.out / "served_vs_inprocess.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = markdown(rows, args, machine) + f"\nWhole run: {time.perf_counter() - t0:.0f} s.\n"
-    (args.out / "served_vs_inprocess.md").write_text(text)
+        for part, name, formats, preset, paths in plan:
+            t = time.perf_counter()
+            got = run_format(name, formats, preset, paths, Path(tmp), args)
+            for r in got:
+                r.update(part=part, engine=name.removeprefix("L-"), engine_s=time.perf_counter() - t)
+            rows += got
+            text = write_outputs(rows, args, machine, time.perf_counter() - t0)  # after each engine
     print(text)
+
+
+def write_outputs(rows: list[dict], args, machine: str, elapsed: float) -> str:
+    (args.out / "served_vs_inprocess.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = ("# Served vs in-process\n\n"
+            + markdown([r for r in rows if r["part"] == "deployment"], args, machine)
+            + layered.markdown([r for r in rows if r["part"] == "per-layer"], machine)
+            + f"\nWhole run: {elapsed:.0f} s.\n")
+    (args.out / "served_vs_inprocess.md").write_text(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from .layer_formats import (
     uniform_format,
 )
 from .rotation import NO_ROTATION, KVRotation
+from .tokenizer import TOKENIZER_JSON, load_fast_tokenizer
 
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -198,16 +199,12 @@ def resolve_scales(
 
 
 def load_tokenizer(d: Path):
-    """transformers tokenizer, or None for synthetic directories / no tokenizer files."""
-    if (d / "synthetic.json").is_file():
-        return None
-    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:  # the GPU machine may run token-id prompts only
+    """The engine's fast tokenizer (runtime/tokenizer.py), or None for synthetic directories, directories
+    without a tokenizer.json, and machines without transformers (token-id prompts only)."""
+    if (d / "synthetic.json").is_file() or not (d / TOKENIZER_JSON).is_file():
         return None
     try:
-        return AutoTokenizer.from_pretrained(str(d))
-    except Exception as e:  # noqa: BLE001 - tokenizer loading raises many types; all mean the same here
-        raise InputError(f"{d}: the tokenizer files cannot be loaded ({e}); re-run the convert stage.") from None
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    return load_fast_tokenizer(d)

@@ -12,12 +12,12 @@ import shutil
 from pathlib import Path
 
 from runtime.errors import InputError, StageError
+from runtime.tokenizer import TOKENIZER_JSON
 
 from . import protocol
 from .pbtxt import EnsembleStep, ModelSpec, TensorSpec, render, validate_repository
 
 MODELS_SOURCE = Path(__file__).parent / "models"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 # The fields a tensorrt_llm model written by repo_trtllm takes (its ensemble offers only these).
 TRTLLM_FIELDS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "random_seed", "end_id",
@@ -25,9 +25,10 @@ TRTLLM_FIELDS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "r
 
 
 def check_tokenizer_dir(path: Path) -> Path:
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+    # the serving models load the fast tokenizer from tokenizer.json alone (runtime/tokenizer.py)
+    if not (path / TOKENIZER_JSON).is_file():
         raise InputError(
-            f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); preprocessing needs one. "
+            f"{path} has no {TOKENIZER_JSON}; preprocessing and postprocessing load the tokenizer from it. "
             "Point deploy at the converted model directory (settings tokenizer_dir) or rebuild the engine."
         )
     return path

@@ -10,8 +10,8 @@ import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
 
+from runtime.tokenizer import load_fast_tokenizer
 from triton_repo import protocol
 
 
@@ -23,7 +23,7 @@ def _ints(request, name):
 class TritonPythonModel:
     def initialize(self, args):
         cfg = json.loads(args["model_config"])
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg["parameters"]["tokenizer_dir"]["string_value"])
+        self.tokenizer = load_fast_tokenizer(cfg["parameters"]["tokenizer_dir"]["string_value"])
         self.max_batch = cfg.get("max_batch_size", 0) > 0
 
     def _one(self, request):

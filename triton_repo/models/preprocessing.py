@@ -11,9 +11,9 @@ import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
 
 from runtime.errors import KvqError, RequestError
+from runtime.tokenizer import load_fast_tokenizer
 from triton_repo import protocol
 
 FIELDS = {f.to: f for f in protocol.ENSEMBLE_REQUEST if f.step == "pre"}
@@ -38,7 +38,7 @@ class TritonPythonModel:
     def initialize(self, args):
         cfg = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
-        self.tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+        self.tokenizer = load_fast_tokenizer(params["tokenizer_dir"])
         self.max_batch = cfg.get("max_batch_size", 0) > 0
         self.max_input_len = int(params["max_input_len"]) if "max_input_len" in params else None
         self.token_bytes = protocol.longest_token_bytes(self.tokenizer) if self.max_input_len else None

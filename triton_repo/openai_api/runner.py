@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from runtime.errors import InputError, ServerError
+from runtime.tokenizer import load_fast_tokenizer
 
 from .app import Served, create_app
 from .triton_stream import TritonStreams, discover
@@ -42,12 +43,11 @@ def start_openai_frontend(
 ) -> OpenAIFrontend:
     """Serve the OpenAI API on host:port for the deployment behind `grpc_url` (which must be ready)."""
     import uvicorn
-    from transformers import AutoTokenizer
 
     if not model_name:
         raise InputError("the served model name is empty; pass --openai-model NAME.")
     model = discover(grpc_url)
-    tokenizer = AutoTokenizer.from_pretrained(str(model.tokenizer_dir))
+    tokenizer = load_fast_tokenizer(model.tokenizer_dir)
     served = Served(model, tokenizer, model_name, TritonStreams(grpc_url, model), int(time.time()))
     config = uvicorn.Config(
         create_app(lambda: served), host=host, port=port, log_level="warning", access_log=False, lifespan="on"
