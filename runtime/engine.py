@@ -405,7 +405,12 @@ def _pick(*choices):
 
 
 def batch_invariant_backend(model: LlamaModel):
-    """The mode's ops, after measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
+    """The mode's ops: on CUDA its Triton kernels (runtime/kernels/invariant_attention.py), elsewhere torch's, after
+    measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
+    if model.device.type == "cuda":
+        from .kernels import invariant_attention
+
+        return invariant_attention.backend()
     layer = model.layer(0)
     rotation = [model.rotation_weight] if model.rotation_weight is not None else []
     batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head, *rotation],
