@@ -131,3 +131,69 @@ def test_one_plan_for_every_batch():
 
 def test_write_is_the_kernels_write():
     assert invariant_attention.backend().write_kv is K.write_kv
+
+
+# ------------------------------------------------------------------ the engine in the mode
+@pytest.fixture(scope="module")
+def kernel_mode_model(tmp_path_factory):
+    """The tiny Llama on this test's device, whose engines in the batch-invariant mode run the Triton backend
+    (on a CPU machine the engine would otherwise take the mode's torch ops)."""
+    from helpers_runtime import tiny_llama_dir
+
+    from runtime.config import ModelConfig
+    from runtime.model import LlamaModel
+    from runtime.weights import open_weights
+
+    d = tiny_llama_dir(tmp_path_factory)
+    cfg = ModelConfig.from_dir(d)
+    return LlamaModel(cfg, open_weights(d, cfg), DEV, torch.float32)
+
+
+def _kernel_mode_generate(model, monkeypatch, fmt, prompts, blocks, budget, max_tokens=4):
+    from runtime import engine as engine_module
+    from runtime.runner import plan_pool
+
+    monkeypatch.setattr(engine_module, "batch_invariant_backend", lambda m: invariant_attention.backend())
+    eng = engine_module.Engine(model, fmt, plan_pool(model.cfg, fmt, 8, num_blocks=blocks), None, None,
+                               max_batch_size=16, max_tokens_per_step=budget, batch_invariant=True)
+    try:
+        assert eng.stats.attention == "batch-invariant(triton)"
+        out = [g.token_ids for g in eng.generate(prompts, max_tokens=max_tokens, ignore_eos=True)]
+        return out, eng.stats
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget,blocks", [(7, 64), (2048, 6)], ids=["chunked", "preempted"])
+def test_engine_requests_in_a_batch_equal_solo_runs(kernel_mode_model, monkeypatch, budget, blocks):
+    """int8 per-token KV through the engine in the mode: four prompts batched, chunked by a 7-token step budget
+    or preempted in a 6-block pool, give each prompt's solo tokens."""
+    fmt = KVFormat("int8", "per_token")
+    prompts = [[(i * 53 + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((12, 9, 11, 3))]
+    got, stats = _kernel_mode_generate(kernel_mode_model, monkeypatch, fmt, prompts, blocks, budget)
+    if budget == 2048:
+        assert stats.preemptions > 0
+    want = [_kernel_mode_generate(kernel_mode_model, monkeypatch, fmt, [p], 64, 2048)[0][0] for p in prompts]
+    assert got == want
+
+
+def test_gemm_compiles_for_sm90_without_spills():
+    """Cross-compiled for the H200 (no GPU needed; a process of its own, outside the interpreter): every shape
+    builds, no register spills, and bf16 tiles run on the Hopper tensor cores' wgmma."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "tests.helpers_invariant_compile"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(rows) == 10
+    for r in rows:
+        assert "error" not in r and r["stack"] == 0, r
+        assert r["wgmma"] or r["dtype"] == "float32", r
