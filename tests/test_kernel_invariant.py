@@ -60,8 +60,11 @@ def _q(batch, heads, head_dim, dtype, seed):
 
 @pytest.mark.parametrize("fmt", INVARIANT_FORMATS, ids=FMT_IDS)
 def test_decode_row_alone_equals_row_in_a_batch(fmt):
-    # group 4 (Llama-3), pages of 16, lengths across tile and page edges; one long sequence widens the tables
-    lens = [5, 100, 17, 64, 33] if not CUDA else [5, 4000, 17, 2048, 333]
+    # group 4 (Llama-3), pages of 16, lengths across tile and page edges; one long sequence widens the tables.
+    # int8: contexts past the default plan's 512-token splits, whose split count follows the table's width (the
+    # default plan gives the 600-token row other bits in this batch than alone); the others stay short (interpreter)
+    long = fmt.name == "int8-per_token" or CUDA
+    lens = ([5, 1100, 17, 600] if not CUDA else [5, 4000, 17, 2048, 333]) if long else [5, 100, 17, 64, 33]
     heads, kv_heads, d = 8, 2, 16 if not CUDA else 128
     gen = torch.Generator().manual_seed(3)
     cache, tables, seq_lens = fill_cache(fmt, len(lens), kv_heads, d, 16, lens, gen)
@@ -165,12 +168,12 @@ def _kernel_mode_generate(model, monkeypatch, fmt, prompts, blocks, budget, max_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget,blocks", [(7, 64), (2048, 6)], ids=["chunked", "preempted"])
+@pytest.mark.parametrize("budget,blocks", [(7, 64), (2048, 5)], ids=["chunked", "preempted"])
 def test_engine_requests_in_a_batch_equal_solo_runs(kernel_mode_model, monkeypatch, budget, blocks):
-    """int8 per-token KV through the engine in the mode: four prompts batched, chunked by a 7-token step budget
-    or preempted in a 6-block pool, give each prompt's solo tokens."""
+    """int8 per-token KV through the engine in the mode: three prompts batched, chunked by a 7-token step budget
+    or preempted in a 5-block pool, give each prompt's solo tokens."""
     fmt = KVFormat("int8", "per_token")
-    prompts = [[(i * 53 + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((12, 9, 11, 3))]
+    prompts = [[(i * 53 + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((15, 14, 3))]
     got, stats = _kernel_mode_generate(kernel_mode_model, monkeypatch, fmt, prompts, blocks, budget)
     if budget == 2048:
         assert stats.preemptions > 0
