@@ -15,6 +15,7 @@ mode on and off:
 
     python -m benchmarks.numerics_gpu --out results_dir [--smollm2-dir DIR] [--requests 64]
     python -m benchmarks.numerics_gpu --out /tmp/x --tiny      # CPU check of the script itself
+    python -m benchmarks.numerics_gpu --out DIR --gemm-sweep   # only: every GEMM config candidate vs cuBLAS
 
 Without --smollm2-dir, SmolLM2's geometry runs with random weights (the GPU machine has no
 GGUF reader). Rows are written to numerics.jsonl as they are measured (a run cut short keeps
@@ -24,6 +25,7 @@ what it has); numerics.md is the table of them, gemm.md the GEMM timings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -224,6 +226,34 @@ def gemm_rows() -> list[dict]:
     return rows
 
 
+SWEEP_CONFIGS = [(bn, bk, st) for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 4)]
+
+
+def gemm_sweep() -> list[dict]:
+    """Every candidate config of the mode's GEMM at Llama-3-8B's shapes and M = 8, 64, 256 (us), beside cuBLAS: the
+    data to choose `invariant_gemm.gemm_config` from (configs that do not fit shared memory are left out)."""
+    import torch.nn.functional as F
+
+    from runtime.kernels import invariant_gemm
+
+    rows = []
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in (8, 64, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"weight": name, "m": m, "cublas_us": round(_time_cuda(lambda x=x, w=w: F.linear(x, w)), 1),
+                   "chosen": list(dataclasses.astuple(invariant_gemm.gemm_config(n, k, torch.bfloat16)))[:3]}
+            for bn, bk, st in SWEEP_CONFIGS:
+                cfg = invariant_gemm.GemmConfig(bn, bk, 4, st)
+                try:
+                    row[f"{bn}x{bk}x{st}"] = round(_time_cuda(lambda x=x, w=w, c=cfg: invariant_gemm.launch(x, w, c)), 1)
+                except Exception as e:  # out of shared memory: that config does not exist here
+                    row[f"{bn}x{bk}x{st}"] = type(e).__name__
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def write_gemm_md(rows: list[dict], path: Path) -> None:
     lines = ["| weight | N x K | M | invariant GEMM (us) | cuBLAS (us) | ratio | rows = alone |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['weight']} | {r['n']} x {r['k']} | {r['m']} | {r['invariant_us']} | {r['cublas_us']} | {r['ratio']} "
@@ -251,6 +281,7 @@ def main() -> None:
     ap.add_argument("--rate-models", default="llama3-8b", help="models whose decode tok/s is measured")
     ap.add_argument("--gemm", action=argparse.BooleanOptionalAction, default=True, help="time the mode's GEMM (CUDA)")
     ap.add_argument("--prefill-cost", action="store_true", help="time write-then-read prefill (default mode)")
+    ap.add_argument("--gemm-sweep", action="store_true", help="only time every GEMM config candidate (CUDA)")
     ap.add_argument("--time-limit-s", type=float, default=220, help="start no new row after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny-llama3 geometry, 6 requests: checks the script")
     a = ap.parse_args()
@@ -265,6 +296,10 @@ def main() -> None:
     rows: list[dict] = []
     dtype = "bfloat16" if dev == "cuda" else "float32"
     started = time.perf_counter()
+    if a.gemm_sweep:
+        rows = gemm_sweep()
+        (out / "gemm_sweep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return
     if a.gemm and dev == "cuda":
         write_gemm_md(gemm_rows(), out / "gemm.md")
     for name in a.models.split(","):

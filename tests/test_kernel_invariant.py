@@ -152,13 +152,14 @@ def kernel_mode_model(tmp_path_factory):
     return LlamaModel(cfg, open_weights(d, cfg), DEV, torch.float32)
 
 
-def _kernel_mode_generate(model, monkeypatch, fmt, prompts, blocks, budget, max_tokens=4):
+def _kernel_mode_generate(model, fmt, prompts, blocks, budget, max_tokens=4):
     from runtime import engine as engine_module
     from runtime.runner import plan_pool
 
-    monkeypatch.setattr(engine_module, "batch_invariant_backend", lambda m: invariant_attention.backend())
-    eng = engine_module.Engine(model, fmt, plan_pool(model.cfg, fmt, 8, num_blocks=blocks), None, None,
-                               max_batch_size=16, max_tokens_per_step=budget, batch_invariant=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_module, "batch_invariant_backend", lambda m: invariant_attention.backend())
+        eng = engine_module.Engine(model, fmt, plan_pool(model.cfg, fmt, 8, num_blocks=blocks), None, None,
+                                   max_batch_size=16, max_tokens_per_step=budget, batch_invariant=True)
     try:
         assert eng.stats.attention == "batch-invariant(triton)"
         out = [g.token_ids for g in eng.generate(prompts, max_tokens=max_tokens, ignore_eos=True)]
@@ -167,18 +168,24 @@ def _kernel_mode_generate(model, monkeypatch, fmt, prompts, blocks, budget, max_
         eng.shutdown()
 
 
+ENGINE_FMT = KVFormat("int8", "per_token")
+ENGINE_PROMPTS = [[(i * 53 + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((15, 14, 3))]
+
+
+@pytest.fixture(scope="module")
+def solo_tokens(kernel_mode_model):
+    return [_kernel_mode_generate(kernel_mode_model, ENGINE_FMT, [p], 64, 2048)[0][0] for p in ENGINE_PROMPTS]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget,blocks", [(7, 64), (2048, 5)], ids=["chunked", "preempted"])
-def test_engine_requests_in_a_batch_equal_solo_runs(kernel_mode_model, monkeypatch, budget, blocks):
+def test_engine_requests_in_a_batch_equal_solo_runs(kernel_mode_model, solo_tokens, budget, blocks):
     """int8 per-token KV through the engine in the mode: three prompts batched, chunked by a 7-token step budget
     or preempted in a 5-block pool, give each prompt's solo tokens."""
-    fmt = KVFormat("int8", "per_token")
-    prompts = [[(i * 53 + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((15, 14, 3))]
-    got, stats = _kernel_mode_generate(kernel_mode_model, monkeypatch, fmt, prompts, blocks, budget)
+    got, stats = _kernel_mode_generate(kernel_mode_model, ENGINE_FMT, ENGINE_PROMPTS, blocks, budget)
     if budget == 2048:
         assert stats.preemptions > 0
-    want = [_kernel_mode_generate(kernel_mode_model, monkeypatch, fmt, [p], 64, 2048)[0][0] for p in prompts]
-    assert got == want
+    assert got == solo_tokens
 
 
 def test_gemm_compiles_for_sm90_without_spills():
