@@ -226,7 +226,7 @@ def gemm_rows() -> list[dict]:
     return rows
 
 
-SWEEP_CONFIGS = [(bn, bk, st) for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 4)]
+SWEEP_CONFIGS = [(bn, bk, st) for bn in (32, 64, 128) for bk in (64, 128, 256) for st in (3, 4)]
 
 
 def gemm_sweep() -> list[dict]:
