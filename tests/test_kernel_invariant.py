@@ -19,6 +19,7 @@ from runtime.kv_format import KVFormat
 INVARIANT_FORMATS = [KVFormat("bf16"), KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
                      KVFormat("int4", "per_token", symmetric=False)]
 FMT_IDS = [f.name for f in INVARIANT_FORMATS]
+Q_DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]  # the GPU engine's q is bf16
 GEMM_SHAPES = [(100, 200), (4096, 4096)] if CUDA else [(100, 200), (33, 64)]
 
 
@@ -58,8 +59,9 @@ def _q(batch, heads, head_dim, dtype, seed):
     return torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(DEV)
 
 
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", INVARIANT_FORMATS, ids=FMT_IDS)
-def test_decode_row_alone_equals_row_in_a_batch(fmt):
+def test_decode_row_alone_equals_row_in_a_batch(fmt, q_dtype):
     # group 4 (Llama-3), pages of 16, lengths across tile and page edges; one long sequence widens the tables.
     # int8: contexts past the default plan's 512-token splits, whose split count follows the table's width (the
     # default plan gives the 600-token row other bits in this batch than alone); the others stay short (interpreter)
@@ -68,13 +70,13 @@ def test_decode_row_alone_equals_row_in_a_batch(fmt):
     heads, kv_heads, d = 8, 2, 16 if not CUDA else 128
     gen = torch.Generator().manual_seed(3)
     cache, tables, seq_lens = fill_cache(fmt, len(lens), kv_heads, d, 16, lens, gen)
-    q = _q(len(lens), heads, d, torch.float32, 4)
+    q = _q(len(lens), heads, d, q_dtype, 4)
     batch = invariant_attention.decode_attention(q, cache, tables, seq_lens, 0.25)
     for b, n in enumerate(lens):
         own = tables[b:b + 1, :-(-n // 16)]  # its own pages only: the width of a table alone
         alone = invariant_attention.decode_attention(q[b:b + 1], cache, own, seq_lens[b:b + 1], 0.25)
         assert torch.equal(alone[0], batch[b]), f"sequence {b} ({n} tokens) alone differs from its batch row"
-    assert_meets_oracle(batch, q, cache, tables, seq_lens, torch.float32)
+    assert_meets_oracle(batch, q, cache, tables, seq_lens, q_dtype)
 
 
 def _prompt_cache(fmt, n, kv_heads, d, seed):
@@ -149,7 +151,7 @@ def kernel_mode_model(tmp_path_factory):
 
     d = tiny_llama_dir(tmp_path_factory)
     cfg = ModelConfig.from_dir(d)
-    return LlamaModel(cfg, open_weights(d, cfg), DEV, torch.float32)
+    return LlamaModel(cfg, open_weights(d, cfg), DEV, torch.bfloat16 if CUDA else torch.float32)
 
 
 def _kernel_mode_generate(model, fmt, prompts, blocks, budget, max_tokens=4):
