@@ -17,7 +17,8 @@ from runtime.kernels import invariant_attention, invariant_gemm
 from runtime.kv_format import KVFormat
 
 INVARIANT_FORMATS = [KVFormat("bf16"), KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
-                     KVFormat("int4", "per_token", symmetric=False)]
+                     KVFormat("int4", "per_token", symmetric=False),
+                     KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False)]  # K8V4: the mixed kernel
 FMT_IDS = [f.name for f in INVARIANT_FORMATS]
 Q_DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]  # the GPU engine's q is bf16
 GEMM_SHAPES = [(100, 200), (4096, 4096)] if CUDA else [(100, 200), (33, 64)]
