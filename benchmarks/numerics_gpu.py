@@ -1,26 +1,31 @@
 """Engine numerics on the GPU: batch invariance, its cost, and what write-then-read costs prefill.
 
-Per model (SmolLM2-135M and a Llama-3-8B-geometry model with random weights) and KV format
+Per model (SmolLM2-135M geometry and a Llama-3-8B-geometry model, random weights) and KV format
 (bf16, fp8_e4m3 per-tensor, int8 per-token, int4 per-token asym), with the batch-invariant
 mode on and off:
 
-* agreement: 64 mixed requests (prompts of 8-512 random tokens) generated together, each
-  compared with the same request generated alone (greedy): requests identical, tokens equal;
-* decode tok/s at maximum concurrency (all requests decoding at once): the mode's cost;
-* prefill time of 8 x 1024-token prompts with write-then-read and, for comparison, with the
-  prefill attending to its freshly computed K/V instead (the read-back skipped).
+* agreement: 64 mixed requests (prompts of 8 to --max-prompt random tokens) generated together,
+  each compared with the same request generated alone (greedy): requests identical, tokens equal;
+* decode tok/s at maximum concurrency (all requests decoding at once, prompts of --decode-context
+  tokens) for the models of --rate-models: the mode's cost;
+* with --gemm (default on), the mode's GEMM (runtime/kernels/invariant_gemm.py) against cuBLAS at
+  Llama-3-8B's weight shapes and decode row counts, and whether a row alone gets its batch bits;
+* with --prefill-cost, prefill time of 8 x 1024-token prompts with write-then-read and, for
+  comparison, with the prefill attending to its freshly computed K/V instead (read-back skipped).
 
     python -m benchmarks.numerics_gpu --out results_dir [--smollm2-dir DIR] [--requests 64]
     python -m benchmarks.numerics_gpu --out /tmp/x --tiny      # CPU check of the script itself
+    python -m benchmarks.numerics_gpu --out DIR --gemm-sweep   # only: every GEMM config candidate vs cuBLAS
 
 Without --smollm2-dir, SmolLM2's geometry runs with random weights (the GPU machine has no
-GGUF reader). Rows are appended to numerics.jsonl as they are measured (a run cut short keeps
-what it has); numerics.md is the table of them.
+GGUF reader). Rows are written to numerics.jsonl as they are measured (a run cut short keeps
+what it has); numerics.md is the table of them, gemm.md the GEMM timings.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -83,7 +88,7 @@ def decode_rate(eng: Engine, prompts: list[list[int]], n: int) -> float:
     from runtime.sampling import SamplingParams
 
     sp = SamplingParams(max_tokens=n, ignore_eos=True)
-    eng.generate(prompts, sp)  # warm-up: CUDA graphs, the mode's row-tile probes
+    eng.generate([p[:16] for p in prompts], sp)  # warm-up (CUDA graphs, compiles) on short prompts: cheap prefill
     first: dict[int, float] = {}
     done = threading.Event()
     finished = [0]
@@ -104,8 +109,9 @@ def decode_rate(eng: Engine, prompts: list[list[int]], n: int) -> float:
     return len(prompts) * (n - 1) / max(end - max(first.values()), 1e-9)
 
 
-def measure(base: Engine, fmt: KVFormat, scales, invariant: bool, a, prompts: list[list[int]]) -> dict:
-    blocks = len(prompts) * -(-(max(map(len, prompts)) + max(a.max_tokens, a.decode_tokens)) // 16) + 16
+def measure(base: Engine, fmt: KVFormat, scales, invariant: bool, a, prompts: list[list[int]], rate: bool) -> dict:
+    longest = max(max(map(len, prompts)), a.decode_context)
+    blocks = len(prompts) * -(-(longest + max(a.max_tokens, a.decode_tokens)) // 16) + 16
     # one step holds every prompt's prefill, so all requests decode together afterwards
     eng = engine(base, fmt, scales, invariant, blocks, len(prompts), max(a.step_tokens, 128 * len(prompts)))
     try:
@@ -113,10 +119,16 @@ def measure(base: Engine, fmt: KVFormat, scales, invariant: bool, a, prompts: li
         solo = [eng.generate([p], max_tokens=a.max_tokens, ignore_eos=True)[0].token_ids for p in prompts]
         same = sum(m == s for m, s in zip(mixed, solo))
         tokens = sum(x == y for m, s in zip(mixed, solo) for x, y in zip(m, s))
-        decode_tps = decode_rate(eng, [p[:128] for p in prompts], a.decode_tokens)
-        return {"requests": len(prompts), "identical_requests": same, "agreement": round(same / len(prompts), 4),
-                "token_agreement": round(tokens / sum(map(len, solo)), 4), "decode_tokens_per_s": round(decode_tps, 1),
-                "attention": eng.stats.attention, "cuda_graphs": eng.stats.cuda_graphs}
+        row = {"requests": len(prompts), "identical_requests": same, "agreement": round(same / len(prompts), 4),
+               "token_agreement": round(tokens / sum(map(len, solo)), 4),
+               "attention": eng.stats.attention, "cuda_graphs": eng.stats.cuda_graphs}
+        if rate:
+            vocab = base.cfg.vocab_size
+            rng = random.Random(1)
+            ctx = [[rng.randrange(3, vocab) for _ in range(a.decode_context)] for _ in prompts]
+            row["decode_tokens_per_s"] = round(decode_rate(eng, ctx, a.decode_tokens), 1)
+            row["decode_context"] = a.decode_context
+        return row
     finally:
         eng.shutdown()
 
@@ -159,15 +171,93 @@ def write_md(rows: list[dict], path: Path) -> None:
         pre = f"{r['write_then_read_s']} / {r['computed_kv_s']}" if "write_then_read_s" in r else ""
         lines.append(f"| {r['model']} | {r['kv']} | {'batch-invariant' if r['batch_invariant'] else 'default'} | "
                      f"{r['identical_requests']} / {r['requests']} | {r['token_agreement']} | "
-                     f"{r['decode_tokens_per_s']} | {pre} |")
+                     f"{r.get('decode_tokens_per_s', '')} | {pre} |")
     costs = {}
     for r in rows:
-        if "decode_tokens_per_s" in r:
+        if r.get("decode_tokens_per_s"):
             costs.setdefault((r["model"], r["kv"]), {})[r["batch_invariant"]] = r["decode_tokens_per_s"]
     lines += ["", "| model | KV | decode tok/s cost of the mode |", "|---|---|---|"]
     for (m, kv), c in costs.items():
         if True in c and False in c and c[False]:
             lines.append(f"| {m} | {kv} | {100 * (1 - c[True] / c[False]):.1f}% |")
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+# Llama-3-8B's weights [N, K] (fused QKV, O, fused gate/up, down, LM head) and decode row counts
+GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "lm_head": (128256, 4096)}
+GEMM_ROWS = (8, 32, 64, 128, 256, 512)
+
+
+def _time_cuda(fn, reps: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1000  # us
+
+
+def gemm_rows() -> list[dict]:
+    """The mode's GEMM against cuBLAS (F.linear) at Llama-3-8B shapes, bf16; and its bits: every row of an
+    M-row product equal to the row computed alone."""
+    import torch.nn.functional as F
+
+    from runtime.kernels import invariant_gemm
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5
+        x_all = torch.randn(max(GEMM_ROWS), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        alone = torch.cat([invariant_gemm.linear(x_all[i:i + 1], w) for i in range(0, max(GEMM_ROWS), 37)])
+        for m in GEMM_ROWS:
+            x = x_all[:m]
+            ours = _time_cuda(lambda x=x, w=w: invariant_gemm.linear(x, w))
+            cublas = _time_cuda(lambda x=x, w=w: F.linear(x, w))
+            same = torch.equal(invariant_gemm.linear(x, w)[::37], alone[:len(range(0, m, 37))])
+            rows.append({"weight": name, "n": n, "k": k, "m": m, "invariant_us": round(ours, 1),
+                         "cublas_us": round(cublas, 1), "ratio": round(ours / cublas, 3), "rows_equal_alone": same})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+SWEEP_CONFIGS = [(bn, bk, st) for bn in (32, 64, 128) for bk in (64, 128, 256) for st in (3, 4)]
+
+
+def gemm_sweep() -> list[dict]:
+    """Every candidate config of the mode's GEMM at Llama-3-8B's shapes and M = 8, 64, 256 (us), beside cuBLAS: the
+    data to choose `invariant_gemm.gemm_config` from (configs that do not fit shared memory are left out)."""
+    import torch.nn.functional as F
+
+    from runtime.kernels import invariant_gemm
+
+    rows = []
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in (8, 64, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"weight": name, "m": m, "cublas_us": round(_time_cuda(lambda x=x, w=w: F.linear(x, w)), 1),
+                   "chosen": list(dataclasses.astuple(invariant_gemm.gemm_config(n, k, torch.bfloat16)))[:3]}
+            for bn, bk, st in SWEEP_CONFIGS:
+                cfg = invariant_gemm.GemmConfig(bn, bk, 4, st)
+                try:
+                    row[f"{bn}x{bk}x{st}"] = round(_time_cuda(lambda x=x, w=w, c=cfg: invariant_gemm.launch(x, w, c)), 1)
+                except Exception as e:  # out of shared memory: that config does not exist here
+                    row[f"{bn}x{bk}x{st}"] = type(e).__name__
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def write_gemm_md(rows: list[dict], path: Path) -> None:
+    lines = ["| weight | N x K | M | invariant GEMM (us) | cuBLAS (us) | ratio | rows = alone |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['weight']} | {r['n']} x {r['k']} | {r['m']} | {r['invariant_us']} | {r['cublas_us']} | {r['ratio']} "
+              f"| {r['rows_equal_alone']} |" for r in rows]
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
@@ -186,18 +276,32 @@ def main() -> None:
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--formats", help="comma-separated KV format names (default: all four)")
     ap.add_argument("--modes", default="off,on", help="batch-invariant mode: off, on or both")
-    ap.add_argument("--time-limit-s", type=float, default=280, help="start no new row after this many seconds")
+    ap.add_argument("--max-prompt", type=int, default=256, help="longest prompt of the agreement requests")
+    ap.add_argument("--decode-context", type=int, default=128, help="prompt tokens of the decode-rate requests")
+    ap.add_argument("--rate-models", default="llama3-8b", help="models whose decode tok/s is measured")
+    ap.add_argument("--gemm", action=argparse.BooleanOptionalAction, default=True, help="time the mode's GEMM (CUDA)")
+    ap.add_argument("--prefill-cost", action="store_true", help="time write-then-read prefill (default mode)")
+    ap.add_argument("--gemm-sweep", action="store_true", help="only time every GEMM config candidate (CUDA)")
+    ap.add_argument("--time-limit-s", type=float, default=220, help="start no new row after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny-llama3 geometry, 6 requests: checks the script")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     if a.tiny:
         a.models, a.requests, a.max_tokens, a.decode_tokens, a.prefill_len, a.prefill_reps = "tiny-llama3", 6, 4, 4, 64, 1
+        a.rate_models, a.decode_context, a.prefill_cost = "tiny-llama3", 16, True
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "numerics.jsonl"
+    jsonl.write_text("")  # this run's rows only: numerics.md is their table
     rows: list[dict] = []
     dtype = "bfloat16" if dev == "cuda" else "float32"
     started = time.perf_counter()
+    if a.gemm_sweep:
+        rows = gemm_sweep()
+        (out / "gemm_sweep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return
+    if a.gemm and dev == "cuda":
+        write_gemm_md(gemm_rows(), out / "gemm.md")
     for name in a.models.split(","):
         preset = {"smollm2": "smollm2-135m", "llama3-8b": "llama3-8b"}.get(name, name)
         real = name == "smollm2" and a.smollm2_dir
@@ -205,7 +309,8 @@ def main() -> None:
         base = Engine.from_dir(d, device=dev, dtype=dtype, num_blocks=4, batch_invariant=False)
         rng = random.Random(0)
         vocab = base.cfg.vocab_size
-        lens = [rng.choice([8, 16, 33, 64, 100, 200, 350, 512]) for _ in range(a.requests)]
+        lens = [rng.choice([n for n in (8, 16, 33, 64, 100, 200, 350, 512) if n <= a.max_prompt] or [a.max_prompt])
+                for _ in range(a.requests)]
         prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
         chosen = {k: f for k, f in formats(dev).items() if not a.formats or k in a.formats.split(",")}
         for kv, fmt in chosen.items():
@@ -218,8 +323,8 @@ def main() -> None:
                     print(f"time limit: {name} {kv} batch_invariant={invariant} not run", flush=True)
                     continue
                 try:
-                    row.update(measure(base, fmt, scales, invariant, a, prompts))
-                    if not invariant and fmt.quantized:
+                    row.update(measure(base, fmt, scales, invariant, a, prompts, name in a.rate_models.split(",")))
+                    if a.prefill_cost and not invariant and fmt.quantized:
                         row.update(prefill_cost(base, fmt, scales, a, rng))
                 except KvqError as e:
                     row["error"] = str(e)

@@ -407,7 +407,16 @@ def _pick(*choices):
 
 
 def batch_invariant_backend(model: LlamaModel):
-    """The mode's ops, after measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
+    """The mode's ops: on CUDA its Triton kernels (runtime/kernels/invariant_attention.py), elsewhere torch's, after
+    measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
+    if model.device.type == "cuda":
+        if isinstance(model, parallel.TPLlamaModel):
+            # its kernels' norms are fused with the residual adds, where a tensor-parallel model all-reduces
+            raise UnsupportedError("the batch-invariant mode on CUDA runs on one device; build the engine with tp: 1, "
+                                   "or with build.batch_invariant: false for tensor parallelism.")
+        from .kernels import invariant_attention
+
+        return invariant_attention.backend()
     layer = model.layer(0)
     rotation = [model.rotation_weight] if model.rotation_weight is not None else []
     batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head, *rotation],

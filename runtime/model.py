@@ -262,7 +262,11 @@ class LlamaModel:
         """The prefill part's attention: over the prompt alone, or (chunked prefill) also over the
         earlier chunks already in the cache. Write, then read: the step's K/V are already in the
         cache, and the prompt attends to them as stored (read_kv), as decode and later chunks will,
-        so chunk boundaries -- which depend on the other requests of a step -- change no value."""
+        so chunk boundaries -- which depend on the other requests of a step -- change no value. A backend
+        with `prefill_from_cache` (the batch-invariant mode's on CUDA) reads the step's K/V from the pages itself."""
+        from_cache = getattr(ops, "prefill_from_cache", None)
+        if from_cache is not None:
+            return from_cache(q, cache, batch, self.sm_scale)
         if not stores_exactly(cache.fmt, k.dtype):
             k, v = read_kv(cache, batch.slot_mapping[batch.num_decode:], k.dtype)
         if batch.context_lens is None:

@@ -25,6 +25,8 @@ with `dataclasses.replace`. Roles, one file each:
     kernels          decode_gluon.py (+ gluon_attend / gluon_operands / gluon_tiles.py), decode_warps.py,
                      decode_tiles.py, write_kv.py (+ write_rows.py, exact_round.py), prefill_context.py,
                      split_k.py (split counts, the merge kernel)
+    batch-invariant  invariant_gemm.py (one tile config per weight, whatever M), invariant_attention.py (every
+                     decode and prompt row through one decode plan; the mode's CUDA backend), docs/numerics.md
     shared pieces    codes.py (the format's compile-time codes), formats.py (format -> codes, cache checks),
                      dequant.py, group_io.py, widen_ptx.py (the Triton kernels' widening and tile I/O)
 

@@ -1,0 +1,114 @@
+"""The batch-invariant mode's attention on CUDA: one computation for decode, prefill and chunked prefill.
+
+A query row's result must depend only on its query, its own length and its own stored keys, never on the
+batch around it, so that a token's K/V (hence its codes in a quantized cache) are the same alone, among 63
+others, in a chunk of any size, and recomputed after preemption, where the tokens a request generated in
+decode steps are prefilled again. The default kernels plan by the batch: the kernel, its tile and the
+split-K count follow the batch size and the block table's width (its longest sequence), and a prompt runs
+another kernel than decode.
+
+Here every row, decode or prefill, runs kvq's own decode kernel (decode_warps.py / decode_tiles.py /
+decode_mixed.py) with ONE plan per (KV format, head layout, page size, q dtype), made for a fixed
+reference shape, and no split: the kernel's loop runs over the row's own keys, 0 .. len - 1, in tiles of
+the plan's fixed size, in order, each tile's dequantization as the plan says. A prefill token is such a
+row too: its keys are already in the cache (write, then read: model._attend writes the step's K/V first),
+so it attends to positions 0 .. its own, through its sequence's pages, with the same tiles, roundings and
+order as the decode step that would have computed it. No split, so nothing depends on the block table's
+width either; a long context alone gets (sequence, KV head) programs only, which is the price at low
+concurrency (docs/numerics.md §CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import torch
+
+from ..attention import prefill_attention
+from ..kv_cache import LayerCache
+from . import invariant_gemm, launch, small_ops
+from .plan import DecodePlan, decode_plan, device_of
+
+# the reference shape of the one plan: many sequences of a long context, so the plan's rules take their
+# steady choices (the per-format tuned tile, never the few-programs variant)
+PLAN_BATCH = 256
+PLAN_TOKENS = 8192
+
+
+@functools.cache
+def _plan(fmt, device, heads: int, kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype) -> DecodePlan:
+    plan = decode_plan(fmt, PLAN_BATCH, heads, kv_heads, PLAN_TOKENS, device, head_dim=head_dim,
+                       block_size=block_size, q_dtype=q_dtype, kernel="triton")
+    return dataclasses.replace(plan, splits=1)
+
+
+def row_plan(q: torch.Tensor, cache: LayerCache) -> DecodePlan:
+    """The one plan of every row of this cache's layers with q of this dtype and head count."""
+    _, kv_heads, bs, _ = cache.k.shape
+    return _plan(cache.fmt, device_of(q.device), q.shape[1], kv_heads, q.shape[2], bs, q.dtype)
+
+
+def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float) -> torch.Tensor:
+    """runtime/attention.py's decode op, each row through `row_plan` (no host sync: CUDA graphs capture it)."""
+    return launch.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan=row_plan(q, cache))
+
+
+def _prefill_rows(cu_seqlens: torch.Tensor, context_lens: torch.Tensor | None, tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk of every prefill token [T] int64, keys it sees [T] int32: its context, its chunk up to itself)."""
+    dev = cu_seqlens.device
+    idx = torch.arange(tokens, dtype=torch.int32, device=dev)
+    chunk = torch.searchsorted(cu_seqlens[1:].contiguous(), idx, right=True)
+    lens = idx - cu_seqlens[chunk] + 1
+    if context_lens is not None:
+        lens = lens + context_lens[chunk]
+    return chunk, lens.to(torch.int32)
+
+
+def _own_tables(slot_mapping: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, tokens: int) -> torch.Tensor:
+    """Block tables of chunks that start their sequence (no context): page j of chunk i holds its tokens
+    j * block_size .., so its page is that token's slot // block_size; [chunks, ceil(T / block_size)] int32.
+    Entries past a chunk's end are masked by its rows' lengths."""
+    width = -(-tokens // block_size)
+    first = cu_seqlens[:-1].long()[:, None] + torch.arange(width, device=slot_mapping.device)[None, :] * block_size
+    return (slot_mapping[first.clamp_max(tokens - 1)] // block_size).to(torch.int32)
+
+
+def prefill_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              cache: LayerCache, block_tables: torch.Tensor, context_lens: torch.Tensor | None,
+                              sm_scale: float) -> torch.Tensor:
+    """runtime/attention.py's chunked-prefill op, every token a decode row over its sequence's pages (k and v
+    are the step's, already written; the op reads them back from the cache, as decode does)."""
+    tokens = q.shape[0]
+    if tokens == 0:
+        return torch.empty_like(q)
+    chunk, lens = _prefill_rows(cu_seqlens, context_lens, tokens)
+    return decode_attention(q, cache, block_tables.index_select(0, chunk), lens, sm_scale)
+
+
+def prefill_from_cache(q: torch.Tensor, cache: LayerCache, batch, sm_scale: float) -> torch.Tensor:
+    """The prefill rows' attention of a step (model.PagedBatch `batch`; q [prefill tokens, heads, D]) through
+    the cache: chunks with context use the step's block tables, whole prompts their own slots' pages."""
+    tokens = q.shape[0]
+    if tokens == 0:
+        return torch.empty_like(q)
+    tables = batch.prefill_block_tables
+    if tables is None:
+        tables = _own_tables(batch.slot_mapping[batch.num_decode:], batch.cu_seqlens, cache.block_size, tokens)
+    return prefill_context_attention(q, None, None, batch.cu_seqlens, cache, tables, batch.context_lens, sm_scale)
+
+
+def backend() -> types.SimpleNamespace:
+    """The batch-invariant mode's ops on CUDA: Triton write, the row-planned decode kernel for every attention
+    row, the fixed-config GEMM, and the small ops (one program per row: RMSNorm's sum of squares in one order
+    whatever the row count). prefill_attention (over given K/V, not the cache) is the reference op: the mode's
+    engine steps never call it (model.LlamaModel._prefill takes `prefill_from_cache`); scoring's exact
+    attention does."""
+    return types.SimpleNamespace(
+        name="batch-invariant(triton)", write_kv=launch.write_kv, decode_attention=decode_attention,
+        prefill_attention=prefill_attention, prefill_context_attention=prefill_context_attention,
+        prefill_from_cache=prefill_from_cache, linear=invariant_gemm.linear, small_ops=small_ops,
+    )

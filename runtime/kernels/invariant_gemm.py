@@ -1,0 +1,106 @@
+"""The batch-invariant mode's matmul on CUDA: a row's bits never depend on the other rows of the batch.
+
+cuBLAS picks its kernel (tile shape, split-K, stream-K) by the problem's shape, so the same row summed
+beside 7 or 63 others can come out with other last bits; a quantized KV cache turns those into other codes
+and greedy decoding into other text (docs/numerics.md). This GEMM has ONE tile config per weight
+(N, K, dtype), never a function of M, no split-K and a fixed K loop: every output element is the fp32 sum of
+its K products in BLOCK_K steps from k = 0, and the tensor cores compute each element of a tile the same way
+whatever the other rows hold (padding rows load zeros). M is not specialized on (`do_not_specialize`), so
+one compiled kernel serves every row count. The same idea as Thinking Machines' batch_invariant_ops and
+vLLM's batch-invariant mode.
+
+Config: at decode sizes (M <= a few hundred) an 8B model's matmuls read their weight once a step, so the
+time is the weight's bytes over the bandwidth the grid reaches: BLOCK_N is the largest of 128 / 64 / 32
+that still gives every SM of an H200 two programs at one row tile, BLOCK_K 128 in 4 pipeline stages keeps
+enough loads in flight per program (benchmarks/numerics_gpu.py --gemm times it against cuBLAS).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .plan import device_of
+
+BLOCK_M = 64  # rows a program: the smallest wgmma M; fixed, so M never changes the compiled kernel
+_SMS = 132  # the H200's SM count: the config rule's constant (a config must not vary with the machine's load)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """The one tile config of a weight [n, k] of `dtype` (see the module docstring)."""
+    fp32 = dtype == torch.float32
+    # fp32 tiles hold twice the bytes: 128 columns spill registers on sm_90 (tests/helpers_invariant_compile.py)
+    block_n = next((b for b in ((64,) if fp32 else (128, 64)) if triton.cdiv(n, b) >= 2 * _SMS), 32)
+    block_k = 64 if fp32 else 128
+    return GemmConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k))), 4, 3 if fp32 else 4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(X, W, OUT, M, stride_xm, stride_wn, stride_om, N: tl.constexpr, K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                   IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)  # programs along N first: the row tiles of one weight tile run together
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    for k0 in range(0, K, BLOCK_K):  # k from 0 up in BLOCK_K steps: the one summation order
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k[None, :] < K
+        x = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask, other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask, other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong (runtime/kernels/codes.py): fp32 operands there
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if IEEE:  # fp32 operands: full fp32 products, never TF32
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    out = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant x [..., K] @ w [N, K]^T -> [..., N] in x's dtype (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if w.is_mkldnn:  # a CPU weight laid out for oneDNN (batch_invariant.pack_weight): the interpreter reads plain ones
+        w = w.to_dense()
+    if w.dim() != 2 or x.shape[-1] != w.shape[1] or x.dtype != w.dtype:
+        raise ValueError(f"linear takes x [..., K] and w [N, K] of one dtype, got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(w.shape)} {w.dtype}")
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    return launch(x2, w, gemm_config(n, k, w.dtype)).view(*lead, n)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ w [N, K]^T under `cfg` (benchmarks compare configs through this; the
+    mode runs `linear`, whose config is `gemm_config`'s)."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        interpret = device_of(x.device).interpret
+        _matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M))](
+            x, w, out, m, x.stride(0), w.stride(0), out.stride(0), N=n, K=k, BLOCK_M=BLOCK_M,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=interpret and x.dtype != torch.float32,
+            IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

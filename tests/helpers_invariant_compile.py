@@ -1,0 +1,61 @@
+"""Cross-compile the batch-invariant GEMM (runtime/kernels/invariant_gemm.py) for sm_90 at Llama-3-8B's and
+SmolLM2's weight shapes, bf16 and fp32, and print one JSON line each (registers, spill stack, shared memory).
+Run without TRITON_INTERPRET (`python -m tests.helpers_invariant_compile`; tests/test_kernel_invariant.py runs it
+in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from runtime.kernels import invariant_gemm
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (128, 128), (960, 576),
+          (49152, 576)]
+FP32_SHAPES = [(4096, 4096), (128256, 4096)]  # an fp32 engine's (parity runs): the narrow and the wide tile
+DTYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+
+
+def build(n: int, k: int, dtype: torch.dtype) -> dict:
+    cfg = invariant_gemm.gemm_config(n, k, dtype)
+    fn = invariant_gemm._matmul_kernel
+    consts = dict(N=n, K=k, BLOCK_M=invariant_gemm.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=False,
+                  IEEE=dtype == torch.float32)
+    ptr = DTYPES[dtype]
+    names = fn.arg_names
+    sig = {a: ptr if a in ("X", "W", "OUT") else "constexpr" if a in consts else "i32" for a in names}
+    aligned = [a for a in names if a in ("X", "W", "OUT") or a.startswith("stride_")]
+    src = ASTSource(fn, sig, constexprs={(names.index(a),): v for a, v in consts.items()},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return dict(regs=regs, stack=stack, shared=compiled.metadata.shared, wgmma="wgmma" in compiled.asm["ptx"])
+
+
+def main() -> None:
+    for n, k in SHAPES:
+        for dtype in DTYPES if (n, k) in FP32_SHAPES else (torch.bfloat16,):
+            try:
+                row = build(n, k, dtype)
+            except Exception as e:  # report it as that shape's failure, go on
+                row = dict(error=f"{type(e).__name__}: {str(e)[-2000:]}")
+            print(json.dumps(dict(shape=[n, k], dtype=str(dtype).replace("torch.", ""), **row)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The batch-invariant mode's CUDA kernels (runtime/kernels/invariant_gemm.py, invariant_attention.py): a row's
+bits do not depend on the rows beside it, and the values meet an fp64 oracle.
+
+On a CPU machine they run under the Triton interpreter: equal bits there prove the algorithm (one reduction
+order per row, whatever the batch); the same tests on the GPU machine prove the compiled kernels' bits.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from helpers_kernels import CUDA, DEV, K, assert_meets_oracle, fill_cache
+
+from runtime.kernels import invariant_attention, invariant_gemm
+from runtime.kv_format import KVFormat
+
+INVARIANT_FORMATS = [KVFormat("bf16"), KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
+                     KVFormat("int4", "per_token", symmetric=False),
+                     KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False)]  # K8V4: the mixed kernel
+FMT_IDS = [f.name for f in INVARIANT_FORMATS]
+Q_DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]  # the GPU engine's q is bf16
+GEMM_SHAPES = [(100, 200), (4096, 4096)] if CUDA else [(100, 200), (33, 64)]
+
+
+# ------------------------------------------------------------------ GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", GEMM_SHAPES)
+def test_gemm_rows_do_not_depend_on_the_row_count(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(300, k, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEV)
+    full = invariant_gemm.linear(x, w)
+    for m in (1, 7, 64, 300):
+        assert torch.equal(invariant_gemm.linear(x[:m], w), full[:m]), f"rows of an M={m} product differ"
+    for i in (5, 64, 130, 299):  # a row alone sits at row 0 of its tile: the position in the tile is no input
+        assert torch.equal(invariant_gemm.linear(x[i:i + 1], w)[0], full[i]), f"row {i} alone differs"
+    # the values: fp64 oracle, within twice torch's own error at this precision plus an ulp of the result
+    ref = x.double() @ w.double().T
+    torch_err = ((x @ w.T).double() - ref).abs().max()
+    err = (full.double() - ref).abs().max()
+    assert err <= 2 * torch_err + torch.finfo(dtype).eps * ref.abs().max(), f"error {err:.3g} vs torch's {torch_err:.3g}"
+
+
+def test_gemm_config_depends_on_the_weight_only():
+    cfg = invariant_gemm.gemm_config(4096, 4096, torch.bfloat16)
+    assert cfg == invariant_gemm.gemm_config(4096, 4096, torch.bfloat16)
+    assert invariant_gemm.gemm_config(128256, 4096, torch.bfloat16).block_n >= cfg.block_n  # LM head: wider tiles
+
+
+def test_gemm_refuses_mismatched_operands():
+    with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and w \[N, K\]"):
+        invariant_gemm.linear(torch.zeros(2, 8, device=DEV), torch.zeros(4, 9, device=DEV))
+
+
+# ------------------------------------------------------------------ attention
+def _q(batch, heads, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", INVARIANT_FORMATS, ids=FMT_IDS)
+def test_decode_row_alone_equals_row_in_a_batch(fmt, q_dtype):
+    # group 4 (Llama-3), pages of 16, lengths across tile and page edges; one long sequence widens the tables.
+    # int8: contexts past the default plan's 512-token splits, whose split count follows the table's width (the
+    # default plan gives the 600-token row other bits in this batch than alone); the others stay short (interpreter)
+    long = fmt.name == "int8-per_token" or CUDA
+    lens = ([5, 1100, 17, 600] if not CUDA else [5, 4000, 17, 2048, 333]) if long else [5, 100, 17, 64, 33]
+    heads, kv_heads, d = 8, 2, 16 if not CUDA else 128
+    gen = torch.Generator().manual_seed(3)
+    cache, tables, seq_lens = fill_cache(fmt, len(lens), kv_heads, d, 16, lens, gen)
+    q = _q(len(lens), heads, d, q_dtype, 4)
+    batch = invariant_attention.decode_attention(q, cache, tables, seq_lens, 0.25)
+    for b, n in enumerate(lens):
+        own = tables[b:b + 1, :-(-n // 16)]  # its own pages only: the width of a table alone
+        alone = invariant_attention.decode_attention(q[b:b + 1], cache, own, seq_lens[b:b + 1], 0.25)
+        assert torch.equal(alone[0], batch[b]), f"sequence {b} ({n} tokens) alone differs from its batch row"
+    assert_meets_oracle(batch, q, cache, tables, seq_lens, q_dtype)
+
+
+def _prompt_cache(fmt, n, kv_heads, d, seed):
+    """One sequence of n tokens written to scattered pages: (cache, its block table [1, pages], slots [n])."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, tables, _ = fill_cache(fmt, 1, kv_heads, d, 16, [n], gen)
+    t = torch.arange(n, device=DEV)
+    slots = tables[0, t // 16].long() * 16 + t % 16
+    return cache, tables, slots
+
+
+def _batch(slots, cu, num_decode=0, context=None, tables=None):
+    return types.SimpleNamespace(slot_mapping=slots, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV),
+                                 num_decode=num_decode, context_lens=context, prefill_block_tables=tables)
+
+
+@pytest.mark.parametrize("fmt", INVARIANT_FORMATS, ids=FMT_IDS)
+def test_prefill_whole_chunked_and_decode_give_one_result(fmt):
+    n, heads, kv_heads, d = 26, 8, 2, 16
+    cache, tables, slots = _prompt_cache(fmt, n, kv_heads, d, 5)
+    q = _q(n, heads, d, torch.float32, 6)
+    whole = invariant_attention.prefill_from_cache(q, cache, _batch(slots, [0, n]), 0.25)
+    # chunks of 1, 2, 17 and the rest, each over its context through the block table
+    bounds = [0, 1, 3, 20, n]  # the last chunk starts past a page edge
+    chunked = torch.cat([invariant_attention.prefill_from_cache(
+        q[a:b], cache, _batch(slots[a:b], [0, b - a], context=torch.tensor([a], dtype=torch.int32, device=DEV),
+                              tables=tables), 0.25) for a, b in zip(bounds, bounds[1:])])
+    assert torch.equal(chunked, whole), "a chunked prefill differs from the whole prompt's"
+    # every position as a decode row (what a request generating that token computed before a preemption)
+    decode = invariant_attention.decode_attention(
+        q, cache, tables.expand(n, -1).contiguous(), torch.arange(1, n + 1, dtype=torch.int32, device=DEV), 0.25)
+    assert torch.equal(decode, whole), "decode rows differ from the prefill's"
+    lens = torch.arange(1, n + 1, dtype=torch.int32, device=DEV)
+    assert_meets_oracle(whole, q, cache, tables.expand(n, -1), lens, torch.float32)
+
+
+def test_prefill_of_two_prompts_in_one_step_equals_each_alone():
+    fmt, heads, kv_heads, d = KVFormat("int8", "per_token"), 8, 2, 16
+    gen = torch.Generator().manual_seed(9)
+    lens = [9, 20]
+    cache, tables, _ = fill_cache(fmt, 2, kv_heads, d, 16, lens, gen)
+    slots = torch.cat([tables[b, torch.arange(n, device=DEV) // 16].long() * 16 + torch.arange(n, device=DEV) % 16
+                       for b, n in enumerate(lens)])
+    q = _q(sum(lens), heads, d, torch.float32, 10)
+    both = invariant_attention.prefill_from_cache(q, cache, _batch(slots, [0, 9, 29]), 0.25)
+    first = invariant_attention.prefill_from_cache(q[:9], cache, _batch(slots[:9], [0, 9]), 0.25)
+    second = invariant_attention.prefill_from_cache(q[9:], cache, _batch(slots[9:], [0, 20]), 0.25)
+    assert torch.equal(both, torch.cat((first, second)))
+
+
+def test_one_plan_for_every_batch():
+    fmt = KVFormat("fp8_e4m3", "per_tensor")
+    cache, _, _ = fill_cache(fmt, 1, 2, 16, 16, [3], torch.Generator().manual_seed(0))
+    plans = {invariant_attention.row_plan(_q(b, 8, 16, torch.float32, b), cache) for b in (1, 7, 64)}
+    assert len(plans) == 1 and plans.pop().splits == 1
+
+
+def test_write_is_the_kernels_write():
+    assert invariant_attention.backend().write_kv is K.write_kv
+
+
+# ------------------------------------------------------------------ the engine in the mode
+@pytest.fixture(scope="module")
+def kernel_mode_model(tmp_path_factory):
+    """The tiny Llama on this test's device, whose engines in the batch-invariant mode run the Triton backend
+    (on a CPU machine the engine would otherwise take the mode's torch ops)."""
+    from helpers_runtime import tiny_llama_dir
+
+    from runtime.config import ModelConfig
+    from runtime.model import LlamaModel
+    from runtime.weights import open_weights
+
+    d = tiny_llama_dir(tmp_path_factory)
+    cfg = ModelConfig.from_dir(d)
+    return LlamaModel(cfg, open_weights(d, cfg), DEV, torch.bfloat16 if CUDA else torch.float32)
+
+
+def _kernel_mode_generate(model, fmt, prompts, blocks, budget, max_tokens=4):
+    from runtime import engine as engine_module
+    from runtime.runner import plan_pool
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_module, "batch_invariant_backend", lambda m: invariant_attention.backend())
+        eng = engine_module.Engine(model, fmt, plan_pool(model.cfg, fmt, 8, num_blocks=blocks), None, None,
+                                   max_batch_size=16, max_tokens_per_step=budget, batch_invariant=True)
+    try:
+        assert eng.stats.attention == "batch-invariant(triton)"
+        out = [g.token_ids for g in eng.generate(prompts, max_tokens=max_tokens, ignore_eos=True)]
+        return out, eng.stats
+    finally:
+        eng.shutdown()
+
+
+ENGINE_FMT = KVFormat("int8", "per_token")
+ENGINE_PROMPTS = [[(i * 53 + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((15, 14, 3))]
+
+
+@pytest.fixture(scope="module")
+def solo_tokens(kernel_mode_model):
+    return [_kernel_mode_generate(kernel_mode_model, ENGINE_FMT, [p], 64, 2048)[0][0] for p in ENGINE_PROMPTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget,blocks", [(7, 64), (2048, 5)], ids=["chunked", "preempted"])
+def test_engine_requests_in_a_batch_equal_solo_runs(kernel_mode_model, solo_tokens, budget, blocks):
+    """int8 per-token KV through the engine in the mode: three prompts batched, chunked by a 7-token step budget
+    or preempted in a 5-block pool, give each prompt's solo tokens."""
+    got, stats = _kernel_mode_generate(kernel_mode_model, ENGINE_FMT, ENGINE_PROMPTS, blocks, budget)
+    if budget == 2048:
+        assert stats.preemptions > 0
+    assert got == solo_tokens
+
+
+def test_gemm_compiles_for_sm90_without_spills():
+    """Cross-compiled for the H200 (no GPU needed; a process of its own, outside the interpreter): every shape
+    builds, no register spills, and bf16 tiles run on the Hopper tensor cores' wgmma."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "tests.helpers_invariant_compile"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(rows) == 10
+    for r in rows:
+        assert "error" not in r and r["stack"] == 0, r
+        assert r["wgmma"] or r["dtype"] == "float32", r
