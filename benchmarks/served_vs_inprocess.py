@@ -234,10 +234,12 @@ def start_frontend(grpc_url: str, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "triton_repo.openai_api.runner", "--grpc-url", grpc_url,
                              "--port", str(port), "--model", "synthetic"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    line = proc.stdout.readline()
-    if not line.startswith("openai:"):
+    seen = []  # warnings (e.g. transformers' about a tokenizer) may come before the ready line
+    while (line := proc.stdout.readline()) and not line.startswith("openai:"):
+        seen.append(line)
+    if not line:
         proc.kill()
-        raise SystemExit(f"the OpenAI frontend did not start: {line}{proc.stdout.read()}")
+        raise SystemExit(f"the OpenAI frontend did not start: {''.join(seen)}")
     return proc
 
 

@@ -3,10 +3,12 @@
 Copied into <repo>/kvq_engine/1/model.py. One engine per model instance,
 created in initialize(); execute() only validates and submits, and the engine's
 own background loop batches every in-flight request continuously (Triton's
-batching would only group requests that arrive together). Responses are sent
-from the engine's token callback through each request's response sender:
-one response per token when streaming (cumulative ids + how many were already
-shown, so postprocessing can detokenize exactly), one final response otherwise.
+batching would only group requests that arrive together). The engine's token
+callback only records a token; one sender thread sends the responses, so their
+IPC never stalls the step loop: when streaming, a response carries every token
+its client has not seen (one per token while the sender keeps up; cumulative
+ids + how many were already shown, so postprocessing detokenizes exactly), one
+final response otherwise.
 A client that goes away (request cancelled, or the sender refuses) cancels its
 engine request, so its blocks are freed and the batch goes on without it.
 (tritonserver 2.51 does not pass an ensemble request's cancellation on to its
@@ -73,6 +75,10 @@ class _Request:
         self.lock = threading.Lock()
         self.engine_id = None
         self.cancel_pending = False
+        self.finished = False  # the engine's last token (or its failure) arrived
+        self.failed = False  # the engine failed on this request
+        self.cancelled = False  # the client went away
+        self.queued = False  # waiting in the model's outbox for the sender thread
 
     def _response(self, final):
         """tensorrt_llm's response tensors ([batch, beam, ...] with max_batch_size, else [beam, ...])."""
@@ -111,52 +117,68 @@ class _Request:
     def on_finish(self, usage):
         self.kv_usage = usage
 
-    def _send(self, final, new_token):
-        if final and self.stream and not new_token:
-            self.sender.send(flags=FINAL)  # every token was already streamed
-        else:
-            self.sender.send(self._response(final=final), flags=FINAL if final else 0)
-            self.shown = len(self.ids)
-
     def on_token(self, token_id, finished, finish_reason, logprob=None):
-        """Called from the engine's step loop: keep it short and never raise into it."""
+        """Called from the engine's step loop: record the token and hand the request to the sender thread.
+        The IPC of a response (numpy tensors through the stub) stays off the step loop, and a sender that
+        lags behind the engine sends every token it has not shown yet in one response."""
         with self.lock:
-            if self.done:
+            if self.done or self.finished:
                 return
             if token_id is not None:
                 self.ids.append(int(token_id))
                 if self.want_logprobs:
                     self.logprobs.append(float(logprob))
-            if not (finished or self.stream):
+            self.finished = finished
+            self.failed = finish_reason == "error" and token_id is None
+            if not (finished or self.stream) or self.queued:
                 return
-            final = finished
-            try:
-                if finish_reason == "error" and token_id is None:
-                    err = pb_utils.TritonError(
-                        "the engine failed on this request (requests beside it are unaffected); "
-                        "see the server log.",
-                        pb_utils.TritonError.INTERNAL,
-                    )
-                    self.sender.send(pb_utils.InferenceResponse(error=err), flags=FINAL)
-                else:
-                    self._send(final, token_id is not None)
-            except Exception:  # the client is gone: stop generating for it
-                final = True
-            self.done = final
-        if self.done:
-            # After a vanished client the engine would go on: cancel it there.
-            self.model.forget(self, cancel_engine=not finished)
+            self.queued = True
+        self.model.outbox.put(self)
 
     def close_cancelled(self):
+        """The client went away (watcher thread): the sender closes its stream."""
         with self.lock:
+            if self.done or self.cancelled:
+                return
+            self.cancelled = True
+            if self.queued:
+                return
+            self.queued = True
+        self.model.outbox.put(self)
+
+    def flush(self):
+        """Sender thread: one response with what the request has that its client has not seen."""
+        with self.lock:
+            self.queued = False
             if self.done:
                 return
-            self.done = True
-            try:
-                self.sender.send(flags=FINAL)
-            except Exception:  # nobody is listening any more; closing is best effort
-                pass
-        self.model.forget(self, cancel_engine=True)
+            final, failed, cancelled = self.finished, self.failed, self.cancelled
+            fresh = len(self.ids) > self.shown
+            response = None
+            if not (cancelled or failed) and (fresh or not self.stream):
+                response = self._response(final=final)
+            shown = len(self.ids)
+        sent = True
+        try:
+            if failed:
+                err = pb_utils.TritonError(
+                    "the engine failed on this request (requests beside it are unaffected); see the server log.",
+                    pb_utils.TritonError.INTERNAL,
+                )
+                self.sender.send(pb_utils.InferenceResponse(error=err), flags=FINAL)
+            elif response is None:
+                self.sender.send(flags=FINAL)  # cancelled, or every token was already streamed
+            else:
+                self.sender.send(response, flags=FINAL if final else 0)
+        except Exception:  # the client is gone (or a close was best effort): stop generating for it
+            sent = False
+        with self.lock:
+            self.shown = shown
+            self.done = final or failed or cancelled or not sent
+            done, finished = self.done, self.finished
+        if done:
+            # After a vanished client the engine would go on: cancel it there.
+            self.model.forget(self, cancel_engine=not finished)
 
 
 class TritonPythonModel:
@@ -174,6 +196,9 @@ class TritonPythonModel:
         self.to_cancel = queue.SimpleQueue()
         self.stopping = threading.Event()
         self._init_metrics(args.get("model_instance_name", "kvq_engine"))
+        self.outbox = queue.SimpleQueue()  # requests with something to send (_Request.flush)
+        self.sender = threading.Thread(target=self._send_loop, name="kvq-send", daemon=True)
+        self.sender.start()
         self.watcher = threading.Thread(target=self._watch, name="kvq-cancel-watch", daemon=True)
         self.watcher.start()
 
@@ -319,6 +344,13 @@ class TritonPythonModel:
         if new:
             self.tokens_metric.increment(sum(new))  # one token per sequence per step
 
+    def _send_loop(self):
+        while (req := self.outbox.get()) is not None:
+            try:
+                req.flush()
+            except Exception as e:  # never let one response stop the others'
+                pb_utils.Logger.log_error(f"kvq_engine: sending a response failed: {e!r}")
+
     def _watch(self):
         while not self.stopping.wait(CANCEL_POLL_S):
             self._publish_stats()
@@ -342,6 +374,8 @@ class TritonPythonModel:
         self.stopping.set()
         self.watcher.join(timeout=5)
         self.engine.shutdown()
+        self.outbox.put(None)
+        self.sender.join(timeout=5)
         parallel.close_group()  # a tensor-parallel engine's ranks (engine.json "tp") stop with the model
         # Metrics must go before their families (the stub crashes at exit otherwise).
         self.step_metrics.clear()
