@@ -25,8 +25,8 @@ from . import codes
 from .exact_round import _clamp_round, _fp8_byte
 from .write_kv import _to_int
 
-E8M0_TINY = 1.1754943508222875e-38  # 2**-126: e8m0 scales are kept normal in fp32 (kv_format.dynamic_scales)
-E8M0_BIG = 1.7014118346046923e38  # 2**127
+E8M0_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126: e8m0 scales are kept normal in fp32 (kv_format.dynamic_scales)
+E8M0_BIG = tl.constexpr(1.7014118346046923e38)  # 2**127 (globals in jit code must be constexpr)
 
 
 @triton.jit
