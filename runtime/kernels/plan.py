@@ -190,7 +190,8 @@ class DecodePlan:
     """How `decode_attention` runs. kernel: "gluon" (decode_gluon.py: one warp a program, hand-placed layouts; CUDA,
     head_dim 128, <= 8 query heads per KV head, pages of 16k tokens, quantized formats, fp16 / bf16 q), "warps"
     (decode_warps.py: one softmax state per warp; quantized formats) or "tiles" (decode_tiles.py: query heads x tokens;
-    unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
+    unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`; "gluon" serves
+    those of them whose K and V differ, with per-token scales: `split_gluon_serves`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
     (None: none; GPU only).
 
     Gluon kernel: stages: int4 tiles through a shared-memory ring of this many stages (0: registers a step ahead);
