@@ -44,23 +44,26 @@ IDS = [f.name for f in MIXED]
 
 # (batch, q heads, kv heads, head_dim, block_size, seq_lens): GQA group 3 over pages of 5 with three groups of 16
 # channels in a head_dim of 48; MHA on pages of 16; lengths not multiples of the page
-SHAPES = {"gqa3-hd48-page5": (3, 9, 3, 48, 5, [17, 3, 29]), "mha2-hd32-page16": (2, 2, 2, 32, 16, [33, 1])}
+SHAPES = {"gqa3-hd48-page5": (3, 9, 3, 48, 5, [17, 3, 29]), "mha2-hd32-page16": (2, 2, 2, 32, 16, [33, 1]),
+          "gqa4-hd128-page16": (2, 8, 2, 128, 16, [37, 5])}
 if CUDA:  # real sizes on the GPU machine: Llama-3-8B attention under the default plan's tiles and splits
     SHAPES["llama8b"] = (8, 32, 8, 128, 16, [4000, 1, 17, 2048, 333, 1024, 4096, 77])
 
 
-SPLIT = MIXED[:2]  # K8V4, KFP8V4: the Gluon kernel's on the GPU
+SPLIT = MIXED[:2]  # K8V4, KFP8V4
+GROUP64 = KVFormat("int4", "per_token", False, group_size=64)
+GLUON = SPLIT + [GROUP64]  # the Gluon kernel's on the GPU (`decode_gluon.serves_mixed`)
 
 
 def test_the_formats_here_take_the_mixed_kernels():
-    """The K/V-split formats take the Gluon kernel on the H200 (registers, no ring); the group-scale and e8m0 formats,
-    and every format in the interpreter, decode_mixed.py."""
+    """The K/V-split formats and INT4 group 64 take the Gluon kernel on the H200 (registers, no ring); the other
+    group-scale and the e8m0 formats, and every format in the interpreter, decode_mixed.py."""
     from runtime.kernels.formats import served_by_mixed
     from runtime.kernels.plan import Device
 
     assert all(served_by_mixed(f) for f in MIXED)
     assert not served_by_mixed(KVFormat("int4", "per_token", False))  # the tuned int4 kernels keep theirs
-    for fmt in SPLIT:
+    for fmt in GLUON:
         plan = K.decode_plan(fmt, 16, 32, 8, 32768)
         assert plan.kernel == "gluon" and plan.stages == 0 and not plan.tma and plan.splits > 1
         assert K.decode_plan(fmt, 16, 32, 8, 32768, kernel="triton").kernel == "mixed"
@@ -68,7 +71,7 @@ def test_the_formats_here_take_the_mixed_kernels():
         assert K.decode_plan(fmt, 16, 32, 8, 32768, q_dtype=torch.float32).kernel == "mixed"
         assert K.decode_plan(fmt, 4, 32, 8, 4096, Device("interpreter", 4, 0, cuda=False, interpret=True)
                              ).kernel == "mixed"
-    for fmt in MIXED[2:]:
+    for fmt in MIXED[2:] + [KVFormat("int4", "per_token", False, group_size=32)]:  # 4+ accumulators: registers
         assert K.decode_plan(fmt, 16, 32, 8, 32768).kernel == "mixed"
 
 
@@ -83,7 +86,7 @@ def test_one_tuned_entry_sends_a_split_format_back_to_the_mixed_kernel(monkeypat
         return replace(tuned, decode=replace(tuned.decode, gluon=False))
 
     monkeypatch.setattr(plans, "_format_tuned", without_gluon)
-    for fmt in SPLIT:
+    for fmt in GLUON:
         assert K.decode_plan(fmt, 16, 32, 8, 32768).kernel == "mixed"
 
 
@@ -153,17 +156,19 @@ def mixed_sm90_builds():
 def test_builds_compile_for_sm90(mixed_sm90_builds, fmt):
     """Every kernel the format's decode and write launch on the H200 compiles for sm_90 (the e8m0 write once read a
     non-constexpr global: fine in the interpreter, a NameError on the GPU); the K/V-split formats' Gluon builds keep
-    K and V in registers (no shared memory) without spilling, <= 168 registers (12 programs an SM)."""
+    K and V in registers (no shared memory) without spilling, within the register cap the split rule counts on
+    (`tuning.programs_per_sm`: 168 and below, 12 programs an SM; group 64, 224)."""
     mine = [b for b in mixed_sm90_builds if b["build"].split(" ")[0] == fmt.name]
     assert {"decode", "write"} <= {b["build"].split(" ")[1] for b in mine}, mine
     for build in mine:
         assert build["ok"], f"{build['build']}: {build.get('error')}"
         if "gluon" in build["build"]:
-            assert build["stack"] == 0 and build["shared"] == 0 and build["regs"] <= 168, build
-    assert any("gluon" in b["build"] for b in mine) == (fmt in SPLIT)  # per-token scales both sides, no groups
+            assert build["stack"] == 0 and build["shared"] == 0, build
+            assert build["regs"] <= (224 if fmt.group_size else 168), build
+    assert any("gluon" in b["build"] for b in mine) == (fmt in GLUON)
 
 
-@pytest.mark.parametrize("head_dim", [16, 48])
+@pytest.mark.parametrize("head_dim", [16, 48, 64])  # 64: the groups as an axis (a power of two)
 @pytest.mark.parametrize("fmt", MIXED, ids=IDS)
 def test_write_bytes_equal_reference(fmt, head_dim):
     gen = torch.Generator().manual_seed(zlib.crc32(fmt.name.encode()))
@@ -218,8 +223,11 @@ def test_decode_relative_oracle(fmt, splits):
     _decode_case(fmt, "gqa3-hd48-page5", splits)
 
 
-@pytest.mark.parametrize("shape", ["mha2-hd32-page16"] + (["llama8b"] if CUDA else []))
-@pytest.mark.parametrize("fmt", MIXED[:3], ids=IDS[:3])
+OTHER_SHAPES = [(fmt, shape) for shape in ["mha2-hd32-page16", "gqa4-hd128-page16"] + (["llama8b"] if CUDA else [])
+                for fmt in MIXED[:3] + [GROUP64] if fmt.group_size <= SHAPES[shape][3]]
+
+
+@pytest.mark.parametrize(("fmt", "shape"), OTHER_SHAPES, ids=[f"{f.name}-{s}" for f, s in OTHER_SHAPES])
 def test_decode_relative_oracle_other_shapes(fmt, shape):
     _decode_case(fmt, shape, 2)
 
@@ -269,9 +277,9 @@ def test_decode_matches_a_per_token_kernel_on_one_group():
 @pytest.mark.skipif(not CUDA, reason="the Gluon kernel runs on CUDA only (its sm_90 build: test_builds_compile_for_sm90)")
 @pytest.mark.parametrize("splits", [1, 5], ids=["one-split", "split-k"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("fmt", SPLIT, ids=[f.name for f in SPLIT])
-def test_decode_gluon_split_formats_meet_the_oracle(fmt, q_dtype, splits):
-    """The Gluon kernel on a K/V-split cache: pages from randperm, lengths not multiples of the 16-token tile (a
+@pytest.mark.parametrize("fmt", GLUON, ids=[f.name for f in GLUON])
+def test_decode_gluon_mixed_formats_meet_the_oracle(fmt, q_dtype, splits):
+    """The Gluon kernel on a K/V-split or group-64 cache: pages from randperm, lengths not multiples of the 16-token tile (a
     partial last page, a sequence of 1), GQA groups of 4 and 8, against the fp64 attention over the stored bytes."""
     for heads, kv_heads, seq_lens in ((32, 8, [1000, 1, 17, 3001]), (16, 2, [4099, 255])):
         gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt.name}{heads}{splits}".encode()))

@@ -90,11 +90,20 @@ def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) ->
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
-def serves_split(kf_k: KernelFormat, kf_v: KernelFormat, block_size: int, group: int) -> bool:
-    """Whether the kernel is written for a K/V-split format (K and V of their own dtype and symmetry, `V_KIND`):
-    each side `serves`, both per-token with one scale a token-head (no group scales) in fp16 / bf16 / fp32."""
-    return all(serves(kf, block_size, group) and kf.scale_mode == codes.PER_TOKEN and kf.groups == 1
-               and kf.scale_dtype != codes.SCALE_E8M0 for kf in (kf_k, kf_v))
+# group scales the kernel serves (`gluon_groups.py`): an accumulator a group, so 4 (group 32) would not fit registers
+GROUPS_SERVED = (2,)
+
+
+def serves_mixed(kf_k: KernelFormat, kf_v: KernelFormat, block_size: int, group: int) -> bool:
+    """Whether the kernel is written for a format of `formats.served_by_mixed`: each side `serves`, per-token scales
+    in fp16 / bf16 / fp32 (not e8m0); K and V of their own dtype and symmetry with a scale a token-head (`V_KIND`),
+    or integer K and V of one format with GROUPS_SERVED group scales (`GROUPS`)."""
+    if not all(serves(kf, block_size, group) and kf.scale_mode == codes.PER_TOKEN
+               and kf.scale_dtype != codes.SCALE_E8M0 for kf in (kf_k, kf_v)):
+        return False
+    if kf_k.groups == 1 and kf_v.groups == 1:
+        return True
+    return kf_k == kf_v and kf_k.kind != codes.FLOAT and kf_k.groups in GROUPS_SERVED
 
 
 def widening(kf: KernelFormat, kf_v: KernelFormat | None = None) -> dict[str, str]:
@@ -106,6 +115,7 @@ def widening(kf: KernelFormat, kf_v: KernelFormat | None = None) -> dict[str, st
 
 if gluon is not None:
     from .gluon_attend import _attend, _attend_pair, _p_dot_v
+    from .gluon_groups import _group_attend, _group_output, _group_q, _group_tile
     from .gluon_operands import K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _out_rows, _q_operands
     from .gluon_tiles import (
         _allocate_ring,
@@ -129,11 +139,13 @@ if gluon is not None:
         SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
         OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False, K_CHAINS: gl.constexpr = 1,
         TMA: gl.constexpr = False, V_KIND: gl.constexpr = -1, V_ASYM: gl.constexpr = False,
+        GROUPS: gl.constexpr = 1,
     ):
         """K, V: the pages as int32 words, strides in words (TMA: tensor descriptors of their 16-word rows, and KS, VS,
         KZ, VZ of the per-token scales' rows of 16). KIND, ASYM, stride_c*: K's format and pages, and V's too unless
         V_KIND >= 0: then V is stored as V_KIND / V_ASYM with its pages' strides stride_vc* (the K/V-split formats,
-        per-token scales of one dtype, loaded from registers: STAGES 0)."""
+        per-token scales of one dtype, loaded from registers: STAGES 0). GROUPS > 1: that many scales (and zero
+        points) per token-head, integer K and V of one format, STAGES 0 (`gluon_groups.py`)."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
         if V_KIND < 0:  # one format for K and V
             VK: gl.constexpr = KIND
@@ -187,6 +199,8 @@ if gluon is not None:
         voffs = tv[:, None] * v_strides[2] + gl.arange(0, V_WORDS, layout=gl.SliceLayout(0, VL))[None, :]
         bt_row = BT + b * stride_btb
 
+        if GROUPS > 1:
+            qts, qsums = _group_q(q16, dr, nibble, KIND, K_CHAINS, GROUPS)
         m_i = gl.full([8], -1e30, gl.float32, layout=gl.SliceLayout(0, MMA))  # finite: no NaN from -inf - -inf
         l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # row sums of p, reduced at the end
         z_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # sum_n p_n z_n (asymmetric per-token V)
@@ -197,7 +211,22 @@ if gluon is not None:
                  stride_mh, koffs, voffs, tk, tv, ts)
         state = (m_i, l_t, z_t, acc, c_v)
         consts = (end, qt, qsum, k_fold, K_CENTER * qsum * k_fold, ts)
-        if STAGES > 0:
+        if GROUPS > 1:
+            z_g = ()
+            acc_g = ()
+            for _ in gl.static_range(GROUPS):
+                z_g = z_g + (z_t,)
+                acc_g = acc_g + (acc,)
+            state = (m_i, l_t, z_g, acc_g, c_v)
+            gwords = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
+                      koffs, voffs, ts)
+            nxt = _group_tile(start, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS)
+            for n0 in range(start, end, 16):
+                cur = nxt
+                nxt = _group_tile(n0 + 16, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS)
+                state = _group_attend(n0, *cur, *state, end, qts, qsums, k_fold, ts, KIND, ASYM, ASM, VASM, CENTER,
+                                      K_CENTER, K_CHAINS, GROUPS)
+        elif STAGES > 0:
             # int4: a ring of STAGES tiles in shared memory (words, per-token scales and zero points), filled
             # by cp.async STAGES - 1 tiles ahead (bytes in flight that hold no registers); each tile's page
             # is loaded one step earlier.
@@ -260,7 +289,9 @@ if gluon is not None:
         m_i, l_t, z_t, acc, c_v = state
 
         l_i = gl.sum(l_t, 0)
-        if SCALE_MODE == codes.PER_TOKEN:
+        if GROUPS > 1:
+            o = _group_output(z_t, acc, c_v, ASYM, GROUPS)
+        elif SCALE_MODE == codes.PER_TOKEN:
             o = acc * c_v
             if VA:
                 o += gl.sum(z_t, 0)[None, :]

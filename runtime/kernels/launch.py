@@ -140,8 +140,8 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
 
 def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          sm_scale: float, plan: DecodePlan | None) -> torch.Tensor:
-    """`decode_attention` for the formats of `formats.served_by_mixed`: the K/V-split formats on the Gluon kernel
-    where the plan says so (`decode_gluon.serves_split`), everything else on `launch_mixed`'s kernel."""
+    """`decode_attention` for the formats of `formats.served_by_mixed`: on the Gluon kernel where the plan says so
+    (`decode_gluon.serves_mixed`: K/V-split formats, group 64), everything else on `launch_mixed`'s kernel."""
     kf_k, kf_v = kernel_formats(cache)
     check_device(q, cache.k, block_tables, seq_lens)
     _, kv_heads, bs, _ = cache.k.shape
@@ -153,12 +153,12 @@ def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch
     batch, num_heads, _ = q.shape
     group = num_heads // kv_heads
     if plan.stages or plan.tma or plan.pairs:
-        raise _bad_plan(plan, "stages", "the K/V-split formats load their tiles into registers; use stages=0, "
+        raise _bad_plan(plan, "stages", "the mixed formats load their tiles into registers; use stages=0, "
                         "pairs=False, tma=False")
-    if not (decode_gluon.supported(kf_k, q, bs, group) and decode_gluon.serves_split(kf_k, kf_v, bs, group)):
-        raise _bad_plan(plan, "kernel", "the Gluon kernel serves K/V-split formats of per-token scales (no groups, "
-                        "no e8m0) on CUDA with fp16 / bf16 q, head_dim 128, <= 8 query heads per KV head and pages "
-                        "of 16k tokens; choose mixed")
+    if not (decode_gluon.supported(kf_k, q, bs, group) and decode_gluon.serves_mixed(kf_k, kf_v, bs, group)):
+        raise _bad_plan(plan, "kernel", "the Gluon kernel serves K/V-split formats of per-token scales and integer "
+                        f"formats of {decode_gluon.GROUPS_SERVED} group scales (no e8m0), on CUDA with fp16 / bf16 q, "
+                        "head_dim 128, <= 8 query heads per KV head and pages of 16k tokens; choose mixed")
     _check_gluon_plan(plan, kf_k, q, bs, group)
     out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
     if batch == 0:
@@ -166,7 +166,8 @@ def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     splits = split_plan(out, block_tables.shape[1] * bs, plan.splits, decode_gluon.TILE, cache)
-    _launch_gluon(q, cache, kf_k, block_tables, seq_lens.contiguous(), sm_scale * _LOG2E, out, splits, plan, kf_v)
+    _launch_gluon(q, cache, kf_k, block_tables, seq_lens.contiguous(), sm_scale * _LOG2E, out, splits, plan,
+                  kf_v if kf_v != kf_k else None)
     return out
 
 
@@ -233,6 +234,7 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
         SKIP_RESCALE=plan.skip_rescale, STAGES=plan.stages,
         OFF32=plan.offsets32 and cache.k.numel() // 4 < 2**31, PAIRS=plan.pairs, K_CHAINS=plan.k_chains,
         TMA=plan.tma, **({"V_KIND": kf_v.kind, "V_ASYM": kf_v.asym} if kf_v is not None else {}),
+        **({"GROUPS": kf.groups} if kf.groups > 1 else {}),
         num_warps=1, **({"maxnreg": plan.registers} if plan.registers else {}),
     )
     if split:

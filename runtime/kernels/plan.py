@@ -191,7 +191,7 @@ class DecodePlan:
     head_dim 128, <= 8 query heads per KV head, pages of 16k tokens, quantized formats, fp16 / bf16 q), "warps"
     (decode_warps.py: one softmax state per warp; quantized formats) or "tiles" (decode_tiles.py: query heads x tokens;
     unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`; "gluon" serves
-    those of them whose K and V differ, with per-token scales: `split_gluon_serves`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
+    those of them it is written for: `mixed_gluon_serves`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
     (None: none; GPU only).
 
     Gluon kernel: stages: int4 tiles through a shared-memory ring of this many stages (0: registers a step ahead);
@@ -242,13 +242,13 @@ def gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size
             and decode_gluon.serves(format_codes(fmt, head_dim), block_size, group))
 
 
-def split_gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size: int, group: int,
+def mixed_gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size: int, group: int,
                        head_dim: int) -> bool:
-    """Whether the Gluon kernel can run this launch of a K/V-split format (`decode_gluon.serves_split`, on CUDA
-    outside the interpreter, with fp16 / bf16 q). Its tuned entry's `gluon` switches it on: false sends the format
-    back to decode_mixed.py."""
-    return (fmt.split and device.cuda and not device.interpret and q_dtype in (torch.float16, torch.bfloat16)
-            and decode_gluon.serves_split(format_codes(fmt.side("k"), head_dim), format_codes(fmt.side("v"), head_dim),
+    """Whether the Gluon kernel can run this launch of a format of `formats.served_by_mixed` (`decode_gluon.
+    serves_mixed`: K/V-split with per-token scales, or group 64 at head_dim 128; on CUDA outside the interpreter,
+    with fp16 / bf16 q). Its tuned entry's `gluon` switches it on: false sends the format back to decode_mixed.py."""
+    return (device.cuda and not device.interpret and q_dtype in (torch.float16, torch.bfloat16)
+            and decode_gluon.serves_mixed(format_codes(fmt.side("k"), head_dim), format_codes(fmt.side("v"), head_dim),
                                           block_size, group))
 
 
@@ -265,7 +265,7 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     if served_by_mixed(fmt):
         group = heads // kv_heads
         if kernel == "gluon" or (kernel is None and tuned.gluon
-                                 and split_gluon_serves(fmt, device, q_dtype, block_size, group, head_dim)):
+                                 and mixed_gluon_serves(fmt, device, q_dtype, block_size, group, head_dim)):
             # K's codes drive the rules (its register cap, the split count); the tiles load into registers
             cap, splits, _, _ = tuning.gluon_plan(format_codes(fmt.side("k"), head_dim), batch, kv_heads, max_tokens,
                                                   device.sms, group, False, tuned.registers, tuned.registers)
@@ -394,7 +394,7 @@ def probability_dtype(cache, q_dtype: torch.dtype) -> torch.dtype:
     runs that mimic it."""
     if served_by_mixed(cache.fmt):  # the Gluon kernel's fp16 p (K/V-split formats it serves), else q's dtype
         tuned = _format_tuned(cache.fmt, DEVICE_H200).decode
-        gluon = tuned.gluon and split_gluon_serves(cache.fmt, DEVICE_H200, q_dtype, cache.block_size, 1,
+        gluon = tuned.gluon and mixed_gluon_serves(cache.fmt, DEVICE_H200, q_dtype, cache.block_size, 1,
                                                    cache.k.shape[-1] * (2 if cache.fmt.side("k").dtype == "int4" else 1))
         return torch.float16 if gluon else q_dtype
     kf = kernel_format(cache)
