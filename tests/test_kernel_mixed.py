@@ -67,7 +67,7 @@ def test_the_formats_here_take_the_mixed_kernels():
         plan = K.decode_plan(fmt, 16, 32, 8, 32768)
         assert plan.kernel == "gluon" and plan.stages == 0 and not plan.tma and plan.splits > 1
         assert K.decode_plan(fmt, 16, 32, 8, 32768, kernel="triton").kernel == "mixed"
-        assert K.decode_plan(fmt, 16, 32, 8, 32768, head_dim=96).kernel == "mixed"  # the Gluon kernel's is 128
+        assert K.decode_plan(fmt, 16, 32, 8, 32768, head_dim=64).kernel == "mixed"  # the Gluon kernel's is 128
         assert K.decode_plan(fmt, 16, 32, 8, 32768, q_dtype=torch.float32).kernel == "mixed"
         assert K.decode_plan(fmt, 4, 32, 8, 4096, Device("interpreter", 4, 0, cuda=False, interpret=True)
                              ).kernel == "mixed"
