@@ -20,6 +20,9 @@ COMPILED_FORMATS = [
     KVFormat("fp8_e4m3", "per_token", v_dtype="int4", v_symmetric=False),  # KFP8V4
     KVFormat("int4", "per_token", False, group_size=64),
     KVFormat("int4", "per_token", False, group_size=32),
+    KVFormat("int4", "per_token", True, group_size=64),
+    KVFormat("int8", "per_token", True, group_size=64),
+    KVFormat("int8", "per_token", False, "bfloat16", 64),
     KVFormat("int4", "per_token", False, "float32", 16),
     KVFormat("int4", "per_token", True, "e8m0", 16),
     KVFormat("int8", "per_token", True, "e8m0", 16),

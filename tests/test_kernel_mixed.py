@@ -52,7 +52,9 @@ if CUDA:  # real sizes on the GPU machine: Llama-3-8B attention under the defaul
 
 SPLIT = MIXED[:2]  # K8V4, KFP8V4
 GROUP64 = KVFormat("int4", "per_token", False, group_size=64)
-GLUON = SPLIT + [GROUP64]  # the Gluon kernel's on the GPU (`decode_gluon.serves_mixed`)
+# the Gluon kernel's on the GPU (`decode_gluon.serves_mixed`)
+GLUON = SPLIT + [GROUP64, KVFormat("int4", "per_token", True, group_size=64),
+                 KVFormat("int8", "per_token", True, group_size=64), KVFormat("int8", "per_token", False, "bfloat16", 64)]
 
 
 def test_the_formats_here_take_the_mixed_kernels():
