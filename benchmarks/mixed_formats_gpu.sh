@@ -24,7 +24,8 @@ timeout 40 $tests tests/test_kernel_gluon.py -k "test_decode_gluon_kernel and gq
     | tee -a "$out/gpu_tests_mixed.log" | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-formats=bf16,fp8_e4m3,int4-tok-asym,k8v4,kfp8v4,int4-g64-asym,int4-g32-asym
+# FORMAT@triton: the same format under decode_mixed.py (its kernel before the Gluon path), in the same run
+formats=bf16,fp8_e4m3,int4-tok-asym,k8v4,k8v4@triton,kfp8v4,int4-g64-asym,int4-g64-asym@triton,int4-g32-asym
 timeout 100 python3 -m benchmarks.kernels --models llama3-8b --shapes 16x32768 --formats "$formats" --out "$out/kernels" \
     || status=1
 if [ -f "$out/kernels/kernels.md" ]; then
