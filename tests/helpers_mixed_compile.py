@@ -21,6 +21,7 @@ COMPILED_FORMATS = [
     KVFormat("int4", "per_token", False, group_size=64),
     KVFormat("int4", "per_token", False, group_size=32),
     KVFormat("int4", "per_token", True, group_size=64),
+    KVFormat("int4", "per_token", True, group_size=32),
     KVFormat("int8", "per_token", True, group_size=64),
     KVFormat("int8", "per_token", False, "bfloat16", 64),
     KVFormat("int4", "per_token", False, "float32", 16),

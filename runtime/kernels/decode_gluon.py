@@ -56,7 +56,7 @@ import torch
 from . import codes
 from .formats import KernelFormat
 from .group_io import _program_tokens, _static_folds
-from .widen_ptx import pair_asm, word_asm
+from .widen_ptx import pair_asm, pair_scaled_asm, word_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
     from triton.experimental import gluon
@@ -90,8 +90,9 @@ def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) ->
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
-# group scales the kernel serves (`gluon_groups.py`): an accumulator a group, so 4 (group 32) would not fit registers
-GROUPS_SERVED = (2,)
+# group scales the kernel serves (`gluon_groups.py`): 2 (an accumulator a group) for int4 / int8, 4 (V dequantized as
+# it is widened) for int4
+GROUPS_SERVED = (2, 4)
 
 
 def serves_mixed(kf_k: KernelFormat, kf_v: KernelFormat, block_size: int, group: int) -> bool:
@@ -103,19 +104,21 @@ def serves_mixed(kf_k: KernelFormat, kf_v: KernelFormat, block_size: int, group:
         return False
     if kf_k.groups == 1 and kf_v.groups == 1:
         return True
-    return kf_k == kf_v and kf_k.kind != codes.FLOAT and kf_k.groups in GROUPS_SERVED
+    return kf_k == kf_v and kf_k.kind != codes.FLOAT and kf_k.groups in GROUPS_SERVED and (
+        kf_k.groups == 2 or kf_k.kind == codes.INT4)
 
 
 def widening(kf: KernelFormat, kf_v: KernelFormat | None = None) -> dict[str, str]:
     """The kernel's PTX constants for this format: K's word widening and V's token-pair widening (V's format: kf_v
     where K and V differ)."""
     kf_v = kf if kf_v is None else kf_v
-    return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=pair_asm(kf_v.kind, kf_v.fp8, not kf_v.asym))
+    vasm = pair_scaled_asm(kf_v.kind, not kf_v.asym) if kf_v.groups > 2 else pair_asm(kf_v.kind, kf_v.fp8, not kf_v.asym)
+    return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=vasm)
 
 
 if gluon is not None:
     from .gluon_attend import _attend, _attend_pair, _p_dot_v
-    from .gluon_groups import _group_attend, _group_output, _group_q, _group_tile
+    from .gluon_groups import _group_attend, _group_output, _group_q, _group_state, _group_tile
     from .gluon_operands import K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _out_rows, _q_operands
     from .gluon_tiles import (
         _allocate_ring,
@@ -212,18 +215,14 @@ if gluon is not None:
         state = (m_i, l_t, z_t, acc, c_v)
         consts = (end, qt, qsum, k_fold, K_CENTER * qsum * k_fold, ts)
         if GROUPS > 1:
-            z_g = ()
-            acc_g = ()
-            for _ in gl.static_range(GROUPS):
-                z_g = z_g + (z_t,)
-                acc_g = acc_g + (acc,)
+            z_g, acc_g = _group_state(z_t, acc, GROUPS)
             state = (m_i, l_t, z_g, acc_g, c_v)
             gwords = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
-                      koffs, voffs, ts)
-            nxt = _group_tile(start, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS)
+                      koffs, voffs, ts, tv, gl.arange(0, V_WORDS, layout=gl.SliceLayout(0, VL)))
+            nxt = _group_tile(start, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
             for n0 in range(start, end, 16):
                 cur = nxt
-                nxt = _group_tile(n0 + 16, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS)
+                nxt = _group_tile(n0 + 16, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
                 state = _group_attend(n0, *cur, *state, end, qts, qsums, k_fold, ts, KIND, ASYM, ASM, VASM, CENTER,
                                       K_CENTER, K_CHAINS, GROUPS)
         elif STAGES > 0:

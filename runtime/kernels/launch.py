@@ -141,7 +141,8 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
 def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          sm_scale: float, plan: DecodePlan | None) -> torch.Tensor:
     """`decode_attention` for the formats of `formats.served_by_mixed`: on the Gluon kernel where the plan says so
-    (`decode_gluon.serves_mixed`: K/V-split formats, group 64), everything else on `launch_mixed`'s kernel."""
+    (`decode_gluon.serves_mixed`: K/V-split formats, group 64, int4 group 32), everything else on `launch_mixed`'s
+    kernel."""
     kf_k, kf_v = kernel_formats(cache)
     check_device(q, cache.k, block_tables, seq_lens)
     _, kv_heads, bs, _ = cache.k.shape

@@ -245,8 +245,8 @@ def gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size
 def mixed_gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size: int, group: int,
                        head_dim: int) -> bool:
     """Whether the Gluon kernel can run this launch of a format of `formats.served_by_mixed` (`decode_gluon.
-    serves_mixed`: K/V-split with per-token scales, or group 64 at head_dim 128; on CUDA outside the interpreter,
-    with fp16 / bf16 q). Its tuned entry's `gluon` switches it on: false sends the format back to decode_mixed.py."""
+    serves_mixed`: K/V-split with per-token scales, group 64, int4 group 32; head_dim 128, on CUDA outside the
+    interpreter, with fp16 / bf16 q). Its tuned entry's `gluon` switches it on: false sends the format back to decode_mixed.py."""
     return (device.cuda and not device.interpret and q_dtype in (torch.float16, torch.bfloat16)
             and decode_gluon.serves_mixed(format_codes(fmt.side("k"), head_dim), format_codes(fmt.side("v"), head_dim),
                                           block_size, group))
