@@ -277,10 +277,15 @@ def test_decode_matches_a_per_token_kernel_on_one_group():
     assert math.isclose(relerr(a.cpu(), b.cpu().double()), 0.0, abs_tol=4 * torch_err)
 
 
+# (format, q dtype, splits): every format with bf16 q, with and without split-K; fp16 q (the same code in another
+# dtype) for one format of each path (K/V split, two groups, four)
+GLUON_CASES = ([(f, torch.bfloat16, n) for f in GLUON for n in (1, 5)]
+               + [(f, torch.float16, 5) for f in (SPLIT[0], GROUP64, GLUON[-2])])
+
+
 @pytest.mark.skipif(not CUDA, reason="the Gluon kernel runs on CUDA only (its sm_90 build: test_builds_compile_for_sm90)")
-@pytest.mark.parametrize("splits", [1, 5], ids=["one-split", "split-k"])
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("fmt", GLUON, ids=[f.name for f in GLUON])
+@pytest.mark.parametrize(("fmt", "q_dtype", "splits"), GLUON_CASES,
+                         ids=[f"{f.name}-{str(d)[6:]}-splits{n}" for f, d, n in GLUON_CASES])
 def test_decode_gluon_mixed_formats_meet_the_oracle(fmt, q_dtype, splits):
     """The Gluon kernel on a K/V-split or group-64 cache: pages from randperm, lengths not multiples of the 16-token tile (a
     partial last page, a sequence of 1), GQA groups of 4 and 8, against the fp64 attention over the stored bytes."""
