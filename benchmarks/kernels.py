@@ -41,7 +41,7 @@ from benchmarks.gpu_timing import (
     median_ms,
     read_gbps,
 )
-from runtime.kernels import DecodePlan, decode_attention, decode_plan_for, write_kv
+from runtime.kernels import DecodePlan, decode_attention, decode_plan, decode_plan_for, write_kv
 from runtime.kv_cache import allocate_layer
 from runtime.kv_format import KVFormat, dequantize
 
@@ -61,6 +61,21 @@ FORMATS = {
     "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64),
     "int4-g32-asym": KVFormat("int4", "per_token", symmetric=False, group_size=32),
 }
+
+
+def format_of(name: str) -> KVFormat:
+    """The format of a --formats entry: FORMAT, or FORMAT@KERNEL (that kernel family's plan, `plan_of`)."""
+    return FORMATS[name.split("@")[0]]
+
+
+def plan_of(name: str, case, cache) -> DecodePlan:
+    """The default plan of the case, or for FORMAT@KERNEL that family's ("gluon" or "triton", `decode_plan`'s
+    kernel=; for the mixed formats "triton" is decode_mixed.py): the kernels side by side in one run."""
+    if "@" not in name:
+        return decode_plan_for(case.q, cache, case.block_tables)
+    return decode_plan(cache.fmt, case.batch, case.heads, case.kv_heads, case.block_tables.shape[1] * BLOCK_SIZE,
+                       case.q.device, head_dim=case.head_dim, block_size=BLOCK_SIZE, q_dtype=case.q.dtype,
+                       kernel=name.split("@")[1])
 
 
 def ideal_ratio(fmt: KVFormat, head_dim: int) -> float:
@@ -167,12 +182,11 @@ def run_case(case: Case, fmt_names, rows, sink, check: bool, plan_changes: dict 
     print(f"{case.model} {case.batch}x{case.ctx}: SDPA[{backend}] {sdpa_ms:.3f} ms "
           f"({dense / sdpa_ms / 1e6:.0f} GB/s)", flush=True)
     for name in fmt_names:
-        fmt = FORMATS[name]
+        fmt = format_of(name)
         cache = case.cache(fmt)
         write_ms = median_ms(partial(write_kv, cache, case.k, case.v, case.slots), flush=FLUSH)
         write_bytes = case.write_bytes(fmt)
-        plan = decode_plan_for(case.q, cache, case.block_tables)
-        plan = dataclasses.replace(plan, **(plan_changes or {}))
+        plan = dataclasses.replace(plan_of(name, case, cache), **(plan_changes or {}))
         launch = partial(decode_attention, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, plan=plan)
         ms = median_ms(launch, flush=FLUSH)
         eager = eager_ms(launch)
@@ -278,7 +292,7 @@ def markdown(env: dict, rows: list[dict]) -> str:
     for r in rows:
         err = "" if r["relerr_vs_fp32"] is None else f"{r['relerr_vs_fp32']:.1e}"
         eager = f"{r['eager_ms']:.3f}"
-        ideal = r.get("ideal") or ideal_ratio(FORMATS[r["format"]], r["head_dim"])
+        ideal = r.get("ideal") or ideal_ratio(format_of(r["format"]), r["head_dim"])
         same = f"{100 * r['gbps'] / r['read_gbps_same_size']:.0f}%"
         lines.append(
             f"| {r['model']} | {r['batch']}x{r['ctx']} | {r['format']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
@@ -298,13 +312,13 @@ def check_without_gpu(grid, fmt_names) -> None:
     for model, batch, ctx in grid:
         case = Case(model, batch, ctx)
         for name in fmt_names:
-            cache = case.cache(FORMATS[name])
+            cache = case.cache(format_of(name))
             write_kv(cache, case.k, case.v, case.slots)
-            plan = decode_plan_for(case.q, cache, case.block_tables)
+            plan = plan_of(name, case, cache)
             out = decode_attention(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, plan=plan)
             ref = case.reference(cache)
             err = ((out.float() - ref).norm() / ref.norm()).item()
-            print(f"{model} {batch}x{ctx} {name:14s} {plan_text(plan)} ideal x{ideal_ratio(FORMATS[name], case.head_dim):.2f} "
+            print(f"{model} {batch}x{ctx} {name:14s} {plan_text(plan)} ideal x{ideal_ratio(format_of(name), case.head_dim):.2f} "
                   f"err={err:.2e}", flush=True)
             assert err < 0.05, f"{name}: relative error {err} against the fp32 reference"
 

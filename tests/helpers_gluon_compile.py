@@ -87,6 +87,7 @@ def build(name: str, group: int, stages: int, pairs: bool, tma: bool) -> dict:
     consts = dict(NUM_HEADS=8 * group, BLOCK_SIZE=16, GROUP=group, KIND=kf.kind, SCALE_MODE=mode, ASYM=asym,
                   **decode_gluon.widening(kf), SPLIT=True, SKIP_RESCALE=plan.skip_rescale, STAGES=stages,
                   OFF32=plan.offsets32, PAIRS=pairs, K_CHAINS=plan.k_chains, TMA=tma)
+    consts.update({p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts})  # defaults
     names = fn.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if ptrs.get(n, "").startswith("*") or n.startswith("stride_") or n == "tokens_per_split"]

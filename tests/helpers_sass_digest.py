@@ -82,6 +82,22 @@ def _descriptor_type(value: str) -> str:
 
 
 def compile_build(launch: dict) -> dict:
+    """PTX and SASS digests of the launch's build for sm_90."""
+    import triton
+
+    compiled = compile_launch(launch)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    sass = "\n".join(line for line in sass.splitlines() if not re.match(r"\s*(Fatbin|code for|\.)", line))
+    return dict(ptx=hashlib.sha256(compiled.asm["ptx"].encode()).hexdigest()[:16],
+                sass=hashlib.sha256(sass.encode()).hexdigest()[:16])
+
+
+def compile_launch(launch: dict):
+    """The launch's build compiled for sm_90 (triton.compile's kernel: .asm["cubin"], .metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
@@ -108,15 +124,7 @@ def compile_build(launch: dict) -> dict:
     source = (GluonASTSource if isinstance(fn, GluonJITFunction) else triton.compiler.ASTSource)(
         fn, sig, constexprs=consts, attrs=attrs)
     options = {k: launch[k] for k in ("num_warps", "num_stages", "maxnreg") if k in launch}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    sass = "\n".join(line for line in sass.splitlines() if not re.match(r"\s*(Fatbin|code for|\.)", line))
-    return dict(ptx=hashlib.sha256(compiled.asm["ptx"].encode()).hexdigest()[:16],
-                sass=hashlib.sha256(sass.encode()).hexdigest()[:16])
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def main(records: str, out: str) -> None:

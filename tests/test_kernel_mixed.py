@@ -14,7 +14,20 @@ import pytest
 import torch
 
 from runtime.kv_format import KVFormat, dynamic_scales, quantize
-from tests.helpers_kernels import CUDA, DEV, K, as_bytes, fill_cache, kv, make_cache, oracle, relerr
+from tests.helpers_kernels import (
+    CUDA,
+    DEV,
+    K,
+    as_bytes,
+    assert_meets_oracle,
+    decode_with,
+    fill_cache,
+    kv,
+    make_cache,
+    oracle,
+    relerr,
+)
+from tests.helpers_mixed_compile import COMPILED_FORMATS
 
 MIXED = [
     KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),  # K8V4
@@ -31,21 +44,134 @@ IDS = [f.name for f in MIXED]
 
 # (batch, q heads, kv heads, head_dim, block_size, seq_lens): GQA group 3 over pages of 5 with three groups of 16
 # channels in a head_dim of 48; MHA on pages of 16; lengths not multiples of the page
-SHAPES = {"gqa3-hd48-page5": (3, 9, 3, 48, 5, [17, 3, 29]), "mha2-hd32-page16": (2, 2, 2, 32, 16, [33, 1])}
+SHAPES = {"gqa3-hd48-page5": (3, 9, 3, 48, 5, [17, 3, 29]), "mha2-hd32-page16": (2, 2, 2, 32, 16, [33, 1]),
+          "gqa4-hd128-page16": (2, 8, 2, 128, 16, [37, 5])}
 if CUDA:  # real sizes on the GPU machine: Llama-3-8B attention under the default plan's tiles and splits
     SHAPES["llama8b"] = (8, 32, 8, 128, 16, [4000, 1, 17, 2048, 333, 1024, 4096, 77])
 
 
+SPLIT = MIXED[:2]  # K8V4, KFP8V4
+GROUP64 = KVFormat("int4", "per_token", False, group_size=64)
+# the Gluon kernel's on the GPU (`decode_gluon.serves_mixed`)
+GLUON = SPLIT + [GROUP64, KVFormat("int4", "per_token", True, group_size=64),
+                 KVFormat("int8", "per_token", True, group_size=64), KVFormat("int8", "per_token", False, "bfloat16", 64),
+                 KVFormat("int4", "per_token", False, group_size=32), KVFormat("int4", "per_token", True, group_size=32)]
+
+
 def test_the_formats_here_take_the_mixed_kernels():
+    """The K/V-split formats, INT4 / INT8 group 64 and INT4 group 32 take the Gluon kernel on the H200 (registers,
+    no ring); the other group-scale and the e8m0 formats, and every format in the interpreter, decode_mixed.py."""
     from runtime.kernels.formats import served_by_mixed
+    from runtime.kernels.plan import Device
 
     assert all(served_by_mixed(f) for f in MIXED)
     assert not served_by_mixed(KVFormat("int4", "per_token", False))  # the tuned int4 kernels keep theirs
-    plan = K.decode_plan(MIXED[0], 16, 32, 8, 32768)
-    assert plan.kernel == "mixed" and plan.splits >= 1
+    for fmt in GLUON:
+        plan = K.decode_plan(fmt, 16, 32, 8, 32768)
+        assert plan.kernel == "gluon" and plan.stages == 0 and not plan.tma and plan.splits > 1
+        assert K.decode_plan(fmt, 16, 32, 8, 32768, kernel="triton").kernel == "mixed"
+        assert K.decode_plan(fmt, 16, 32, 8, 32768, head_dim=64).kernel == "mixed"  # the Gluon kernel's is 128
+        assert K.decode_plan(fmt, 16, 32, 8, 32768, q_dtype=torch.float32).kernel == "mixed"
+        assert K.decode_plan(fmt, 4, 32, 8, 4096, Device("interpreter", 4, 0, cuda=False, interpret=True)
+                             ).kernel == "mixed"
+    for fmt in MIXED[2:] + [KVFormat("int8", "per_token", False, group_size=32)]:
+        assert K.decode_plan(fmt, 16, 32, 8, 32768).kernel == "mixed"
 
 
-@pytest.mark.parametrize("head_dim", [16, 48])
+def test_one_tuned_entry_sends_a_split_format_back_to_the_mixed_kernel(monkeypatch):
+    """`gluon: false` in the format's tuned entry (tuned/nvidia_h200.json) is the whole switch back."""
+    from runtime.kernels import plan as plans
+
+    real = plans._format_tuned
+
+    def without_gluon(fmt, device):
+        tuned = real(fmt, device)
+        return replace(tuned, decode=replace(tuned.decode, gluon=False))
+
+    monkeypatch.setattr(plans, "_format_tuned", without_gluon)
+    for fmt in GLUON:
+        assert K.decode_plan(fmt, 16, 32, 8, 32768).kernel == "mixed"
+
+
+def test_no_kernel_reads_a_non_constexpr_global():
+    """The GPU compiler refuses a global read inside a @jit function unless it is a constexpr, a module, a jit
+    function or a dtype (triton/compiler/code_generator.py's rule); the interpreter reads any. Every name the kernels
+    of runtime/kernels read from their module's globals passes that rule."""
+    import ast
+    import importlib
+    import inspect
+    import pkgutil
+    import textwrap
+    from types import ModuleType
+
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITCallable
+
+    import runtime.kernels as package
+
+    def allowed(val) -> bool:
+        module = getattr(val, "__module__", "") or ""
+        return (isinstance(val, (ModuleType, JITCallable, InterpretedFunction, tl.constexpr, tl.dtype)) or callable(val) and (
+            module.startswith(("triton.language", "triton.experimental.gluon.language"))
+            or getattr(val, "__triton_builtin__", False)))
+
+    found, bad = 0, []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"runtime.kernels.{info.name}")
+        for name, fn in vars(module).items():
+            inner = getattr(fn, "fn", None)
+            if not isinstance(fn, (JITCallable, InterpretedFunction)) or inner is None \
+                    or inner.__module__ != module.__name__:
+                continue
+            found += 1
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+            local = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)} | {
+                n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local \
+                        and node.id in inner.__globals__ and not allowed(inner.__globals__[node.id]):
+                    bad.append(f"{info.name}.{name} reads {node.id} = {inner.__globals__[node.id]!r}")
+    assert found > 30, f"found only {found} kernels: the scan is broken"
+    assert not bad, "globals to make tl.constexpr(...): " + "; ".join(bad)
+
+
+@pytest.fixture(scope="module")
+def mixed_sm90_builds():
+    """The decode and write builds of COMPILED_FORMATS on the H200, cross-compiled for sm_90
+    (tests/helpers_mixed_compile.py) in a process of its own: under TRITON_INTERPRET=1 nothing compiles."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "tests.helpers_mixed_compile"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU runs these builds in the tests above")
+@pytest.mark.parametrize("fmt", COMPILED_FORMATS, ids=[f.name for f in COMPILED_FORMATS])
+def test_builds_compile_for_sm90(mixed_sm90_builds, fmt):
+    """Every kernel the format's decode and write launch on the H200 compiles for sm_90 (the e8m0 write once read a
+    non-constexpr global: fine in the interpreter, a NameError on the GPU); the K/V-split formats' Gluon builds keep
+    K and V in registers (no shared memory) without spilling, within the register cap the split rule counts on
+    (the plan's cap, `tuning.programs_per_sm`; uncapped: 168 and below, 12 programs an SM)."""
+    mine = [b for b in mixed_sm90_builds if b["build"].split(" ")[0] == fmt.name]
+    assert {"decode", "write"} <= {b["build"].split(" ")[1] for b in mine}, mine
+    for build in mine:
+        assert build["ok"], f"{build['build']}: {build.get('error')}"
+        if "gluon" in build["build"]:
+            assert build["stack"] == 0 and build["shared"] == 0, build
+            assert build["regs"] <= (K.decode_plan(fmt, 16, 32, 8, 32768).registers or 168), build
+    assert any("gluon" in b["build"] for b in mine) == (fmt in GLUON)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 64])  # 64: the groups as an axis (a power of two)
 @pytest.mark.parametrize("fmt", MIXED, ids=IDS)
 def test_write_bytes_equal_reference(fmt, head_dim):
     gen = torch.Generator().manual_seed(zlib.crc32(fmt.name.encode()))
@@ -100,8 +226,11 @@ def test_decode_relative_oracle(fmt, splits):
     _decode_case(fmt, "gqa3-hd48-page5", splits)
 
 
-@pytest.mark.parametrize("shape", ["mha2-hd32-page16"] + (["llama8b"] if CUDA else []))
-@pytest.mark.parametrize("fmt", MIXED[:3], ids=IDS[:3])
+OTHER_SHAPES = [(fmt, shape) for shape in ["mha2-hd32-page16", "gqa4-hd128-page16"] + (["llama8b"] if CUDA else [])
+                for fmt in MIXED[:3] + [GROUP64] if fmt.group_size <= SHAPES[shape][3]]
+
+
+@pytest.mark.parametrize(("fmt", "shape"), OTHER_SHAPES, ids=[f"{f.name}-{s}" for f, s in OTHER_SHAPES])
 def test_decode_relative_oracle_other_shapes(fmt, shape):
     _decode_case(fmt, shape, 2)
 
@@ -146,3 +275,24 @@ def test_decode_matches_a_per_token_kernel_on_one_group():
     truth, torch_err = oracle(q, plain, block_tables, lens, 0.25, torch.bfloat16)
     assert relerr(a.cpu(), truth) <= 2 * torch_err + 1e-5 and relerr(b.cpu(), truth) <= 2 * torch_err + 1e-5
     assert math.isclose(relerr(a.cpu(), b.cpu().double()), 0.0, abs_tol=4 * torch_err)
+
+
+# (format, q dtype, splits): every format with bf16 q, with and without split-K; fp16 q (the same code in another
+# dtype) for one format of each path (K/V split, two groups, four)
+GLUON_CASES = ([(f, torch.bfloat16, n) for f in GLUON for n in (1, 5)]
+               + [(f, torch.float16, 5) for f in (SPLIT[0], GROUP64, GLUON[-2])])
+
+
+@pytest.mark.skipif(not CUDA, reason="the Gluon kernel runs on CUDA only (its sm_90 build: test_builds_compile_for_sm90)")
+@pytest.mark.parametrize(("fmt", "q_dtype", "splits"), GLUON_CASES,
+                         ids=[f"{f.name}-{str(d)[6:]}-splits{n}" for f, d, n in GLUON_CASES])
+def test_decode_gluon_mixed_formats_meet_the_oracle(fmt, q_dtype, splits):
+    """The Gluon kernel on a K/V-split or group-64 cache: pages from randperm, lengths not multiples of the 16-token tile (a
+    partial last page, a sequence of 1), GQA groups of 4 and 8, against the fp64 attention over the stored bytes."""
+    for heads, kv_heads, seq_lens in ((32, 8, [1000, 1, 17, 3001]), (16, 2, [4099, 255])):
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt.name}{heads}{splits}".encode()))
+        cache, block_tables, lens = fill_cache(fmt, len(seq_lens), kv_heads, 128, 16, seq_lens, gen)
+        q = torch.randn(len(seq_lens), heads, 128, generator=gen).to(q_dtype).to(DEV)
+        out = decode_with(q, cache, block_tables, lens, 0.25, "gluon", splits=splits)
+        assert out.dtype == q_dtype and out.shape == q.shape
+        assert_meets_oracle(out, q, cache, block_tables, lens, q_dtype)

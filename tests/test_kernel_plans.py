@@ -27,6 +27,10 @@ REMOVED = {
 }
 # Constexprs whose codes changed: the TMA unit fills the ring (True) or not, where 2 said so (1 is gone)
 RENAMED = {"_decode_kernel_gluon": {"TMA": {2: True, 0: False}}}
+# Arguments the kernels take since, as the recorded launches had them: the Gluon kernel's V page strides (V's own in
+# the K/V-split formats, K's in every recorded one)
+ADDED = {"_decode_kernel_gluon": lambda launch: {"stride_vcb": launch["stride_cb"], "stride_vch": launch["stride_ch"],
+                                                 "stride_vct": launch["stride_ct"]}}
 
 
 def _as_now(launch: dict) -> dict:
@@ -35,6 +39,8 @@ def _as_now(launch: dict) -> dict:
         assert launch.pop(key) == value, f"{launch['kernel']} was launched with {key} != {value!r}"
     for key, codes in RENAMED.get(launch["kernel"], {}).items():
         launch[key] = codes[launch[key]]
+    if launch["kernel"] in ADDED:
+        launch.update(ADDED[launch["kernel"]](launch))
     return launch
 
 

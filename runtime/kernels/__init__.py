@@ -21,8 +21,9 @@ with `dataclasses.replace`. Roles, one file each:
     tuning.py        the rules that depend on the shape or the GPU (split counts, the int4 ring, register caps)
     launch.py        the public ops: validation, default plans, launches
     launch_mixed.py  the same ops for the mixed formats (K and V of their own formats, group / e8m0 scales:
-                     `formats.served_by_mixed`), with write_mixed.py and decode_mixed.py
-    kernels          decode_gluon.py (+ gluon_attend / gluon_operands / gluon_tiles.py), decode_warps.py,
+                     `formats.served_by_mixed`), with write_mixed.py and decode_mixed.py (decode on the GPU:
+                     decode_gluon.py for the K/V-split, group-64 and int4 group-32 formats, launch.py)
+    kernels          decode_gluon.py (+ gluon_attend / gluon_groups / gluon_operands / gluon_tiles.py), decode_warps.py,
                      decode_tiles.py, write_kv.py (+ write_rows.py, exact_round.py), prefill_context.py,
                      split_k.py (split counts, the merge kernel)
     batch-invariant  invariant_gemm.py (one tile config per weight, whatever M), invariant_attention.py (every

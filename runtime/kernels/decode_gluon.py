@@ -56,7 +56,7 @@ import torch
 from . import codes
 from .formats import KernelFormat
 from .group_io import _program_tokens, _static_folds
-from .widen_ptx import pair_asm, word_asm
+from .widen_ptx import pair_asm, pair_scaled_asm, word_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
     from triton.experimental import gluon
@@ -90,13 +90,35 @@ def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) ->
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
-def widening(kf: KernelFormat) -> dict[str, str]:
-    """The kernel's PTX constants for this format: K's word widening and V's token-pair widening."""
-    return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=pair_asm(kf.kind, kf.fp8, not kf.asym))
+# group scales the kernel serves (`gluon_groups.py`): 2 (an accumulator a group) for int4 / int8, 4 (V dequantized as
+# it is widened) for int4
+GROUPS_SERVED = (2, 4)
+
+
+def serves_mixed(kf_k: KernelFormat, kf_v: KernelFormat, block_size: int, group: int) -> bool:
+    """Whether the kernel is written for a format of `formats.served_by_mixed`: each side `serves`, per-token scales
+    in fp16 / bf16 / fp32 (not e8m0); K and V of their own dtype and symmetry with a scale a token-head (`V_KIND`),
+    or integer K and V of one format with GROUPS_SERVED group scales (`GROUPS`)."""
+    if not all(serves(kf, block_size, group) and kf.scale_mode == codes.PER_TOKEN
+               and kf.scale_dtype != codes.SCALE_E8M0 for kf in (kf_k, kf_v)):
+        return False
+    if kf_k.groups == 1 and kf_v.groups == 1:
+        return True
+    return kf_k == kf_v and kf_k.kind != codes.FLOAT and kf_k.groups in GROUPS_SERVED and (
+        kf_k.groups == 2 or kf_k.kind == codes.INT4)
+
+
+def widening(kf: KernelFormat, kf_v: KernelFormat | None = None) -> dict[str, str]:
+    """The kernel's PTX constants for this format: K's word widening and V's token-pair widening (V's format: kf_v
+    where K and V differ)."""
+    kf_v = kf if kf_v is None else kf_v
+    vasm = pair_scaled_asm(kf_v.kind, not kf_v.asym) if kf_v.groups > 2 else pair_asm(kf_v.kind, kf_v.fp8, not kf_v.asym)
+    return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=vasm)
 
 
 if gluon is not None:
     from .gluon_attend import _attend, _attend_pair, _p_dot_v
+    from .gluon_groups import _group_attend, _group_output, _group_q, _group_state, _group_tile
     from .gluon_operands import K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _out_rows, _q_operands
     from .gluon_tiles import (
         _allocate_ring,
@@ -114,16 +136,28 @@ if gluon is not None:
         Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
         qk_scale, tokens_per_split, num_splits,
         stride_qb, stride_qh, stride_ob, stride_oh, stride_btb,
-        stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
+        stride_cb, stride_ch, stride_ct, stride_mb, stride_mh, stride_vcb, stride_vch, stride_vct,
         NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
         KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, SPLIT: gl.constexpr,
         SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
         OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False, K_CHAINS: gl.constexpr = 1,
-        TMA: gl.constexpr = False,
+        TMA: gl.constexpr = False, V_KIND: gl.constexpr = -1, V_ASYM: gl.constexpr = False,
+        GROUPS: gl.constexpr = 1,
     ):
         """K, V: the pages as int32 words, strides in words (TMA: tensor descriptors of their 16-word rows, and KS, VS,
-        KZ, VZ of the per-token scales' rows of 16)."""
+        KZ, VZ of the per-token scales' rows of 16). KIND, ASYM, stride_c*: K's format and pages, and V's too unless
+        V_KIND >= 0: then V is stored as V_KIND / V_ASYM with its pages' strides stride_vc* (the K/V-split formats,
+        per-token scales of one dtype, loaded from registers: STAGES 0). GROUPS > 1: that many scales (and zero
+        points) per token-head, integer K and V of one format, STAGES 0 (`gluon_groups.py`)."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
+        if V_KIND < 0:  # one format for K and V
+            VK: gl.constexpr = KIND
+            VA: gl.constexpr = ASYM
+            v_strides = (stride_cb, stride_ch, stride_ct)
+        else:
+            VK: gl.constexpr = V_KIND
+            VA: gl.constexpr = V_ASYM
+            v_strides = (stride_vcb, stride_vch, stride_vct)
 
         # q rows of the group, / 16 (exact) so fp16 holds q up to 16 x 65504; int4's odd columns
         # (high nibbles, widened to 16 n: `word_asm`) / 256
@@ -144,37 +178,54 @@ if gluon is not None:
         if KIND != codes.FLOAT:
             qsum = gl.convert_layout(gl.sum(q16.to(gl.float32) * (nibble / 16777216.0), 1), gl.SliceLayout(0, MMA))
 
-        # centres of the stored integers: V's (`pair_asm` widens centred) and K's (`word_asm` does not)
+        # centres of the stored integers: K's (`word_asm` does not centre) and V's (`pair_asm` widens centred)
         if KIND == codes.INT4:
-            CENTER: gl.constexpr = 8.0
             K_CENTER: gl.constexpr = 0.0 if ASYM else 8.0
             KL: gl.constexpr = K_W4
-            VL: gl.constexpr = V_W4
-            WORDS: gl.constexpr = 16
+            K_WORDS: gl.constexpr = 16
         else:
-            CENTER: gl.constexpr = 128.0
             K_CENTER: gl.constexpr = 0.0 if ASYM or KIND == codes.FLOAT else 128.0
             KL: gl.constexpr = K_W8
+            K_WORDS: gl.constexpr = 32
+        if VK == codes.INT4:
+            CENTER: gl.constexpr = 8.0
+            VL: gl.constexpr = V_W4
+            V_WORDS: gl.constexpr = 16
+        else:
+            CENTER: gl.constexpr = 128.0
             VL: gl.constexpr = V_W8
-            WORDS: gl.constexpr = 32
+            V_WORDS: gl.constexpr = 32
         tk = gl.arange(0, 16, layout=gl.SliceLayout(1, KL))
         tv = gl.arange(0, 16, layout=gl.SliceLayout(1, VL))
         ts = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-        koffs = tk[:, None] * stride_ct + gl.arange(0, WORDS, layout=gl.SliceLayout(0, KL))[None, :]
-        voffs = tv[:, None] * stride_ct + gl.arange(0, WORDS, layout=gl.SliceLayout(0, VL))[None, :]
+        koffs = tk[:, None] * stride_ct + gl.arange(0, K_WORDS, layout=gl.SliceLayout(0, KL))[None, :]
+        voffs = tv[:, None] * v_strides[2] + gl.arange(0, V_WORDS, layout=gl.SliceLayout(0, VL))[None, :]
         bt_row = BT + b * stride_btb
 
+        if GROUPS > 1:
+            qts, qsums = _group_q(q16, dr, nibble, KIND, K_CHAINS, GROUPS)
         m_i = gl.full([8], -1e30, gl.float32, layout=gl.SliceLayout(0, MMA))  # finite: no NaN from -inf - -inf
         l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # row sums of p, reduced at the end
         z_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # sum_n p_n z_n (asymmetric per-token V)
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
         c_v = qk_scale * 0.0 + 1e-30  # per-token V: the largest V scale so far (acc holds sum p s / c_v)
 
-        words = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
-                 koffs, voffs, tk, tv, ts)
+        words = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, v_strides, stride_mb,
+                 stride_mh, koffs, voffs, tk, tv, ts)
         state = (m_i, l_t, z_t, acc, c_v)
         consts = (end, qt, qsum, k_fold, K_CENTER * qsum * k_fold, ts)
-        if STAGES > 0:
+        if GROUPS > 1:
+            z_g, acc_g = _group_state(z_t, acc, GROUPS)
+            state = (m_i, l_t, z_g, acc_g, c_v)
+            gwords = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
+                      koffs, voffs, ts, tv, gl.arange(0, V_WORDS, layout=gl.SliceLayout(0, VL)))
+            nxt = _group_tile(start, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
+            for n0 in range(start, end, 16):
+                cur = nxt
+                nxt = _group_tile(n0 + 16, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
+                state = _group_attend(n0, *cur, *state, end, qts, qsums, k_fold, ts, KIND, ASYM, ASM, VASM, CENTER,
+                                      K_CENTER, K_CHAINS, GROUPS)
+        elif STAGES > 0:
             # int4: a ring of STAGES tiles in shared memory (words, per-token scales and zero points), filled
             # by cp.async STAGES - 1 tiles ahead (bytes in flight that hold no registers); each tile's page
             # is loaded one step earlier.
@@ -204,9 +255,9 @@ if gluon is not None:
                     ks1, vs1, kz1, vz1 = _ring_metas(n0 + 16, end, metas, stage1, ts, SCALE_MODE, ASYM, TMA)
                     m_i, l_t, z_t, acc, c_v, p1, c_inv = _attend_pair(
                         n0, kw0, vw0, ks0, vs0, kz0, vz0, kw1, ks1, vs1, kz1, *state, *consts, KIND, SCALE_MODE, ASYM, ASM,
-                        VASM, CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS)
+                        VASM, CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS, VK, VA)
                     vw1 = v_ring.index(stage1).load(VL)
-                    z_t, acc = _p_dot_v(p1, vw1, vs1, vz1, c_v, c_inv, z_t, acc, KIND, SCALE_MODE, ASYM, VASM, CENTER,
+                    z_t, acc = _p_dot_v(p1, vw1, vs1, vz1, c_v, c_inv, z_t, acc, VK, SCALE_MODE, VA, VASM, CENTER,
                                         True)
                     state = (m_i, l_t, z_t, acc, c_v)
                     stage = (stage + 2) % STAGES
@@ -224,22 +275,24 @@ if gluon is not None:
                     ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM, TMA)
                     stage = (stage + 1) % STAGES
                     state = _attend(n0, kw, vw, ks, vs, kz, vz, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
-                                    CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS)
+                                    CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS, VK, VA)
             _drain_ring(metas, start, end, STAGES - 1 - PAIRS, STAGES, PAIRS, TMA)
         else:
             # the next tile's words load while this one computes
-            nxt = _tile_words(start, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND, OFF32)
+            nxt = _tile_words(start, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND, OFF32, VK, VA)
             for n0 in range(start, end, 16):
                 cur = nxt
-                nxt = _tile_words(n0 + 16, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND, OFF32)
+                nxt = _tile_words(n0 + 16, *words, BLOCK_SIZE, SCALE_MODE, ASYM, KIND, OFF32, VK, VA)
                 state = _attend(n0, *cur, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM, CENTER, K_CENTER,
-                                SKIP_RESCALE, K_CHAINS)
+                                SKIP_RESCALE, K_CHAINS, VK, VA)
         m_i, l_t, z_t, acc, c_v = state
 
         l_i = gl.sum(l_t, 0)
-        if SCALE_MODE == codes.PER_TOKEN:
+        if GROUPS > 1:
+            o = _group_output(z_t, acc, c_v, ASYM, GROUPS)
+        elif SCALE_MODE == codes.PER_TOKEN:
             o = acc * c_v
-            if ASYM:
+            if VA:
                 o += gl.sum(z_t, 0)[None, :]
         else:
             o = acc * v_fold

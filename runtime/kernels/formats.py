@@ -40,7 +40,8 @@ class KernelFormat:
 
 def served_by_mixed(fmt: KVFormat) -> bool:
     """Formats the mixed-format kernels (`write_mixed.py`, `decode_mixed.py`) serve: K and V stored differently,
-    group scales, or e8m0 scales. The other formats keep their tuned kernels."""
+    group scales, or e8m0 scales (on the GPU the Gluon decode kernel takes those it is written for:
+    `plan.mixed_gluon_serves`). The other formats keep their tuned kernels."""
     return fmt.split or (fmt.dynamic and (fmt.group_size > 0 or fmt.scale_dtype == "e8m0"))
 
 

@@ -93,22 +93,24 @@ if gluon is not None:
     def _attend(n0, kw, vw, ks, vs, kz, vz, m_i, l_t, z_t, acc, c_v, end, qt, qsum, k_fold, k_off, ts,
                 KIND: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr,
                 VASM: gl.constexpr, CENTER: gl.constexpr, K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr,
-                K_CHAINS: gl.constexpr = 1):
-        """One 16-token tile into the online softmax state (m_i, l_t, z_t, acc, c_v)."""
+                K_CHAINS: gl.constexpr, V_KIND: gl.constexpr, V_ASYM: gl.constexpr):
+        """One 16-token tile into the online softmax state (m_i, l_t, z_t, acc, c_v). KIND, ASYM: K's format;
+        V_KIND, V_ASYM: V's (the same but in the K/V-split formats)."""
         s = _scores(n0, kw, ks, kz, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER, K_CHAINS)
         c_new = c_v
         if SCALE_MODE == codes.PER_TOKEN:
             c_new = gl.maximum(c_v, gl.max(vs, 0))
-        m_new, p, l_t, z_t, acc = _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, ASYM, SKIP_RESCALE)
+        m_new, p, l_t, z_t, acc = _rescale(s, m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, V_ASYM, SKIP_RESCALE)
         l_t += p
-        z_t, acc = _p_dot_v(p, vw, vs, vz, c_new, 0.0, z_t, acc, KIND, SCALE_MODE, ASYM, VASM, CENTER)
+        z_t, acc = _p_dot_v(p, vw, vs, vz, c_new, 0.0, z_t, acc, V_KIND, SCALE_MODE, V_ASYM, VASM, CENTER)
         return m_new, l_t, z_t, acc, c_new
 
     @gluon.jit
     def _attend_pair(n0, kw0, vw0, ks0, vs0, kz0, vz0, kw1, ks1, vs1, kz1, m_i, l_t, z_t, acc, c_v,
                      end, qt, qsum, k_fold, k_off, ts, KIND: gl.constexpr, SCALE_MODE: gl.constexpr,
                      ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, CENTER: gl.constexpr,
-                     K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr, K_CHAINS: gl.constexpr = 1):
+                     K_CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr, K_CHAINS: gl.constexpr,
+                     V_KIND: gl.constexpr, V_ASYM: gl.constexpr):
         """Tiles n0 and n0 + 16 into the state with one max, one rescale test and one V scale bound: the
         softmax bookkeeping (warp reductions, the division by c) is paid once per 32 tokens. Returns the
         state with tile n0's p . V in it, and what tile n0 + 16's (`_p_dot_v`) needs: p and 1 / c (the
@@ -121,12 +123,13 @@ if gluon is not None:
         if SCALE_MODE == codes.PER_TOKEN:
             c_new = gl.maximum(c_v, gl.max(gl.maximum(vs0, vs1), 0))
         # the max of both tiles (the p `_rescale` returns for it is unused)
-        m_new, _, l_t, z_t, acc = _rescale(gl.maximum(s0, s1), m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, ASYM,
+        m_new, _, l_t, z_t, acc = _rescale(gl.maximum(s0, s1), m_i, c_v, c_new, l_t, z_t, acc, SCALE_MODE, V_ASYM,
                                            SKIP_RESCALE)
         p0 = gl.exp2(s0 - m_new[None, :])
         p1 = gl.exp2(s1 - m_new[None, :])
         # one division a step: p s / c as p (s (1 / c)) (to fp16 next: the extra rounding is below its ulp)
         c_inv = 1.0 / c_new
         l_t += p0 + p1
-        z_t, acc = _p_dot_v(p0, vw0, vs0, vz0, c_new, c_inv, z_t, acc, KIND, SCALE_MODE, ASYM, VASM, CENTER, True)
+        z_t, acc = _p_dot_v(p0, vw0, vs0, vz0, c_new, c_inv, z_t, acc, V_KIND, SCALE_MODE, V_ASYM, VASM, CENTER,
+                            True)
         return m_new, l_t, z_t, acc, c_new, p1, c_inv

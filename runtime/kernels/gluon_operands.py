@@ -133,9 +133,31 @@ if gluon is not None:
     def _v_operand(w, KIND: gl.constexpr, ASM: gl.constexpr):
         """V words [16, W] -> p . V's A operand V^T [128 m, 16 tokens]: lane (g, t) holds stored
         columns d = 16g + 2j + r (j < 8, r < 2), which the A operand calls m = 16j + 8r + g."""
-        y = gl.permute(_widen_pairs(w, KIND, ASM), (1, 0))
+        return _v_rows(_widen_pairs(w, KIND, ASM))
+
+    @gluon.jit
+    def _v_rows(values):
+        """V's values [16 tokens, 128] in storage order (`_widen_pairs`) -> the A operand V^T (`_v_operand`)."""
+        y = gl.permute(values, (1, 0))
         y = gl.permute(gl.reshape(y, [8, 8, 2, 16]), (1, 2, 0, 3))
         return gl.convert_layout(gl.reshape(y, [128, 16]), A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _v_operand_scaled(w, s, z, ASM: gl.constexpr):
+        """`_v_operand` of int4 V dequantized on the way (`widen_ptx.pair_scaled_asm`): s, z [16, W] fp16, each word's
+        scale and centred zero point, in the words' layout."""
+        C: gl.constexpr = w.shape[1]
+        even, odd = gl.split(gl.permute(gl.reshape(w, [8, 2, C]), (0, 2, 1)))
+        s_even, s_odd = gl.split(gl.permute(gl.reshape(s, [8, 2, C]), (0, 2, 1)))
+        z_even, z_odd = gl.split(gl.permute(gl.reshape(z, [8, 2, C]), (0, 2, 1)))
+        x = gl.inline_asm_elementwise(ASM, "=h," * 16 + "r,r,h,h,h,h", [even, odd, s_even, s_odd, z_even, z_odd],
+                                      dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+        p0, p1, p2, p3, p4, p5, p6, p7 = (gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]),
+                                          gl.join(x[6], x[7]), gl.join(x[8], x[9]), gl.join(x[10], x[11]),
+                                          gl.join(x[12], x[13]), gl.join(x[14], x[15]))
+        y = gl.join(gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7)))
+        y = gl.permute(y, (0, 2, 1, 3, 4, 5))  # as `_widen_pairs`
+        return _v_rows(gl.reshape(y, [16, 8 * C]))
 
     @gluon.jit
     def _out_rows(acc):

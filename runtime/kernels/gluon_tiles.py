@@ -30,21 +30,26 @@ if gluon is not None:
     META_COPY = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))
 
     @gluon.jit
-    def _tile_words(n0, K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb,
-                    stride_mh, koffs, voffs, tk, tv, ts, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
-                    ASYM: gl.constexpr, KIND: gl.constexpr, OFF32: gl.constexpr):
-        """A tile's K/V words and per-token scales / zero points (scales 0 past `end`)."""
+    def _tile_words(n0, K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, v_strides,
+                    stride_mb, stride_mh, koffs, voffs, tk, tv, ts, BLOCK_SIZE: gl.constexpr,
+                    SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, KIND: gl.constexpr, OFF32: gl.constexpr,
+                    V_KIND: gl.constexpr, V_ASYM: gl.constexpr):
+        """A tile's K/V words and per-token scales / zero points (scales 0 past `end`). KIND, ASYM, the strides: K's
+        pages; V_KIND, V_ASYM, v_strides (block, head, token): V's (K's but in the K/V-split formats)."""
         page = _page(bt_row, n0, end, BLOCK_SIZE, OFF32)
         base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
+        vbase, _ = _tile_base(n0, page, kvh, v_strides[0], v_strides[1], v_strides[2], BLOCK_SIZE)
+        # Every integer page's address is inside a page (past `end`, page 0 of the cache), and the values there
+        # widen to finite numbers whose scores are masked and whose p is 0: no load masks.
+        # (A stale fp8 byte can be NaN, and NaN * 0 is NaN: fp8 pages load masked.)
         if KIND == codes.FLOAT:
             kw = gl.load(K + base + koffs, mask=((n0 + tk) < end)[:, None], other=0)
-            vw = gl.load(V + base + voffs, mask=((n0 + tv) < end)[:, None], other=0)
         else:
-            # Every address is inside a page (past `end`, page 0 of the cache), and the values there
-            # widen to finite numbers whose scores are masked and whose p is 0: no load masks.
-            # (A stale fp8 byte can be NaN, and NaN * 0 is NaN.)
             kw = gl.load(K + base + koffs)
-            vw = gl.load(V + base + voffs)
+        if V_KIND == codes.FLOAT:
+            vw = gl.load(V + vbase + voffs, mask=((n0 + tv) < end)[:, None], other=0)
+        else:
+            vw = gl.load(V + vbase + voffs)
         ks = 0.0
         vs = 0.0
         kz = 0.0
@@ -56,6 +61,7 @@ if gluon is not None:
             vs = gl.load(VS + meta, mask=tmask, other=0.0).to(gl.float32)
             if ASYM:
                 kz = gl.load(KZ + meta, mask=tmask, other=0.0).to(gl.float32)
+            if V_ASYM:
                 vz = gl.load(VZ + meta, mask=tmask, other=0.0).to(gl.float32)
         return kw, vw, ks, vs, kz, vz
 

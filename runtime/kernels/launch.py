@@ -20,6 +20,7 @@ from .formats import (
     check_device,
     check_q,
     kernel_format,
+    kernel_formats,
     meta_strides,
     out_dtype,
     scale_tensors,
@@ -72,7 +73,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     """q [B, H, D] against the paged cache -> out [B, H, D] in q.dtype (seq_lens >= 1). block_tables: int32
     [B, max_blocks]; its width bounds the context (no device sync)."""
     if served_by_mixed(cache.fmt):
-        return launch_mixed.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan)
+        return _decode_mixed_format(q, cache, block_tables, seq_lens, sm_scale, plan)
     kf = kernel_format(cache)
     check_device(q, cache.k, block_tables, seq_lens)
     _, kv_heads, bs, stored = cache.k.shape
@@ -138,6 +139,40 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         sm_scale: float, plan: DecodePlan | None) -> torch.Tensor:
+    """`decode_attention` for the formats of `formats.served_by_mixed`: on the Gluon kernel where the plan says so
+    (`decode_gluon.serves_mixed`: K/V-split formats, group 64, int4 group 32), everything else on `launch_mixed`'s
+    kernel."""
+    kf_k, kf_v = kernel_formats(cache)
+    check_device(q, cache.k, block_tables, seq_lens)
+    _, kv_heads, bs, _ = cache.k.shape
+    check_q(q, kf_k, kv_heads, "batch")
+    check_decode_tables(block_tables, seq_lens, q.shape[0])
+    plan = decode_plan_for(q, cache, block_tables) if plan is None else plan
+    if plan.kernel != "gluon":
+        return launch_mixed.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan)
+    batch, num_heads, _ = q.shape
+    group = num_heads // kv_heads
+    if plan.stages or plan.tma or plan.pairs:
+        raise _bad_plan(plan, "stages", "the mixed formats load their tiles into registers; use stages=0, "
+                        "pairs=False, tma=False")
+    if not (decode_gluon.supported(kf_k, q, bs, group) and decode_gluon.serves_mixed(kf_k, kf_v, bs, group)):
+        raise _bad_plan(plan, "kernel", "the Gluon kernel serves K/V-split formats of per-token scales and integer "
+                        f"formats of {decode_gluon.GROUPS_SERVED} group scales (no e8m0), on CUDA with fp16 / bf16 q, "
+                        "head_dim 128, <= 8 query heads per KV head and pages of 16k tokens; choose mixed")
+    _check_gluon_plan(plan, kf_k, q, bs, group)
+    out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
+    if batch == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    splits = split_plan(out, block_tables.shape[1] * bs, plan.splits, decode_gluon.TILE, cache)
+    _launch_gluon(q, cache, kf_k, block_tables, seq_lens.contiguous(), sm_scale * _LOG2E, out, splits, plan,
+                  kf_v if kf_v != kf_k else None)
+    return out
+
+
 def _check_gluon_plan(plan: DecodePlan, kf, q: torch.Tensor, block_size: int, group: int) -> None:
     if plan.stages and kf.kind != codes.INT4:
         raise _bad_plan(plan, "stages", "the shared-memory ring serves int4 formats only; use 0")
@@ -175,9 +210,9 @@ def ring_descriptors(kw: torch.Tensor, vw: torch.Tensor, scales: tuple = ()) -> 
 
 
 def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: float, out: torch.Tensor,
-                  splits: tuple, plan: DecodePlan) -> None:
+                  splits: tuple, plan: DecodePlan, kf_v=None) -> None:
     """The Gluon kernel (and the split-K merge) into `out`; splits: `split_k.split_plan`'s (tokens per split, splits,
-    partial buffers)."""
+    partial buffers); kf_v: V's format where it differs from K's (`kf`)."""
     batch, num_heads, _ = q.shape
     _, kv_heads, bs, _ = cache.k.shape
     tokens_per_split, num_splits, (pm, pl, pacc) = splits
@@ -195,12 +230,14 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
         q, *pages, block_tables, seq_lens, out, pm, pl, pacc,
         qk_scale, tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kw.stride(0), kw.stride(1), kw.stride(2), *meta_strides(kf, cache),
+        kw.stride(0), kw.stride(1), kw.stride(2), *meta_strides(kf, cache), vw.stride(0), vw.stride(1), vw.stride(2),
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=num_heads // kv_heads, KIND=kf.kind,
-        SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **decode_gluon.widening(kf), SPLIT=split,
+        SCALE_MODE=kf.scale_mode, ASYM=kf.asym, **decode_gluon.widening(kf, kf_v), SPLIT=split,
         SKIP_RESCALE=plan.skip_rescale, STAGES=plan.stages,
         OFF32=plan.offsets32 and cache.k.numel() // 4 < 2**31, PAIRS=plan.pairs, K_CHAINS=plan.k_chains,
-        TMA=plan.tma, num_warps=1, **({"maxnreg": plan.registers} if plan.registers else {}),
+        TMA=plan.tma, **({"V_KIND": kf_v.kind, "V_ASYM": kf_v.asym} if kf_v is not None else {}),
+        **({"GROUPS": kf.groups} if kf.groups > 1 else {}),
+        num_warps=1, **({"maxnreg": plan.registers} if plan.registers else {}),
     )
     if split:
         merge_splits(pm, pl, pacc, out, num_splits)

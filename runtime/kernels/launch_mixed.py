@@ -1,6 +1,6 @@
 """The public ops for the mixed formats (`formats.served_by_mixed`: K and V stored differently, group scales, e8m0
-scales): `launch.py` hands such caches here. Same signatures and checks; the kernels are `write_mixed.py` and
-`decode_mixed.py`. Chunked prefill over such a cache runs runtime/attention.py's reference op on the device (the
+scales): `launch.py` hands such caches here (decode: unless the plan runs the Gluon kernel,
+`plan.mixed_gluon_serves`). Same signatures and checks; the kernels are `write_mixed.py` and `decode_mixed.py`. Chunked prefill over such a cache runs runtime/attention.py's reference op on the device (the
 prefill-context kernel reads one format per cache)."""
 
 from __future__ import annotations

@@ -190,7 +190,8 @@ class DecodePlan:
     """How `decode_attention` runs. kernel: "gluon" (decode_gluon.py: one warp a program, hand-placed layouts; CUDA,
     head_dim 128, <= 8 query heads per KV head, pages of 16k tokens, quantized formats, fp16 / bf16 q), "warps"
     (decode_warps.py: one softmax state per warp; quantized formats) or "tiles" (decode_tiles.py: query heads x tokens;
-    unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
+    unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`; "gluon" serves
+    those of them it is written for: `mixed_gluon_serves`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
     (None: none; GPU only).
 
     Gluon kernel: stages: int4 tiles through a shared-memory ring of this many stages (0: registers a step ahead);
@@ -247,6 +248,16 @@ def gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size
             and decode_gluon.serves(format_codes(fmt, head_dim), block_size, group))
 
 
+def mixed_gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, block_size: int, group: int,
+                       head_dim: int) -> bool:
+    """Whether the Gluon kernel can run this launch of a format of `formats.served_by_mixed` (`decode_gluon.
+    serves_mixed`: K/V-split with per-token scales, group 64, int4 group 32; head_dim 128, on CUDA outside the
+    interpreter, with fp16 / bf16 q). Its tuned entry's `gluon` switches it on: false sends the format back to decode_mixed.py."""
+    return (device.cuda and not device.interpret and q_dtype in (torch.float16, torch.bfloat16)
+            and decode_gluon.serves_mixed(format_codes(fmt.side("k"), head_dim), format_codes(fmt.side("v"), head_dim),
+                                          block_size, group))
+
+
 def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens: int,
                 device: Device | torch.device | str = DEVICE_H200, *, head_dim: int = 128, block_size: int = 16,
                 q_dtype: torch.dtype = torch.bfloat16,
@@ -258,6 +269,14 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     device = device if isinstance(device, Device) else device_of(device)
     tuned = _format_tuned(fmt, device).decode
     if served_by_mixed(fmt):
+        group = heads // kv_heads
+        if kernel == "gluon" or (kernel is None and tuned.gluon
+                                 and mixed_gluon_serves(fmt, device, q_dtype, block_size, group, head_dim)):
+            # K's codes drive the rules (its register cap, the split count); the tiles load into registers
+            cap, splits, _, _ = tuning.gluon_plan(format_codes(fmt.side("k"), head_dim), batch, kv_heads, max_tokens,
+                                                  device.sms, group, False, tuned.registers, tuned.registers)
+            return DecodePlan("gluon", splits, cap, k_chains=tuned.k_chains, skip_rescale=tuned.skip_rescale,
+                              offsets32=tuned.offsets32)
         splits = choose_num_splits(batch, kv_heads, max_tokens, tuned.block_n, device.sms, tuned.resident_per_sm)
         return DecodePlan(MIXED, splits, tuned.tile_registers or None, block_n=tuned.block_n,
                           num_warps=min(4, tuned.block_n // 16), num_stages=tuned.num_stages)
@@ -379,8 +398,11 @@ def probability_dtype(cache, q_dtype: torch.dtype) -> torch.dtype:
     """The dtype the default decode launch rounds softmax probabilities to before p . V on the GPU (fp16 in the Gluon
     kernel, which serves head_dim 128 and pages of 16k tokens, and in the Triton kernels' fp16 dots), for reference
     runs that mimic it."""
-    if served_by_mixed(cache.fmt):  # decode_mixed.py: dots in q's dtype
-        return q_dtype
+    if served_by_mixed(cache.fmt):  # the Gluon kernel's fp16 p (K/V-split formats it serves), else q's dtype
+        tuned = _format_tuned(cache.fmt, DEVICE_H200).decode
+        gluon = tuned.gluon and mixed_gluon_serves(cache.fmt, DEVICE_H200, q_dtype, cache.block_size, 1,
+                                                   cache.k.shape[-1] * (2 if cache.fmt.side("k").dtype == "int4" else 1))
+        return torch.float16 if gluon else q_dtype
     kf = kernel_format(cache)
     tuned = _format_tuned(cache.fmt, DEVICE_H200).decode
     gluon = tuned.gluon and decode_gluon.serves(kf, cache.block_size, 1)  # the GQA group is not known here

@@ -115,6 +115,25 @@ def pair_asm(kind: int, fp8: int, symmetric: bool) -> str:
     register. One byte permute per word interleaves the tokens before widening; widening the
     tokens separately and repacking afterwards cost a permute per register instead (8-bit: two
     per word, int4: four)."""
+    body, n = _pair_body(kind, fp8, symmetric)
+    return body + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i}; " for i in range(n)) + "}"
+
+
+@functools.cache
+def pair_scaled_asm(kind: int, symmetric: bool) -> str:
+    """`pair_asm` for integer V of group scales, dequantized: inputs the two tokens' words, then their fp16 scales
+    (first token, second) and centred zero points (z + centre x s); each centred value n becomes s n + z' by one
+    packed fma (rounded once to fp16)."""
+    body, n = _pair_body(kind, codes.FP8_NONE, symmetric)
+    scale = (f".reg .b32 sp, zp; mov.b32 sp, {{${2 * n + 2}, ${2 * n + 3}}}; "
+             f"mov.b32 zp, {{${2 * n + 4}, ${2 * n + 5}}}; "
+             + "".join(f"fma.rn.f16x2 r{i}, r{i}, sp, zp; " for i in range(n)))
+    return body + scale + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i}; " for i in range(n)) + "}"
+
+
+def _pair_body(kind: int, fp8: int, symmetric: bool) -> tuple[str, int]:
+    """`pair_asm`'s PTX up to its outputs: the block with registers r0 .. r(n-1) holding the token pairs (open), and
+    n, the values a word holds."""
     n = 8 if kind == codes.INT4 else 4  # values per word; inputs are $2n (first token), $2n+1
     a, b = f"${2 * n}", f"${2 * n + 1}"
     if kind == codes.FLOAT:  # x = (a0, b0, a1, b1), y = (a2, b2, a3, b3): each 16-bit half is a token pair
@@ -132,4 +151,4 @@ def pair_asm(kind: int, fp8: int, symmetric: bool) -> str:
                 + f"prmt.b32 x, {a}, {b}, 0x5410; prmt.b32 y, {a}, {b}, 0x7632; shr.b32 u, x, 8; shr.b32 v, y, 8; "
                 + "".join(_int_widen(kind, symmetric, src, regs[i * per:(i + 1) * per])
                           for i, src in enumerate(("x", "u", "y", "v"))))
-    return body + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i}; " for i in range(n)) + "}"
+    return body, n

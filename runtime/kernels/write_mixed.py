@@ -12,8 +12,8 @@ own compile-time format, so a K8V4 cache is written by one launch. The rounding 
 * values: (x - zero) / s with IEEE division, NaN -> 0, clamped, rounded half to even (integers) or encoded by the
   integer fp8 encoder (`exact_round._fp8_byte`).
 
-Group membership is a mask over the columns, looped over the (at most head_dim / 16) groups at compile time, so
-head dims that are not powers of two need no padding of the group axis.
+Groups are an axis of the [tokens, head_dim] tile where head_dim is a power of two (one reduction a row of groups),
+else a mask over the columns looped over at compile time.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from . import codes
 from .exact_round import _clamp_round, _fp8_byte
 from .write_kv import _to_int
 
-E8M0_TINY = 1.1754943508222875e-38  # 2**-126: e8m0 scales are kept normal in fp32 (kv_format.dynamic_scales)
-E8M0_BIG = 1.7014118346046923e38  # 2**127
+E8M0_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126: e8m0 scales are kept normal in fp32 (kv_format.dynamic_scales)
+E8M0_BIG = tl.constexpr(1.7014118346046923e38)  # 2**127 (globals in jit code must be constexpr)
 
 
 @triton.jit
@@ -50,6 +50,56 @@ def _store_scale(ptr, off, s, mask, SCALE_DT: tl.constexpr):
 
 
 @triton.jit
+def _scales_of(x, real, AX: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr):
+    """Scales (and zero points) of x's rows along axis AX over the entries `real`, rounded to the scale dtype."""
+    if ASYM:
+        lo = tl.min(tl.where(real, x, float("inf")), AX)
+        hi = tl.max(tl.where(real, x, -float("inf")), AX)
+        z = _clamp_round(lo, SCALE_DT, False)
+        s = _round_scale(tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32)), SCALE_DT)
+    else:
+        amax = tl.max(tl.where(real, tl.abs(x), 0.0), AX)
+        s = _round_scale(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), SCALE_DT)
+        z = tl.zeros(s.shape, tl.float32)
+    return s, z
+
+
+@triton.jit
+def _group_scales(x, real, S, Z, meta, mask_t, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, ASYM: tl.constexpr,
+                  QMAX: tl.constexpr, SCALE_DT: tl.constexpr, GROUPS: tl.constexpr, GS: tl.constexpr):
+    """Scales and zero points of [BLOCK_T, HEAD_DIM] rows (a power of two) as [BLOCK_T, GROUPS, GS] groups, stored,
+    and broadcast back to every channel (s_el, z_el)."""
+    s, z = _scales_of(tl.reshape(x, (BLOCK_T, GROUPS, GS)), tl.reshape(real, (BLOCK_T, GROUPS, GS)), 2, ASYM, QMAX,
+                      SCALE_DT)
+    off = meta[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
+    _store_scale(S, off, s, mask_t[:, None], SCALE_DT)
+    if ASYM:
+        _store_scale(Z, off, z, mask_t[:, None], SCALE_DT)
+    s_el = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_T, GROUPS, GS)), (BLOCK_T, HEAD_DIM))
+    z_el = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_T, GROUPS, GS)), (BLOCK_T, HEAD_DIM))
+    return s_el, z_el
+
+
+@triton.jit
+def _masked_scales(x, real, S, Z, meta, mask_t, cols, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                   ASYM: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr, GROUPS: tl.constexpr,
+                   GS: tl.constexpr):
+    """`_group_scales` for any head_dim (one scale a row without group scales): each group a column mask,
+    looped over at compile time, so head dims that are not powers of two need no padding of the group axis."""
+    grp = cols // GS
+    s_el = tl.full([BLOCK_T, BLOCK_D], 1.0, tl.float32)
+    z_el = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for g in tl.static_range(GROUPS):
+        s, z = _scales_of(x, real & (grp == g)[None, :], 1, ASYM, QMAX, SCALE_DT)
+        _store_scale(S, meta * GROUPS + g, s, mask_t, SCALE_DT)
+        s_el = tl.where((grp == g)[None, :], s[:, None], s_el)
+        if ASYM:
+            _store_scale(Z, meta * GROUPS + g, z, mask_t, SCALE_DT)
+            z_el = tl.where((grp == g)[None, :], z[:, None], z_el)
+    return s_el, z_el
+
+
+@triton.jit
 def _side_write(
     X, C, S, Z, t, mask_t, head, stride_xt, stride_xh, dst, meta,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
@@ -61,23 +111,11 @@ def _side_write(
     m2 = mask_t[:, None] & (cols < HEAD_DIM)[None, :]
     x = tl.load(X + t[:, None] * stride_xt + head * stride_xh + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     real = m2 & (x == x)  # NaNs stay out of the reductions (kv_format.dynamic_scales)
-    grp = cols // GS
-    s_el = tl.full([BLOCK_T, BLOCK_D], 1.0, tl.float32)
-    z_el = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    for g in tl.static_range(GROUPS):
-        gm = real & (grp == g)[None, :]
-        if ASYM:
-            lo = tl.min(tl.where(gm, x, float("inf")), 1)
-            hi = tl.max(tl.where(gm, x, -float("inf")), 1)
-            z = _clamp_round(lo, SCALE_DT, False)
-            s = _round_scale(tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32)), SCALE_DT)
-            _store_scale(Z, meta * GROUPS + g, z, mask_t, SCALE_DT)
-            z_el = tl.where((grp == g)[None, :], z[:, None], z_el)
-        else:
-            amax = tl.max(tl.where(gm, tl.abs(x), 0.0), 1)
-            s = _round_scale(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), SCALE_DT)
-        _store_scale(S, meta * GROUPS + g, s, mask_t, SCALE_DT)
-        s_el = tl.where((grp == g)[None, :], s[:, None], s_el)
+    if BLOCK_D == HEAD_DIM and GROUPS > 1:  # the groups as an axis: one reduction over each group's channels
+        s_el, z_el = _group_scales(x, real, S, Z, meta, mask_t, BLOCK_T, HEAD_DIM, ASYM, QMAX, SCALE_DT, GROUPS, GS)
+    else:
+        s_el, z_el = _masked_scales(x, real, S, Z, meta, mask_t, cols, BLOCK_T, BLOCK_D, ASYM, QMAX, SCALE_DT,
+                                    GROUPS, GS)
     y = tl.math.div_rn(x - z_el, s_el)
     if KIND == codes.FLOAT:
         tl.store(C + dst[:, None] + cols[None, :], _fp8_byte(y, FP8, QMIN, QMAX), mask=m2)
