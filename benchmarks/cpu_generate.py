@@ -143,6 +143,8 @@ def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: i
            batch_invariant: bool) -> dict:
     import torch
 
+    from runtime import cpu_lanes
+
     if threads:
         torch.set_num_threads(threads)
     if backend == "kvq":
@@ -155,6 +157,8 @@ def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: i
         "tokens_per_cpu_s": round(batch * new_tokens / cpu, 2),
         "peak_rss_mib": round(_peak_rss_kib() / 1024, 1),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        # kvq's matmul slices per product, one per thread (runtime/cpu_lanes.py); 1: not split
+        **({"cpu_lanes": cpu_lanes.lanes_available()} if backend == "kvq" else {}),
     }
 
 
