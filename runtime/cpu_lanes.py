@@ -46,8 +46,11 @@ def _omp_set_num_threads():
 
 
 def lanes_available() -> int:
-    """How many slices `pack_split` cuts a weight into: torch's intra-op thread count (at most the
-    cores), 1 where lanes cannot run (no GNU OpenMP, one thread)."""
+    """How many slices `batch_invariant.pack_weight` cuts a weight into: torch's intra-op thread count (at most
+    the cores), 1 where lanes cannot run (no GNU OpenMP, one thread) or KVQ_CPU_LANES=0 turns them off
+    (the products' bits are the same either way; the switch compares the two speeds)."""
+    if os.environ.get("KVQ_CPU_LANES", "1").strip() == "0":
+        return 1
     n = min(torch.get_num_threads(), os.cpu_count() or 1)
     return n if n >= 2 and _omp_set_num_threads() is not None else 1
 
@@ -89,7 +92,9 @@ class _Lane(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        torch.zeros(1) + 1  # torch's per-thread thread setup first, so that the next call is the last word
+        # torch sizes a thread's OpenMP team from its process-wide setting at the thread's first op;
+        # let it do so now, so that it does not undo the one-thread team set next
+        torch.zeros(1) + 1
         _omp_set_num_threads()(1)
         while True:
             fn, x, w = self.jobs.get()
@@ -103,6 +108,16 @@ class _Lane(threading.Thread):
 _lanes: list[_Lane] = []
 _lanes_lock = threading.Lock()
 _in_use = threading.Lock()  # one product at a time on the lanes (two engines' threads may both multiply)
+
+
+def _forget_lanes() -> None:
+    """In a forked child: the parent's lane threads do not exist there; start new ones on demand."""
+    global _lanes_lock, _in_use
+    _lanes.clear()
+    _lanes_lock, _in_use = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_lanes)
 
 
 def lanes(count: int) -> list[_Lane]:

@@ -112,3 +112,35 @@ def test_pack_weight_splits_over_the_threads(threads):
         assert isinstance(packed, cpu_lanes.SplitWeight) and len(packed.parts) == 2
     threads(1)
     assert not isinstance(bi.pack_weight(_weight(960, 576)), cpu_lanes.SplitWeight)
+
+
+@needs_lanes
+def test_a_forked_child_starts_its_own_lanes(threads):
+    import multiprocessing as mp
+
+    threads(2)
+    split = cpu_lanes.SplitWeight(_weight(64, 32), 2, bi._pack)
+    x = torch.randn(4, 32)
+    want = bi.fast_linear(x, split)  # the parent's lane exists now
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(_product_in_child, (x, split.to_dense())).get(timeout=60)
+    assert torch.equal(got, want)
+
+
+def _product_in_child(x, w):
+    # the parent's OpenMP workers do not exist in the child either: this thread must not start a team
+    # (a GNU OpenMP limit, lanes or not), so the packing runs on one thread
+    torch.set_num_threads(1)
+    split = cpu_lanes.SplitWeight(w, 2, bi._pack)
+    torch.set_num_threads(2)
+    got = bi.fast_linear(x, split)
+    assert cpu_lanes.lanes(1)[0].products == 1, "the child's own lane must have multiplied the second slice"
+    return got
+
+
+def test_the_switch_turns_the_split_off(threads, monkeypatch):
+    threads(2)
+    monkeypatch.setenv("KVQ_CPU_LANES", "0")
+    assert cpu_lanes.lanes_available() == 1
+    assert not isinstance(bi.pack_weight(_weight(960, 576)), cpu_lanes.SplitWeight)
