@@ -15,7 +15,7 @@ needs_lanes = pytest.mark.skipif(cpu_lanes._omp_set_num_threads() is None, reaso
 
 # SmolLM2's decode shapes (QKV, O, gate/up, down) and an odd one whose slices are uneven
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (101, 67)]
-ROWS = (1, 2, 3, 8, 64, 65, 300)
+ROWS = (1, 2, 3, 8, 64, 65, 300, 2048)
 
 
 @pytest.fixture
