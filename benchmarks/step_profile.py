@@ -131,7 +131,14 @@ def captured_step(engine: Engine, burst: DecodeBurst | None, n: int, ctx: int):
     need = -(-(ctx + 1) // engine.stats.block_size)
     fits = sorted((width, b) for (bucket, width), b in burst._buffers.items()
                   if bucket == size and width >= need and b.graph is not None)
-    return fits[0][1].graph.replay if fits else None
+    if not fits:
+        return None
+    buf = fits[0][1]
+
+    def replay():  # the captured step advances the burst's ring row: start each replay at row 0
+        buf.counter.zero_()
+        buf.graph.replay()
+    return replay
 
 
 def sync(engine: Engine) -> None:

@@ -147,36 +147,32 @@ class _Request:
         self.model.outbox.put(self)
 
     def flush(self):
-        """Sender thread: one response with what the request has that its client has not seen."""
+        """Sender thread: one response with what the request has that its client has not seen. The send
+        holds the request's lock, as the watcher's is_cancelled does: tritonserver 2.51 segfaults when
+        IsCancelled meets a response factory that a final response has just freed."""
         with self.lock:
             self.queued = False
             if self.done:
                 return
-            final, failed, cancelled = self.finished, self.failed, self.cancelled
-            fresh = len(self.ids) > self.shown
-            response = None
-            if not (cancelled or failed) and (fresh or not self.stream):
-                response = self._response(final=final)
-            shown = len(self.ids)
-        sent = True
-        try:
-            if failed:
-                err = pb_utils.TritonError(
-                    "the engine failed on this request (requests beside it are unaffected); see the server log.",
-                    pb_utils.TritonError.INTERNAL,
-                )
-                self.sender.send(pb_utils.InferenceResponse(error=err), flags=FINAL)
-            elif response is None:
-                self.sender.send(flags=FINAL)  # cancelled, or every token was already streamed
-            else:
-                self.sender.send(response, flags=FINAL if final else 0)
-        except Exception:  # the client is gone (or a close was best effort): stop generating for it
-            sent = False
-        with self.lock:
-            self.shown = shown
-            self.done = final or failed or cancelled or not sent
-            done, finished = self.done, self.finished
-        if done:
+            final = self.finished or self.failed or self.cancelled
+            try:
+                if self.failed:
+                    err = pb_utils.TritonError(
+                        "the engine failed on this request (requests beside it are unaffected); see the server log.",
+                        pb_utils.TritonError.INTERNAL,
+                    )
+                    self.sender.send(pb_utils.InferenceResponse(error=err), flags=FINAL)
+                elif self.cancelled or (self.stream and len(self.ids) == self.shown):
+                    if final:  # the client is gone, or every token was already streamed
+                        self.sender.send(flags=FINAL)
+                else:
+                    self.sender.send(self._response(final=self.finished), flags=FINAL if self.finished else 0)
+                    self.shown = len(self.ids)
+            except Exception:  # the client is gone (or a close was best effort): stop generating for it
+                final = True
+            self.done = final
+            finished = self.finished
+        if final:
             # After a vanished client the engine would go on: cancel it there.
             self.model.forget(self, cancel_engine=not finished)
 
