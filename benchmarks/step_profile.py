@@ -51,7 +51,8 @@ from benchmarks.step_profile_report import markdown
 from runtime.config import PRESETS
 from runtime.cuda_graphs import bucket_for
 from runtime.decode_burst import DecodeBurst
-from runtime.engine import Engine, with_small_ops
+from runtime.engine import Engine
+from runtime.engine_ops import with_small_ops
 from runtime.kv_format import kv_bytes_per_token
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Sequence

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import logging
 import threading
-import types
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,7 @@ from typing import Any
 
 import torch
 
-from . import batch_invariant, parallel, scoring
-from .attention import select_backend
+from . import parallel, scoring
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
@@ -35,12 +33,13 @@ from .engine_dir import (
     resolve_rotation,
     resolve_scales,
 )
+from .engine_ops import engine_backend
 from .errors import InputError, KvqError, RequestError, UnsupportedError
 from .kv_format import KVFormat
 from .layer_formats import as_layer_formats, formats_name, uniform_format
 from .model import LlamaModel
 from .rotation import KVRotation
-from .runner import ModelRunner, PoolPlan, allocate_pool, plan_pool
+from .runner import ModelRunner, PoolPlan, allocate_pool, gpu_pool_budget, plan_pool
 from .sampling import SamplingParams
 from .scheduler import KVCacheUsage, Scheduler, Sequence, TokenCallback
 from .scoring import TokenScores
@@ -72,14 +71,7 @@ class Engine:
         self.max_input_len = max_input_len or self.max_seq_len
         # batch_invariant: a request's output independent of its batch mates (runtime/batch_invariant.py)
         self.batch_invariant = batch_invariant
-        self.backend = select_backend(model.device, self.formats, attention)  # also checks `attention` for the device
-        if batch_invariant:
-            if attention == "triton":
-                raise InputError("the batch-invariant mode runs its own attention ops; pass attention='auto' "
-                                 "or batch_invariant=False to use the Triton kernels.")
-            self.backend = batch_invariant_backend(model)
-        if fused_ops:
-            self.backend = with_small_ops(self.backend, model, batch_invariant)
+        self.backend = engine_backend(model, self.formats, attention, batch_invariant, fused_ops)
         caches = allocate_pool(model.cfg, self.formats, plan, model.device, k_scales, v_scales, model.num_kv_heads)
         # the page key's salt: K/V of another format, scales, model or dtype never match
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, prefix_caching=prefix_caching,
@@ -192,7 +184,7 @@ class Engine:
         bsz = block_size or settings.block_size
         gpu_budget = None
         if dev.type == "cuda" and num_blocks is None and memory_budget is None:
-            gpu_budget = _gpu_pool_budget(model, step_tokens, settings.gpu_memory_fraction)
+            gpu_budget = gpu_pool_budget(model, step_tokens, settings.gpu_memory_fraction)
             if tp > 1:  # every rank's pool holds the same blocks: the smallest budget
                 gpu_budget = model.group.min_int(gpu_budget)
         plan = plan_pool(cfg, fmt, bsz, num_blocks=num_blocks, memory_budget=memory_budget,
@@ -404,52 +396,3 @@ def _cache_salt(model: LlamaModel, formats, k_scales, v_scales) -> str:
 def _pick(*choices):
     """The first choice that is not None."""
     return next(c for c in choices if c is not None)
-
-
-def batch_invariant_backend(model: LlamaModel):
-    """The mode's ops: on CUDA its Triton kernels (runtime/kernels/invariant_attention.py), elsewhere torch's, after
-    measuring that this machine's GEMMs allow it (UnsupportedError if not)."""
-    if model.device.type == "cuda":
-        if isinstance(model, parallel.TPLlamaModel):
-            # its kernels' norms are fused with the residual adds, where a tensor-parallel model all-reduces
-            raise UnsupportedError("the batch-invariant mode on CUDA runs on one device; build the engine with tp: 1, "
-                                   "or with build.batch_invariant: false for tensor parallelism.")
-        from .kernels import invariant_attention
-
-        return invariant_attention.backend()
-    layer = model.layer(0)
-    rotation = [model.rotation_weight] if model.rotation_weight is not None else []
-    batch_invariant.check([layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head, *rotation],
-                          model.cfg.head_dim)
-    return batch_invariant.backend()
-
-
-def with_small_ops(backend, model: LlamaModel, batch_invariant: bool):
-    """`backend` plus the fused small ops (runtime/kernels/small_ops.py), which LlamaModel.forward_paged
-    then runs in place of its torch norms, RoPE and SwiGLU, and the skinny-matmul rule
-    (runtime/kernels/skinny_gemm.py)."""
-    if model.device.type != "cuda":
-        raise InputError("fused_ops=True runs Triton kernels and needs a CUDA device; leave it False on the CPU.")
-    if batch_invariant:
-        raise InputError("the batch-invariant mode keeps its own ops; pass fused_ops=False with batch_invariant=True.")
-    from .kernels import skinny_gemm, small_ops
-
-    # the skinny-matmul rule too: cuBLAS unless the GPU's tuned data says the GEMV wins at that shape
-    return types.SimpleNamespace(**dict(vars(backend), name=backend.name + "+small_ops", small_ops=small_ops,
-                                        linear=skinny_gemm.linear))
-
-
-def _gpu_pool_budget(model: LlamaModel, step_tokens: int, fraction: float) -> int:
-    """Bytes for the KV pool: `fraction` of the free GPU memory after the weights,
-    minus the activation peak of a warm-up forward over a full step of tokens."""
-    dev = model.device
-    torch.cuda.synchronize(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    ids = torch.zeros(min(step_tokens, model.cfg.max_position_embeddings), dtype=torch.int64, device=dev)
-    model.forward_dense(ids)
-    torch.cuda.synchronize(dev)
-    activations = torch.cuda.max_memory_allocated(dev) - base
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(dev)
-    return int(fraction * free - activations)

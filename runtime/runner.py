@@ -189,3 +189,19 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release what the runner holds beyond its tensors (a tensor-parallel group's ranks)."""
+
+
+def gpu_pool_budget(model: LlamaModel, step_tokens: int, fraction: float) -> int:
+    """Bytes for the KV pool: `fraction` of the free GPU memory after the weights,
+    minus the activation peak of a warm-up forward over a full step of tokens."""
+    dev = model.device
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    ids = torch.zeros(min(step_tokens, model.cfg.max_position_embeddings), dtype=torch.int64, device=dev)
+    model.forward_dense(ids)
+    torch.cuda.synchronize(dev)
+    activations = torch.cuda.max_memory_allocated(dev) - base
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(dev)
+    return int(fraction * free - activations)

@@ -157,10 +157,11 @@ def kernel_mode_model(tmp_path_factory):
 
 def _kernel_mode_generate(model, fmt, prompts, blocks, budget, max_tokens=4):
     from runtime import engine as engine_module
+    from runtime import engine_ops
     from runtime.runner import plan_pool
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_module, "batch_invariant_backend", lambda m: invariant_attention.backend())
+        mp.setattr(engine_ops, "batch_invariant_backend", lambda m: invariant_attention.backend())
         eng = engine_module.Engine(model, fmt, plan_pool(model.cfg, fmt, 8, num_blocks=blocks), None, None,
                                    max_batch_size=16, max_tokens_per_step=budget, batch_invariant=True)
     try:
