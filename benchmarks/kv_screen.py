@@ -78,28 +78,36 @@ def nf4_rule(group: int):
     return rule
 
 
-def kivi_rule(tokens: int = 32):
-    """Per-channel asymmetric INT4 over groups of `tokens` positions; the incomplete tail stays unquantized."""
+def kivi_rule(tokens: int = 32, symmetric: bool = False):
+    """Per-channel INT4 over groups of `tokens` positions (asymmetric: fp16 scale and zero per channel and
+    group, 32/tokens bits per element; symmetric: fp16 scale, 16/tokens); the incomplete tail stays
+    unquantized, as KIVI's residual window of recent tokens does."""
     def rule(x: torch.Tensor) -> torch.Tensor:
         full = x.shape[0] // tokens * tokens
         if not full:
             return x
         xg = x[:full].unflatten(0, (full // tokens, tokens))  # [G, tokens, H, D]
-        lo = round_down_to(xg.amin(1, keepdim=True), torch.float16).float()
-        s = round_up_to(((xg.amax(1, keepdim=True) - lo) / 15).clamp_min(1e-8), torch.float16).float()
-        y = torch.round((xg - lo) / s).clamp(0, 15) * s + lo
+        if symmetric:
+            s = round_up_to((xg.abs().amax(1, keepdim=True) / 7).clamp_min(1e-8), torch.float16).float()
+            y = torch.round(xg / s).clamp(-7, 7) * s
+        else:
+            lo = round_down_to(xg.amin(1, keepdim=True), torch.float16).float()
+            s = round_up_to(((xg.amax(1, keepdim=True) - lo) / 15).clamp_min(1e-8), torch.float16).float()
+            y = torch.round((xg - lo) / s).clamp(0, 15) * s + lo
         return torch.cat((y.flatten(0, 1), x[full:]))
     return rule
 
 
 def rule_for(spec: str):
-    """'clip-g32', 'nf4-g32', 'kivi', or a KV format name (one side)."""
+    """'clip-g32', 'nf4-g32', 'kivi[-t<tokens>][-sym]', or a KV format name (one side)."""
     if spec.startswith("clip-g"):
         return clip_rule(int(spec[6:]))
     if spec.startswith("nf4-g"):
         return nf4_rule(int(spec[5:]))
-    if spec == "kivi":
-        return kivi_rule()
+    if spec.startswith("kivi"):
+        parts = spec.split("-")[1:]
+        tokens = next((int(p[1:]) for p in parts if p.startswith("t")), 32)
+        return kivi_rule(tokens, "sym" in parts)
     return format_rule(format_from_name(spec))
 
 
@@ -128,8 +136,13 @@ CANDIDATES = {
     "nf4-g32+rot": ("nf4-g32", "nf4-g32", 0, True, 4.5),
     "nf4-g64+rot": ("nf4-g64", "nf4-g64", 0, True, 4.25),
     "k.nf4-g32+v.int4-asym+rot": ("nf4-g32", "int4-per_token-asym", 0, True, 4.5),
-    "k.kivi+v.int4-asym": ("kivi", "int4-per_token-asym", 0, False, 4.5),
-    "k.kivi+v.int4-asym+rot": ("kivi", "int4-per_token-asym", 0, True, 4.5),
+    "k.kivi+v.int4-asym": ("kivi", "int4-per_token-asym", 0, False, 4.75),
+    "k.kivi+v.int4-asym+rot": ("kivi", "int4-per_token-asym", 0, True, 4.75),
+    "k.kivi-t64+v.int4-asym+rot": ("kivi-t64", "int4-per_token-asym", 0, True, 4.5),
+    "k.kivi-t64+v.int4-asym": ("kivi-t64", "int4-per_token-asym", 0, False, 4.5),
+    "k.kivi-sym+v.int4-asym+rot": ("kivi-sym", "int4-per_token-asym", 0, True, 4.5),
+    "k.kivi-t64+v.nf4-g64+rot": ("kivi-t64", "nf4-g64", 0, True, 4.375),
+    "int4-asym-g32+rot": ("int4-per_token-asym-g32", "int4-per_token-asym-g32", 0, True, 5.0),
     "sink4:k.int4-g32+v.int4-asym+rot": ("int4-per_token-g32", "int4-per_token-asym", 4, True, 4.5),
     "sink4:nf4-g32+rot": ("nf4-g32", "nf4-g32", 4, True, 4.5),
     "k8v4-g32+rot": ("int8-per_token", "int4-per_token-asym-g32", 0, True, 6.62),
