@@ -9,7 +9,7 @@ groups of 32 tokens (asymmetric INT4, fp16 scale and zero), the last incomplete 
 as KIVI's residual window does. Perplexity on the built-in held-out split (and --ood: the out-of-domain text)
 through calibration.kvsim.DenseScorer, the same windows as the evaluate stage.
 
-    python -m benchmarks.kv_screen --model-dir DIR --ppl-tokens 4096 [--only a,b] [--ood] --out FILE.json
+    python -m benchmarks.kv_screen --model-dir DIR --ppl-tokens 4096 [--only a,b] [--ood] [--device cuda] --out FILE.json
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def nf4_rule(group: int):
     def rule(x: torch.Tensor) -> torch.Tensor:
         xg = _groups(x, group)
         amax = round_up_to(xg.abs().amax(-1, keepdim=True).clamp_min(1e-8), torch.float16).float()
-        idx = ((xg / amax).unsqueeze(-1) - NF4).abs().argmin(-1)
-        return (NF4[idx] * amax).flatten(-2)
+        levels = NF4.to(x.device)
+        idx = ((xg / amax).unsqueeze(-1) - levels).abs().argmin(-1)
+        return (levels[idx] * amax).flatten(-2)
     return rule
 
 
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument("--only", default=None)
     ap.add_argument("--ood", action="store_true", help="also the out-of-domain text")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -168,14 +170,14 @@ def main() -> None:
     texts = {"held_out": eval_windows(tok, args.ppl_tokens, 1024)}
     if args.ood:
         texts["ood"] = eval_windows(tok, args.ppl_tokens, 1024, OUT_OF_DOMAIN)
-    models = {NO_ROTATION: load_model(args.model_dir)}
+    models = {NO_ROTATION: load_model(args.model_dir, device=args.device)}
     base = {t: perplexity(DenseScorer(models[NO_ROTATION]), w)["perplexity"] for t, w in texts.items()}
     res = {"baseline": base, "ppl_tokens": args.ppl_tokens, "candidates": {}}
     for name in names:
         k, v, sink, rot, bits = CANDIDATES[name]
         r = HADAMARD if rot else NO_ROTATION
         if r not in models:
-            models[r] = load_model(args.model_dir, rotation=r)
+            models[r] = load_model(args.model_dir, device=args.device, rotation=r)
         t0 = time.perf_counter()
         row = {"k": k, "v": v, "sink": sink, "rotation": r.name, "bits_per_element": bits}
         for t, w in texts.items():
