@@ -31,6 +31,7 @@ from calibration.calibrate import calibration_windows, run_calibration, scales_f
 from calibration.layer_search import (
     VALIDATION_MARGIN,
     EngineScorer,
+    Sensitivity,
     heldout_change,
     layer_scales,
     measure_sensitivity,
@@ -129,6 +130,9 @@ def main() -> None:
     ap.add_argument("--no-batch-invariant", action="store_true",
                     help="score through the engine's default ops instead of its batch-invariant mode")
     ap.add_argument("--speed", action="store_true", help="also time greedy decode per configuration")
+    ap.add_argument("--sensitivity-from", type=Path, default=None,
+                    help="layer_precision.jsonl of an earlier run with the same model, formats and windows: "
+                         "reuse its sensitivities")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -164,7 +168,13 @@ def main() -> None:
     scorer = EngineScorer(model, model_dir, drawn[: args.num_samples], scales, batch_invariant=bi)
     validator = (EngineScorer(model, model_dir, drawn[args.num_samples:], scales, batch_invariant=bi)
                  if args.validation_samples else None)
-    sens = measure_sensitivity(scorer, candidates)
+    if args.sensitivity_from:  # an earlier run's sensitivities (same model, formats and windows): re-choose only
+        meta = json.loads(args.sensitivity_from.read_text().splitlines()[0])["meta"]
+        sens = Sensitivity.from_dict(meta["sensitivity"], parse_kv_format_name)
+        if set(sens.candidates) != set(candidates):
+            raise SystemExit(f"--sensitivity-from measured {[f.name for f in sens.candidates]}, not --formats")
+    else:
+        sens = measure_sensitivity(scorer, candidates)
     print(f"sensitivity: {scorer.passes} engine runs, {time.perf_counter() - t0:.0f} s", flush=True)
     ood = args.ood or default_ood()
     texts = {"builtin": ("builtin", "the built-in corpus's evaluation split"), "out_of_domain": (str(ood), ood.name)}

@@ -85,6 +85,12 @@ class Sensitivity:
         return {"candidates": [f.name for f in self.candidates], "layer_bytes": self.layer_bytes,
                 "base_nll": self.base_nll, "top_nll": self.top_nll, "sens_nll": self.sens}
 
+    @classmethod
+    def from_dict(cls, d: dict, parse: Callable[[str], KVFormat]) -> "Sensitivity":
+        """to_dict's inverse (parse: a format name -> KVFormat)."""
+        return cls(tuple(parse(n) for n in d["candidates"]), list(d["layer_bytes"]), d["base_nll"], d["top_nll"],
+                   [list(r) for r in d["sens_nll"]])
+
 
 # ------------------------------------------------------------------ scoring
 def layer_scales(formats: LayerFormats, scales: Scales) -> tuple[list | None, list | None]:
@@ -220,11 +226,12 @@ class Round:
 VALIDATION_MARGIN = 0.75
 
 
-def repair(s: Sensitivity, choice: list[int], excess: float) -> list[int]:
+def repair(s: Sensitivity, choice: list[int], excess: float, min_steps: int = 1) -> list[int]:
     """Move the layers whose steps down cost the most NLL per byte saved back up their ladder until the
-    predicted cost removed is at least `excess` (at least one step): the cheapest bytes to give back."""
+    predicted cost removed is at least `excess` and `min_steps` steps were taken: the cheapest bytes to
+    give back. (Layers measured as free still count as steps: noisy sensitivities call many layers free.)"""
     costs = [[max(0.0, c) for c in row] for row in s.sens]
-    out, removed = list(choice), 0.0
+    out, removed, taken = list(choice), 0.0, 0
     while True:
         steps = []
         for i, j in enumerate(out):
@@ -239,7 +246,8 @@ def repair(s: Sensitivity, choice: list[int], excess: float) -> list[int]:
         _, saved, i, up = max(steps)
         out[i] = up
         removed += saved
-        if removed >= excess:
+        taken += 1
+        if removed >= excess and taken >= min_steps:
             return out
 
 
@@ -286,8 +294,10 @@ def search(scorer: EngineScorer, s: Sensitivity, *, max_pct: float | None = None
         if measured <= target or all(j == 0 for j in choice):
             break
         # remove the predicted cost in proportion to the miss (the prediction is scaled by the same factor)
-        excess = (s.predicted(choice) - s.top_offset) * (1 - target / measured)
-        choice = repair(s, choice, excess)
+        miss = 1 - target / measured
+        excess = (s.predicted(choice) - s.top_offset) * miss
+        # and at least half the miss's fraction of the quantized-down layers: the prediction may call them free
+        choice = repair(s, choice, excess, max(1, math.ceil(miss * sum(j > 0 for j in choice) / 2)))
     return choice, rounds
 
 

@@ -172,6 +172,8 @@ def test_repair_moves_the_most_sensitive_per_byte_layers_up_first():
     assert repair(s, [2, 2, 2], excess=4.6) == [0, 2, 2]  # then layer 0's int8 step (0.25 per byte)
     assert repair(s, [2, 2, 2], excess=5.1) == [0, 2, 1]
     assert repair(s, [0, 0, 0], excess=1.0) == [0, 0, 0]  # nothing left to give back
+    assert repair(s, [2, 2, 2], excess=0.0, min_steps=2) == [0, 2, 2]  # steps counted even when free
+    assert Sensitivity.from_dict(s.to_dict(), lambda n: {f.name: f for f in s.candidates}[n]) == s
 
 
 class _Model:
