@@ -92,11 +92,17 @@ def tiny_results(tmp_path_factory):
     int4 = KVFormat("int4", "per_tensor")
     engines = [EngineKV("int8-tok", KVFormat("int8", "per_token")), EngineKV("int4-tensor", int4, *scales_for(calib, int4))]
     budget = {"max_perplexity_increase_pct": 0.0, "min_greedy_agreement": 1.0, "min_passkey_rate_relative": None}
-    return run_evaluation(d, engines, out, TINY_SETTINGS, budget=budget), out, budget, calib
+    saved = []  # what a long run saves after each engine (benchmarks/accuracy_table.py)
+    res = run_evaluation(d, engines, out, TINY_SETTINGS, budget=budget,
+                         on_engine=lambda r: saved.append((list(r["engines"]), r["baseline"]["perplexity"])))
+    res["_saved"] = saved
+    return res, out, budget, calib
 
 
 def test_evaluation_writes_results_and_flags_budget(tiny_results):
     res, out, budget, _ = tiny_results
+    assert [names for names, _ in res["_saved"]] == [["int8-tok"], ["int8-tok", "int4-tensor"]]
+    assert all(base == res["baseline"]["perplexity"] for _, base in res["_saved"])
     on_disk = json.loads((out / "accuracy.json").read_text())
     assert on_disk["engines"].keys() == {"int8-tok", "int4-tensor"} and on_disk["path"] == "engine"
     e = on_disk["engines"]["int4-tensor"]
