@@ -7,7 +7,10 @@ windows, then evaluate every engine with calibration.evaluate.run_evaluation
 (through the engine: Engine.score / generate). Beside each engine's numbers it
 records the dense quantize/dequantize simulation's perplexity on the same
 windows (same run) and the numbers of the previous table (--previous, the
-simulation-run table this one replaces).
+simulation-run table this one replaces). Perplexity is also scored on
+--extra-eval-data (default: the out-of-domain texts). The formats the bundled
+recipes use are measured first, and every finished engine is saved to
+<out>/accuracy_smollm2.partial.json / .md, so a long CPU run can be read early.
 Writes <out>/accuracy_smollm2.json and .md (the table) and prints the table.
 
     python -m benchmarks.accuracy_table --out benchmarks/results [--device cuda] [--threads 1] [--only a,b]
@@ -45,6 +48,7 @@ HADAMARD = KVRotation("hadamard", 0)
 SPLIT_AND_GROUP = (
     KVFormat("int8", "per_token", True, "float16", 0, "int4", False, 32),  # K8V4, V in groups of 32 channels
     KVFormat("int8", "per_token", True, "float16", 0, "int4", False, 0),  # K8V4
+    KVFormat("int4", "per_token", False, "float16", 32),  # the bundled INT4 (5.0 bits/element)
     KVFormat("int4", "per_token", True, "float16", 32),  # 4.5 bits/element
     KVFormat("int4", "per_token", True, "float16", 32, "int4", False, 0),  # 4.5 bits/element, V asymmetric
     KVFormat("fp8_e4m3", "per_token", True, "float16", 0, "int4", False, 0),
@@ -54,6 +58,7 @@ SPLIT_AND_GROUP = (
 # the formats the bundled recipes and docs lean on are measured first, so a run cut short still has them
 FIRST = ("fp8_e4m3-per_token", "fp8_e4m3-per_token+hadamard-s0", "int8-per_token", "int8-per_token+hadamard-s0",
          "k.int8-per_token+v.int4-per_token-asym-g32+hadamard-s0", "k.int8-per_token+v.int4-per_token-asym+hadamard-s0",
+         "int4-per_token-asym-g32+hadamard-s0",
          "int4-per_token-g32+hadamard-s0", "k.int4-per_token-g32+v.int4-per_token-asym+hadamard-s0",
          "int4-per_token-asym+hadamard-s0", "k.int8-per_token+v.int4-per_token-asym-g32",
          "k.int8-per_token+v.int4-per_token-asym")
