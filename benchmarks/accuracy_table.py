@@ -7,7 +7,10 @@ windows, then evaluate every engine with calibration.evaluate.run_evaluation
 (through the engine: Engine.score / generate). Beside each engine's numbers it
 records the dense quantize/dequantize simulation's perplexity on the same
 windows (same run) and the numbers of the previous table (--previous, the
-simulation-run table this one replaces).
+simulation-run table this one replaces). Perplexity is also scored on
+--extra-eval-data (default: the out-of-domain texts). The formats the bundled
+recipes use are measured first, and every finished engine is saved to
+<out>/accuracy_smollm2.partial.json / .md, so a long CPU run can be read early.
 Writes <out>/accuracy_smollm2.json and .md (the table) and prints the table.
 
     python -m benchmarks.accuracy_table --out benchmarks/results [--device cuda] [--threads 1] [--only a,b]
@@ -43,11 +46,23 @@ DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 GRANULARITIES = ("per_tensor", "per_head", "per_token")
 HADAMARD = KVRotation("hadamard", 0)
 SPLIT_AND_GROUP = (
+    KVFormat("int8", "per_token", True, "float16", 0, "int4", False, 32),  # K8V4, V in groups of 32 channels
     KVFormat("int8", "per_token", True, "float16", 0, "int4", False, 0),  # K8V4
+    KVFormat("int4", "per_token", False, "float16", 32),  # the bundled INT4 (5.0 bits/element)
+    KVFormat("int4", "per_token", True, "float16", 32),  # 4.5 bits/element
+    KVFormat("int4", "per_token", True, "float16", 32, "int4", False, 0),  # 4.5 bits/element, V asymmetric
     KVFormat("fp8_e4m3", "per_token", True, "float16", 0, "int4", False, 0),
     KVFormat("int4", "per_token", False, "float16", 64),
     KVFormat("int4", "per_token", True, "e8m0", 32),
 )
+# the formats the bundled recipes and docs lean on are measured first, so a run cut short still has them
+FIRST = ("fp8_e4m3-per_token", "fp8_e4m3-per_token+hadamard-s0", "int8-per_token", "int8-per_token+hadamard-s0",
+         "k.int8-per_token+v.int4-per_token-asym-g32+hadamard-s0", "k.int8-per_token+v.int4-per_token-asym+hadamard-s0",
+         "int4-per_token-asym-g32+hadamard-s0",
+         "int4-per_token-g32+hadamard-s0", "k.int4-per_token-g32+v.int4-per_token-asym+hadamard-s0",
+         "int4-per_token-asym+hadamard-s0", "k.int8-per_token+v.int4-per_token-asym-g32",
+         "k.int8-per_token+v.int4-per_token-asym")
+OUT_OF_DOMAIN = str(Path(__file__).resolve().parents[1] / "calibration" / "data" / "out_of_domain")
 
 
 def engines(calib: Path, mo_amax: tuple[torch.Tensor, torch.Tensor] | None) -> list[EngineKV]:
@@ -77,7 +92,8 @@ def engines(calib: Path, mo_amax: tuple[torch.Tensor, torch.Tensor] | None) -> l
             name = "modelopt-fp8-per_tensor" + ("-clamped" if clamp else "")
             note = "ModelOpt FP8_KV_CFG amax/448" + (", clamped to >= 1.0 as its TRT-LLM export does" if clamp else "")
             out.append(EngineKV(name, f, k, v, note))
-    return out
+    rank = {name: i for i, name in enumerate(FIRST)}
+    return sorted(out, key=lambda e: rank.get(e.name, len(FIRST)))  # stable: the rest keep their order
 
 
 def simulation_perplexity(model_dir: Path, specs: list[EngineKV], settings: EvalSettings, device: str) -> dict:
@@ -116,14 +132,16 @@ def comparison_table(res: dict) -> str:
     """Engine-run numbers beside the simulation's (same run) and the previous table's."""
     sim = res.get("simulation", {}).get("engines", {})
     prev = (res.get("previous") or {}).get("engines", {})
-    lines = ["| engine | Δ ppl engine | Δ ppl simulation (same windows) | Δ ppl previous table | greedy engine | "
-             "greedy previous | passkey engine | passkey previous |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| engine | Δ ppl engine | Δ ppl out-of-domain engine | Δ ppl simulation (same windows) | "
+             "Δ ppl previous table | greedy engine | greedy previous | passkey engine | passkey previous |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["engines"].items():
         if "perplexity" not in r:
             continue
         s, p = sim.get(name), prev.get(name)
+        ood = [x["change_pct"] for x in r.get("perplexity_extra", {}).values()]
         lines.append(" | ".join((
-            f"| {name}", f"{r['perplexity']['change_pct']:+.2f}%",
+            f"| {name}", f"{r['perplexity']['change_pct']:+.2f}%", " / ".join(f"{x:+.2f}%" for x in ood) or "—",
             f"{s['change_pct']:+.2f}%" if s else "—", f"{p['change_pct']:+.2f}%" if p else "—",
             f"{r['greedy']['agreement']:.1%}", f"{p['greedy']:.1%}" if p else "—",
             f"{r['passkey']['found']}/{r['passkey']['trials']}", (p["passkey"] if p else "—") + " |")))
@@ -141,6 +159,8 @@ def main() -> None:
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--passkey-lengths", default="320,1024,3072")
     ap.add_argument("--passkey-trials", type=int, default=20)
+    ap.add_argument("--extra-eval-data", default=OUT_OF_DOMAIN,
+                    help="more text scored for perplexity alone (default: the out-of-domain texts; '' for none)")
     ap.add_argument("--no-modelopt", action="store_true")
     ap.add_argument("--modelopt-amax", default=None,
                     help="JSON {k: [...], v: [...]} of ModelOpt amax measured elsewhere on the same windows "
@@ -200,13 +220,18 @@ def main() -> None:
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
         passkey_trials=args.passkey_trials, attention_tokens=512, attention=args.attention,
         batch_invariant=not args.no_batch_invariant,
+        extra_eval_data=[args.extra_eval_data] if args.extra_eval_data else [],
     )
     specs = engines(calib, mo_amax)
     if args.only:
         wanted = args.only.split(",")
         specs = [e for e in specs if e.name in wanted]
+    def save(partial: dict) -> None:  # every finished engine is on disk: a long CPU run can be read while it runs
+        write_json_atomic(out / "accuracy_smollm2.partial.json", partial)
+        write_text_atomic(out / "accuracy_smollm2.partial.md", markdown_table(partial) + "\n" + comparison_table(partial))
+
     if args.workers <= 1:
-        res = run_evaluation(model_dir, specs, None, settings, device=args.device)
+        res = run_evaluation(model_dir, specs, None, settings, device=args.device, on_engine=save)
     else:  # each worker scores the baseline too; engines are dealt out round-robin
         groups = [specs[i :: args.workers] for i in range(args.workers)]
         ctx = multiprocessing.get_context("spawn")

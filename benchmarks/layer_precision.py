@@ -29,7 +29,9 @@ import torch
 
 from calibration.calibrate import calibration_windows, run_calibration, scales_for
 from calibration.layer_search import (
+    VALIDATION_MARGIN,
     EngineScorer,
+    Sensitivity,
     heldout_change,
     layer_scales,
     measure_sensitivity,
@@ -79,7 +81,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     texts = meta["texts"]
     lines = [f"# Per-layer KV formats on {meta['model']}", "",
              f"Device {meta['device']}, torch {meta['torch']}, fp32 model; sensitivity on {meta['num_samples']} x "
-             f"{meta['seq_len']} calibration tokens ({meta['engine_runs']} engine runs), KV rotation {meta['rotation']}; "
+             f"{meta['seq_len']} calibration tokens, choice verified on {meta.get('validation_samples', 0)} more windows "
+             f"to {meta.get('margin', 1):g} x budget ({meta['engine_runs']} engine runs), KV rotation {meta['rotation']}; "
              "held-out: "
              + ", ".join(f"{n} ({t['tokens']} tokens, {t['source']})" for n, t in texts.items())
              + f". Candidates: {', '.join(meta['formats'])}.", "",
@@ -111,7 +114,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--budgets", default="0.5,1,3")
     ap.add_argument("--formats", default=",".join(DEFAULT_SEARCH_FORMATS))
-    ap.add_argument("--num-samples", type=int, default=4)
+    ap.add_argument("--num-samples", type=int, default=8, help="sensitivity windows (calibration data)")
+    ap.add_argument("--validation-samples", type=int, default=4,
+                    help="further calibration windows the choice is verified and repaired on (0: none)")
+    ap.add_argument("--margin", type=float, default=VALIDATION_MARGIN,
+                    help="the fraction of the budget the choice must meet on calibration data")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--calib-len", type=int, default=512)
@@ -123,6 +130,9 @@ def main() -> None:
     ap.add_argument("--no-batch-invariant", action="store_true",
                     help="score through the engine's default ops instead of its batch-invariant mode")
     ap.add_argument("--speed", action="store_true", help="also time greedy decode per configuration")
+    ap.add_argument("--sensitivity-from", type=Path, default=None,
+                    help="layer_precision.jsonl of an earlier run with the same model, formats and windows: "
+                         "reuse its sensitivities")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -152,10 +162,19 @@ def main() -> None:
         scales = {f: scales_for(calib, f) for f in candidates if f.static}
     model = load_model(model_dir, device=args.device, **rot)
     tok = load_tokenizer(model_dir)
-    windows, _ = calibration_windows(model_dir, cfg, "builtin", args.num_samples, args.seq_len, 0)
+    drawn, _ = calibration_windows(model_dir, cfg, "builtin", args.num_samples + args.validation_samples,
+                                   args.seq_len, 0)
     bi = not args.no_batch_invariant
-    scorer = EngineScorer(model, model_dir, windows, scales, batch_invariant=bi)
-    sens = measure_sensitivity(scorer, candidates)
+    scorer = EngineScorer(model, model_dir, drawn[: args.num_samples], scales, batch_invariant=bi)
+    validator = (EngineScorer(model, model_dir, drawn[args.num_samples:], scales, batch_invariant=bi)
+                 if args.validation_samples else None)
+    if args.sensitivity_from:  # an earlier run's sensitivities (same model, formats and windows): re-choose only
+        meta = json.loads(args.sensitivity_from.read_text().splitlines()[0])["meta"]
+        sens = Sensitivity.from_dict(meta["sensitivity"], parse_kv_format_name)
+        if set(sens.candidates) != set(candidates):
+            raise SystemExit(f"--sensitivity-from measured {[f.name for f in sens.candidates]}, not --formats")
+    else:
+        sens = measure_sensitivity(scorer, candidates)
     print(f"sensitivity: {scorer.passes} engine runs, {time.perf_counter() - t0:.0f} s", flush=True)
     ood = args.ood or default_ood()
     texts = {"builtin": ("builtin", "the built-in corpus's evaluation split"), "out_of_domain": (str(ood), ood.name)}
@@ -165,7 +184,8 @@ def main() -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     choices = {}
     for b in budgets:
-        choice, rounds = search(scorer, sens, max_pct=b, max_rounds=args.max_rounds)
+        choice, rounds = search(scorer, sens, max_pct=b, max_rounds=args.max_rounds, validator=validator,
+                                margin=args.margin)
         choices[b] = (sens.formats(choice), rounds)
         configs[f"auto@{b:g}"] = sens.formats(choice)
     held = {n: heldout_change(s, configs) for n, s in scorers.items()}
@@ -194,13 +214,14 @@ def main() -> None:
         r.update(layers=layer_ranges(formats), best_uniform=best and best["kv_format"],
                  best_uniform_bytes_per_token=best and best["bytes_per_token"],
                  saving_pct=None if best is None else 100 * (1 - r["bytes_per_token"] / best["bytes_per_token"]),
-                 rounds=[{"predicted_pct": nll_to_pct(x.predicted_nll), "measured_calibration_pct":
-                          nll_to_pct(x.measured_nll)} for x in rounds])
+                 rounds=[{"predicted_pct": nll_to_pct(x.predicted_nll), "measured_pct": nll_to_pct(x.measured_nll),
+                          "data": x.data} for x in rounds])
         rows.append(r)
     meta = {"model": "SmolLM2-135M-Instruct" if args.model_dir is None else args.model_dir.name, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or
             "cpu", "torch": torch.__version__, "python": sys.version.split()[0], "formats": [f.name for f in
             sens.candidates], "num_samples": args.num_samples, "seq_len": args.seq_len,
-            "engine_runs": scorer.passes, "speed": args.speed, "batch_invariant": bi,
+            "engine_runs": scorer.passes + (validator.passes if validator else 0), "speed": args.speed,
+            "batch_invariant": bi, "validation_samples": args.validation_samples, "margin": args.margin,
             "rotation": args.rotation,
             "texts": {n: {"source": d, "tokens": int(scorers[n].windows.numel())} for n, (_, d) in texts.items()},
             "sensitivity": sens.to_dict(), "wall_s": round(time.perf_counter() - t0, 1)}

@@ -56,16 +56,19 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     cfg = ModelConfig.from_dir(model_dir)
     candidates = r.search.candidates()
     scales = _static_scales(ctx, candidates)
-    windows, source = calibration_windows(model_dir, cfg, r.calibration.dataset, r.search.num_samples,
-                                          r.search.seq_len, r.calibration.seed)
+    n, nv = r.search.num_samples, r.search.validation_samples
+    drawn, source = calibration_windows(model_dir, cfg, r.calibration.dataset, n + nv, r.search.seq_len,
+                                        r.calibration.seed)
+    windows, validation = drawn[:n], drawn[n:]  # distinct windows: the choice is verified on unseen data
     model = load_model(model_dir, device=ctx.device, **_rotation_kwargs(r))
     scorer = EngineScorer(model, model_dir, windows, scales)
+    validator = EngineScorer(model, model_dir, validation, scales) if nv else None
     with work_progress(ctx.spinner) as bars:
         sens = measure_sensitivity(scorer, candidates,
                                    bars.task("layer sensitivity", cfg.num_layers * (len(candidates) - 1), "runs"))
     max_pct = None if r.kv.target_bits_per_element else r.accuracy.max_perplexity_increase_pct
     choice, rounds = search(scorer, sens, max_pct=max_pct, target_bits=r.kv.target_bits_per_element,
-                            max_rounds=r.search.max_rounds)
+                            max_rounds=r.search.max_rounds, validator=validator, margin=r.search.margin)
     formats = sens.formats(choice)
 
     acc = r.accuracy
@@ -82,17 +85,19 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
         "mode": "size" if max_pct is None else "budget",
         "max_perplexity_increase_pct": max_pct,
         "target_bits_per_element": r.kv.target_bits_per_element,
-        "calibration_data": source, "num_samples": r.search.num_samples, "seq_len": r.search.seq_len,
+        "calibration_data": source, "num_samples": n, "validation_samples": nv, "seq_len": r.search.seq_len,
+        "margin": r.search.margin,
         "eval_data": acc.eval_data, "eval_tokens": int(held_windows.numel()),
         "sensitivity": sens.to_dict(),
         "rounds": [{"formats": formats_name(sens.formats(x.choice)), "predicted_pct": _pct(x.predicted_nll),
-                    "measured_pct": _pct(x.measured_nll), "budget_pct": _pct(x.budget_nll)} for x in rounds],
+                    "measured_pct": _pct(x.measured_nll), "budget_pct": _pct(x.budget_nll), "data": x.data}
+                   for x in rounds],
         "layer_formats": [f.name for f in formats],
         "kv_format": formats_name(formats),
         "bytes_per_token": heldout[CHOICE]["bytes_per_token"],
         "bits_per_element": bits_per_element(cfg, formats),
         "heldout": heldout,
-        "engine_runs": scorer.passes + held.passes,
+        "engine_runs": scorer.passes + held.passes + (validator.passes if validator else 0),
     }
     result["uniform"] = {} if max_pct is None else best_uniform(heldout, [f.name for f in sens.candidates], max_pct,
                                                                  CHOICE)
@@ -108,8 +113,9 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     if max_pct is not None and change > max_pct:
         violations.append(
             f"the per-layer KV formats chosen for {r.name} ({result['kv_format']}) raise held-out perplexity by "
-            f"{change:+.2f}%, over accuracy.max_perplexity_increase_pct={max_pct:g}% (on calibration data "
-            f"{result['rounds'][-1]['measured_pct']:+.2f}%). Raise search.num_samples / search.seq_len so the "
+            f"{change:+.2f}%, over accuracy.max_perplexity_increase_pct={max_pct:g}% (on {result['rounds'][-1]['data']} "
+            f"data {result['rounds'][-1]['measured_pct']:+.2f}%). Raise search.num_samples / search.seq_len / "
+            "search.validation_samples, lower search.margin so the "
             "sensitivities describe your text, set calibration.dataset to data like accuracy.eval_data, or "
             "loosen the budget.")
     summary = f"{result['kv_format']}: {result['bits_per_element']:.2f} bits/element, held-out ppl {change:+.2f}%"

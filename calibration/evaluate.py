@@ -125,9 +125,10 @@ def _sequences_tokens(*groups: list[torch.Tensor]) -> int:
 
 def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], out_dir: str | Path | None = None,
                    settings: Any = None, budget: Any = None, device: str = "cpu",
-                   dtype: str | None = None, progress: bool = False) -> dict:
+                   dtype: str | None = None, progress: bool = False, on_engine=None) -> dict:
     """Evaluate `engines` (EngineKV or engine directories) against unquantized KV on `model_dir`, every
     metric through runtime.engine.Engine. progress: per-batch rich progress bars on stderr.
+    on_engine(results): called after each engine with the results so far (a long run can save them).
 
     Writes accuracy.json and accuracy.md into `out_dir` when given. Returns the
     results dict (the same content as accuracy.json).
@@ -216,6 +217,8 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
                 del eng
             results["engines"][e.name] = r
             timing[e.name] = round(time.perf_counter() - t, 2)
+            if on_engine is not None:
+                on_engine({**results, "timing_s": dict(timing)})
     timing["total"] = round(time.perf_counter() - t0, 2)
     results["timing_s"] = timing
     if budget is not None:

@@ -49,15 +49,16 @@ class KVRoundTrip:
         self.k_scale = None if k_scale is None else k_scale.to(torch.float32)
         self.v_scale = None if v_scale is None else v_scale.to(torch.float32)
 
-    def _roundtrip(self, x: torch.Tensor, scales: torch.Tensor | None, layer: int) -> torch.Tensor:
-        if self.fmt.dynamic:
-            q, s, z = quantize_dynamic(x, self.fmt)
-            return dequantize(q, self.fmt, s, z)
+    def _roundtrip(self, x: torch.Tensor, which: str, scales: torch.Tensor | None, layer: int) -> torch.Tensor:
+        fmt = self.fmt.side(which)  # K and V may be stored differently (K8V4): each side rounds by its own format
+        if fmt.dynamic:
+            q, s, z = quantize_dynamic(x, fmt)
+            return dequantize(q, fmt, s, z)
         s = scales[layer].to(x.device)  # [] per_tensor, [kv_heads] per_head: broadcasts over [T, H]
-        return dequantize(quantize(x, self.fmt, s), self.fmt, s)
+        return dequantize(quantize(x, fmt, s), fmt, s)
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        return self._roundtrip(k, self.k_scale, layer), self._roundtrip(v, self.v_scale, layer)
+        return self._roundtrip(k, "k", self.k_scale, layer), self._roundtrip(v, "v", self.v_scale, layer)
 
 
 @dataclass

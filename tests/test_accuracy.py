@@ -48,6 +48,20 @@ def test_roundtrip_error_is_within_half_a_step():
     assert bool(((kd - k).abs() <= step[..., None] / 2 + 1e-6).all())
 
 
+def test_roundtrip_of_a_split_format_rounds_k_and_v_by_their_own_formats():
+    """K8V4: K within half an int8 step (amax/127) of its token-head's amax, V within an int4-asym step."""
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(29, 2, 64, generator=g, dtype=torch.float64).float() * 4
+    v = torch.randn(29, 2, 64, generator=g, dtype=torch.float64).float()
+    k1, v1 = KVRoundTrip(KVFormat("int8", "per_token", True, "float16", 0, "int4", False, 0), 2)(0, k, v)
+    k_step = k.double().abs().amax(-1, keepdim=True) / 127
+    v_step = (v.double().amax(-1, keepdim=True) - v.double().amin(-1, keepdim=True)) / 15
+    k_err, v_err = (k1.double() - k.double()).abs(), (v1.double() - v.double()).abs()
+    # fp16 scales are rounded up (<= 2**-10 relative) and the zero point down: a few ulps of slack
+    assert bool((k_err <= k_step * (0.5 + 2e-3)).all()) and bool((v_err <= v_step * (0.5 + 2e-3) + 1e-3).all())
+    assert float((k_err / k_step).max()) < 0.51 and float((v_err / v_step).max()) > 0.3  # V is the coarse side
+
+
 def test_roundtrip_rejects_bad_scales():
     with pytest.raises(InputError, match="needs calibrated k/v scales"):
         KVRoundTrip(KVFormat("int8"), 2)
@@ -78,11 +92,17 @@ def tiny_results(tmp_path_factory):
     int4 = KVFormat("int4", "per_tensor")
     engines = [EngineKV("int8-tok", KVFormat("int8", "per_token")), EngineKV("int4-tensor", int4, *scales_for(calib, int4))]
     budget = {"max_perplexity_increase_pct": 0.0, "min_greedy_agreement": 1.0, "min_passkey_rate_relative": None}
-    return run_evaluation(d, engines, out, TINY_SETTINGS, budget=budget), out, budget, calib
+    saved = []  # what a long run saves after each engine (benchmarks/accuracy_table.py)
+    res = run_evaluation(d, engines, out, TINY_SETTINGS, budget=budget,
+                         on_engine=lambda r: saved.append((list(r["engines"]), r["baseline"]["perplexity"])))
+    res["_saved"] = saved
+    return res, out, budget, calib
 
 
 def test_evaluation_writes_results_and_flags_budget(tiny_results):
     res, out, budget, _ = tiny_results
+    assert [names for names, _ in res["_saved"]] == [["int8-tok"], ["int8-tok", "int4-tensor"]]
+    assert all(base == res["baseline"]["perplexity"] for _, base in res["_saved"])
     on_disk = json.loads((out / "accuracy.json").read_text())
     assert on_disk["engines"].keys() == {"int8-tok", "int4-tensor"} and on_disk["path"] == "engine"
     e = on_disk["engines"]["int4-tensor"]

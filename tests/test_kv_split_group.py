@@ -130,9 +130,11 @@ def test_recipe_fields_and_format_name_give_one_format():
 def test_bundled_k8v4_recipes():
     from recipes import load_recipe
 
+    k8v4_g32 = KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False, v_group_size=32)
     for name in ("smollm2-135m-k8v4kv", "llama3-8b-k8v4kv", "llama70b-k8v4kv"):
         r = load_recipe(name)
-        assert r.kv_format() == K8V4 and r.backend == "torch", name
+        assert r.kv_format() == k8v4_g32 and r.backend == "torch", name
+        assert r.kv.rotation == "hadamard", name
 
 
 @pytest.mark.parametrize("kv, match", [

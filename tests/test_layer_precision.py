@@ -9,7 +9,7 @@ import torch
 from helpers_runtime import tiny_llama_dir
 from safetensors.torch import save_file
 
-from calibration.layer_search import EngineScorer, Sensitivity, choose, measure_sensitivity, search
+from calibration.layer_search import EngineScorer, Sensitivity, choose, measure_sensitivity, repair, search
 from calibration.loading import load_model
 from recipes import load_recipe
 from recipes.schema import layer_ranges, parse_layer_ranges
@@ -163,6 +163,55 @@ def test_choose_skips_dominated_formats_and_counts_noise_as_zero():
     assert choose(s, max_nll=0.16) == [2, 2]
     assert s.predicted([2, 2]) == pytest.approx(0.15)
     assert choose(s, max_nll=0.1) == [0, 2]
+
+
+def test_repair_moves_the_most_sensitive_per_byte_layers_up_first():
+    s = _sens([[0, 0.5, 5.0], [0, 0.01, 0.02], [0, 0.1, 0.3]])
+    # layer 0's int4 step costs 4.5 per byte given back, layer 2's 0.2, layer 1's 0.01
+    assert repair(s, [2, 2, 2], excess=1.0) == [1, 2, 2]
+    assert repair(s, [2, 2, 2], excess=4.6) == [0, 2, 2]  # then layer 0's int8 step (0.25 per byte)
+    assert repair(s, [2, 2, 2], excess=5.1) == [0, 2, 1]
+    assert repair(s, [0, 0, 0], excess=1.0) == [0, 0, 0]  # nothing left to give back
+    assert repair(s, [2, 2, 2], excess=0.0, min_steps=2) == [0, 2, 2]  # steps counted even when free
+    assert Sensitivity.from_dict(s.to_dict(), lambda n: {f.name: f for f in s.candidates}[n]) == s
+
+
+class _Model:
+    dtype = torch.float32
+
+    class cfg:
+        num_layers, num_kv_heads, head_dim = 3, 1, 1
+
+
+class _Scorer:
+    """NLL of a choice: the layers' true costs (sens x interaction), additive: a stand-in for data where
+    the sensitivities under-predict the whole by `interaction`."""
+
+    def __init__(self, s: Sensitivity, interaction: float):
+        self.s, self.interaction, self.model, self.passes = s, interaction, _Model(), 0
+
+    def nll(self, formats) -> float:
+        self.passes += 1
+        if formats[0] == KVFormat("fp32"):
+            return 0.0
+        return self.interaction * sum(self.s.sens[i][self.s.candidates.index(f)] for i, f in enumerate(formats))
+
+
+def test_search_repairs_a_choice_that_misses_on_validation_windows():
+    s = _sens([[0, 0.002, 0.02], [0, 0.0005, 0.001], [0, 0.001, 0.004]])
+    goal = float(torch.log1p(torch.tensor(0.01)))
+    # the sensitivity windows agree with the prediction; the validation windows see 3x the loss
+    choice, rounds = search(_Scorer(s, 1.0), s, max_pct=1.0, validator=_Scorer(s, 3.0), margin=0.75)
+    assert [r.data for r in rounds][0] == "calibration" and rounds[-1].data == "validation"
+    first = next(r for r in rounds if r.data == "validation")
+    assert first.measured_nll > 0.75 * goal  # the unrepaired choice misses on validation data
+    assert rounds[-1].measured_nll <= 0.75 * goal  # the repaired one meets margin x budget there
+    assert 3.0 * sum(s.sens[i][j] for i, j in enumerate(choice)) <= 0.75 * goal
+    assert choice != [0, 0, 0]  # and still saves bytes
+    # without a validator the choice is the calibration windows' one, made against margin x budget
+    plain, plain_rounds = search(_Scorer(s, 1.0), s, max_pct=1.0, margin=0.75)
+    assert plain == first.choice and all(r.data == "calibration" for r in plain_rounds)
+    assert sum(s.sens[i][j] for i, j in enumerate(plain)) <= 0.75 * goal
 
 
 # -------------------------------------------------------------------- search

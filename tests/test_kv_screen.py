@@ -1,0 +1,55 @@
+"""The screening rules of benchmarks/kv_screen.py: each stores what its docstring says."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.kv_screen import NF4, ScreenRoundTrip, rule_for
+from runtime.kv_format import KVFormat, dequantize, quantize_dynamic
+
+
+def _x(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(70, 3, 64, generator=g, dtype=torch.float64)
+    x[:, :, 5] *= 8  # an outlier channel, as SmolLM2's keys have
+    return x.float()
+
+
+def test_nf4_values_are_levels_times_the_groups_absmax():
+    x = _x()
+    y = rule_for("nf4-g32")(x).double().unflatten(-1, (2, 32))
+    amax = x.double().unflatten(-1, (2, 32)).abs().amax(-1, keepdim=True)
+    ratio = y / amax
+    # every value is one of the 16 levels (the fp16 absmax is rounded up by at most 2**-10 relative)
+    nearest = (ratio.unsqueeze(-1) - NF4.double()).abs().amin(-1)
+    assert float(nearest.max()) < 2e-3
+    assert len(NF4) == 16 and float(NF4.min()) == -1.0 and float(NF4.max()) == 1.0 and 0.0 in NF4.tolist()
+
+
+def test_clip_search_is_never_worse_than_the_plain_scale():
+    x = _x(1)
+    fmt = KVFormat("int4", "per_token", True, "float16", 32)
+    q, s, z = quantize_dynamic(x, fmt)
+    plain = (dequantize(q, fmt, s, z).double() - x.double()).pow(2).unflatten(-1, (2, 32)).sum(-1)
+    clip = (rule_for("clip-g32")(x).double() - x.double()).pow(2).unflatten(-1, (2, 32)).sum(-1)
+    assert bool((clip <= plain + 1e-9).all()) and float(clip.sum()) < float(plain.sum())
+
+
+def test_kivi_keys_are_per_channel_over_32_tokens_with_an_unquantized_tail():
+    x = _x(2)
+    y = rule_for("kivi")(x)
+    assert torch.equal(y[64:], x[64:])  # 70 = 2 x 32 + 6: the last 6 tokens are the residual window
+    g = x[:64].double().unflatten(0, (2, 32))
+    step = (g.amax(1, keepdim=True) - g.amin(1, keepdim=True)) / 15
+    err = (y[:64].double().unflatten(0, (2, 32)) - g).abs()
+    assert bool((err <= step * (0.5 + 2e-3) + 1e-3).all())
+
+
+def test_sink_tokens_are_kept_at_int8():
+    x = _x(3)
+    k, v = ScreenRoundTrip("int4-per_token-asym", "int4-per_token-asym", sink=4)(0, x, x)
+    step8 = x[:4].double().abs().amax(-1, keepdim=True) / 127
+    assert bool(((k[:4].double() - x[:4].double()).abs() <= step8 * 0.51).all())
+    fmt = KVFormat("int4", "per_token", False)
+    q, s, z = quantize_dynamic(x[4:], fmt)
+    assert torch.equal(v[4:], dequantize(q, fmt, s, z))
