@@ -43,7 +43,8 @@ from benchmarks.gpu_timing import (
 )
 from runtime.kernels import DecodePlan, decode_attention, decode_plan, decode_plan_for, write_kv
 from runtime.kv_cache import allocate_layer
-from runtime.kv_format import KVFormat, dequantize
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dequantize
 
 FORMATS = {
     "bf16": KVFormat("bf16"),

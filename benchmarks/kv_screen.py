@@ -25,7 +25,8 @@ from calibration.files import write_json_atomic
 from calibration.kvsim import DenseScorer
 from calibration.loading import load_model, load_tokenizer
 from calibration.perplexity import eval_windows, perplexity
-from runtime.kv_format import KVFormat, dequantize, format_from_name, quantize_dynamic, round_down_to, round_up_to
+from runtime.kv_format import KVFormat, format_from_name
+from runtime.kv_quant import dequantize, quantize_dynamic, round_down_to, round_up_to
 from runtime.rotation import NO_ROTATION, KVRotation
 
 HADAMARD = KVRotation("hadamard", 0)

@@ -39,7 +39,8 @@ from runtime import model as model_module
 from runtime.config import PRESETS
 from runtime.engine import Engine
 from runtime.errors import KvqError
-from runtime.kv_format import KVFormat, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import static_scale_from_amax
 from runtime.runner import plan_pool
 
 

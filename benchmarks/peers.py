@@ -137,7 +137,7 @@ def _stored(cache, which: str, pages: torch.Tensor, length: int) -> torch.Tensor
     """One sequence's K or V exactly as stored, in fp64: [kv_heads, length, head_dim]."""
     fmt = cache.fmt.side(which)
     if fmt.dynamic:  # per-token / group scales: kv_format's dequantization of the stored bytes
-        from runtime.kv_format import dequantize
+        from runtime.kv_quant import dequantize
 
         z = getattr(cache, f"{which}_zero")
         x = dequantize(getattr(cache, which)[pages], fmt, getattr(cache, f"{which}_scale")[pages],

@@ -40,7 +40,8 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.engine import Engine
-from runtime.kv_format import KVFormat, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import static_scale_from_amax
 from runtime.model import LlamaModel
 from runtime.runner import plan_pool
 from runtime.sampling import SamplingParams

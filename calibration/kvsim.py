@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import InputError
-from runtime.kv_format import KVFormat, dequantize, quantize, quantize_dynamic
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dequantize, quantize, quantize_dynamic
 from runtime.scoring import TokenScores
 
 PATH_NAME = "dense-kv-roundtrip"

@@ -11,7 +11,7 @@
 
 Granularity: `per_tensor` pools a layer's KV heads (one clip per layer),
 `per_head` clips each KV head. The dequantization scale follows the project's
-convention, s = clip / qmax (runtime.kv_format.static_scale_from_amax).
+convention, s = clip / qmax (runtime.kv_quant.static_scale_from_amax).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import InputError
-from runtime.kv_format import KVFormat, dequantize, quantize, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dequantize, quantize, static_scale_from_amax
 
 from .stats import KVStats, bin_centers, bin_edges
 

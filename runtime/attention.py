@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from .config import ceil_div
 from .kv_cache import LayerCache
-from .kv_format import KVFormat, dequantize, quantize, quantize_dynamic
+from .kv_format import KVFormat
+from .kv_quant import dequantize, quantize, quantize_dynamic
 
 
 # ------------------------------------------------------------------ write

@@ -41,7 +41,7 @@ from .attention import _static_scale, gather_kv, write_kv
 from .config import ceil_div
 from .errors import UnsupportedError
 from .kv_cache import LayerCache
-from .kv_format import dequantize
+from .kv_quant import dequantize
 
 KEY_BLOCK = 64
 ATTEND_ROWS = 512  # query rows per attention call: bounds the score tensor of a long prompt

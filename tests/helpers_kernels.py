@@ -21,7 +21,8 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from runtime.kv_cache import allocate_layer  # noqa: E402
-from runtime.kv_format import KVFormat, dequantize  # noqa: E402
+from runtime.kv_format import KVFormat  # noqa: E402
+from runtime.kv_quant import dequantize  # noqa: E402
 
 
 def _load_kernels():

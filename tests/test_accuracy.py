@@ -23,7 +23,8 @@ from calibration.evaluate import EngineKV, EvalSettings, run_evaluation  # noqa:
 from calibration.kvsim import DenseScorer, KVRoundTrip  # noqa: E402
 from calibration.loading import load_model  # noqa: E402
 from runtime.errors import AccuracyBudgetError, InputError  # noqa: E402
-from runtime.kv_format import KVFormat, dynamic_scales  # noqa: E402
+from runtime.kv_format import KVFormat  # noqa: E402
+from runtime.kv_quant import dynamic_scales  # noqa: E402
 
 TINY_SETTINGS = EvalSettings(perplexity_tokens=128, perplexity_window=128, greedy_prompts=2, greedy_tokens=6,
                              passkey_lengths=[128], passkey_trials=2, attention_tokens=64)

@@ -8,7 +8,8 @@ import torch
 
 from runtime.attention import decode_attention, prefill_attention, prefill_context_attention, write_kv
 from runtime.kv_cache import allocate_layer
-from runtime.kv_format import KVFormat, dequantize, quantize, quantize_dynamic, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dequantize, quantize, quantize_dynamic, static_scale_from_amax
 
 H, G, D, BS = 2, 3, 16, 4  # kv heads, query heads per kv head, head dim, block size
 LENS = [5, 1, 13, 8]

@@ -22,7 +22,11 @@ from calibration.calibrate import layer_amax, run_calibration, scales_for  # noq
 from calibration.policies import choose_clip, pooled, scales_from_stats, static_formats  # noqa: E402
 from calibration.stats import BINS_PER_OCTAVE, LOG2_LO, KVStats  # noqa: E402
 from runtime.errors import InputError, NumericsError  # noqa: E402
-from runtime.kv_format import KVFormat, dequantize, quantize  # noqa: E402
+from runtime.kv_format import KVFormat  # noqa: E402
+from runtime.kv_quant import (
+    dequantize,
+    quantize,  # noqa: E402
+)
 
 QMAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0, "int4": 7.0}  # the design's table
 

@@ -18,7 +18,8 @@ from runtime.attention import reference_backend
 from runtime.config import ModelConfig
 from runtime.cuda_graphs import bucket_for, can_capture
 from runtime.engine import Engine
-from runtime.kv_format import KVFormat, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import static_scale_from_amax
 from runtime.model import PagedBatch
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

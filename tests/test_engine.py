@@ -15,7 +15,8 @@ from runtime.config import PRESETS, ModelConfig
 from runtime.engine import Engine
 from runtime.engine_dir import read_settings
 from runtime.errors import InputError, RequestError
-from runtime.kv_format import KVFormat, kv_bytes_per_token, static_scale_from_amax
+from runtime.kv_format import KVFormat, kv_bytes_per_token
+from runtime.kv_quant import static_scale_from_amax
 from runtime.runner import plan_pool
 from runtime.sampling import SamplingParams, sample
 

@@ -14,7 +14,8 @@ from helpers_runtime import tiny_llama_dir
 
 from runtime.config import PRESETS, ModelConfig
 from runtime.engine import Engine
-from runtime.kv_format import KVFormat, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import static_scale_from_amax
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -1,6 +1,6 @@
 """The Triton decode kernels (decode_warps.py for the quantized formats, decode_tiles.py for the unquantized ones)
 and the default decode plan against the relative oracle of shared/reference/style.md: the kernel's error against
-an fp64 attention over the *same stored bytes* (dequantized with kv_format.dequantize) is at most 2x the error of
+an fp64 attention over the *same stored bytes* (dequantized with kv_quant.dequantize) is at most 2x the error of
 plain PyTorch attention at the query's precision, plus a small floor; pages come from randperm, lengths are not
 multiples of the page, split-K on and off. On the GPU the default plan of the quantized formats is the Gluon
 kernel's (tests/test_kernel_gluon.py)."""

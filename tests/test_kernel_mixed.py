@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from runtime.kv_format import KVFormat, dynamic_scales, quantize
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dynamic_scales, quantize
 from tests.helpers_kernels import (
     CUDA,
     DEV,
@@ -198,7 +199,7 @@ def test_write_bytes_equal_reference(fmt, head_dim):
         stored = getattr(cache, name).cpu()[blk, :, off]
         q_ref = quantize(x[keep].cpu(), side, s_ref, z_ref)
         assert torch.equal(as_bytes(stored), as_bytes(q_ref)), f"{name}: {(as_bytes(stored) != as_bytes(q_ref)).sum()} " \
-            "bytes differ from kv_format.quantize"
+            "bytes differ from kv_quant.quantize"
         untouched = torch.ones(nb, bs, dtype=torch.bool)
         untouched[blk, off] = False
         now = as_bytes(getattr(cache, name)).cpu()

@@ -1,5 +1,5 @@
 """The write kernel (write_kv.py, write_rows.py): the bytes, scales and zero points it stores equal
-`kv_format.quantize` / `dynamic_scales` exactly (same IEEE division, same roundings) for every format, under its
+`kv_quant.quantize` / `dynamic_scales` exactly (same IEEE division, same roundings) for every format, under its
 default plan and with rows over any number of lanes, at rounding ties and special values; slots not in the
 mapping stay untouched."""
 
@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from runtime.kv_format import KVFormat, dynamic_scales, quantize
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dynamic_scales, quantize
 from tests.helpers_kernels import CUDA, DEV, FMT_IDS, FORMATS, K, as_bytes, kv, make_cache, rows_plan
 
 

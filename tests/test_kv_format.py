@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from runtime.kv_format import (
-    KVFormat,
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import (
     dequantize,
     dynamic_scales,
     pack_int4,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kv_screen import NF4, ScreenRoundTrip, rule_for
-from runtime.kv_format import KVFormat, dequantize, quantize_dynamic
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dequantize, quantize_dynamic
 
 
 def _x(seed: int = 0) -> torch.Tensor:

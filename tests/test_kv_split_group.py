@@ -10,15 +10,8 @@ import torch
 from runtime.config import PRESETS
 from runtime.errors import UnsupportedError
 from runtime.kv_cache import allocate_layer
-from runtime.kv_format import (
-    KVFormat,
-    dequantize,
-    dynamic_scales,
-    format_fields,
-    format_from_name,
-    kv_bytes_per_token,
-    quantize_dynamic,
-)
+from runtime.kv_format import KVFormat, format_fields, format_from_name, kv_bytes_per_token
+from runtime.kv_quant import dequantize, dynamic_scales, quantize_dynamic
 
 K8V4 = KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False)
 NEW = [

@@ -13,7 +13,8 @@ import torch
 from helpers_runtime import tiny_llama_dir
 
 from runtime.config import ModelConfig, ceil_div
-from runtime.kv_format import KVFormat, dequantize, quantize, quantize_dynamic, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dequantize, quantize, quantize_dynamic, static_scale_from_amax
 from runtime.model import LlamaModel, PagedBatch
 from runtime.runner import allocate_pool, plan_pool
 from runtime.weights import open_weights

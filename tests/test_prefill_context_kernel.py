@@ -6,7 +6,7 @@ before the kernels are imported) at small, odd shapes; on a CUDA machine the sam
 compile it and add the Llama-3-8B attention shape.
 
 Oracle (shared/reference/style.md): the kernel's error against fp64 attention over the same
-stored bytes (dequantized with kv_format.dequantize) and the chunk's own K/V, under the
+stored bytes (dequantized with kv_quant.dequantize) and the chunk's own K/V, under the
 bottom-right causal mask, is at most 2x the error of plain PyTorch attention at q's precision
 plus a small floor. Chunks of several lengths (one without context, one empty, none a
 multiple of the tile), contexts that are not multiples of the page, pages drawn from
@@ -30,7 +30,8 @@ if not CUDA:
 from runtime import attention as ref_ops  # noqa: E402
 from runtime.kernels import prefill_context_attention, prefill_plan  # noqa: E402
 from runtime.kv_cache import allocate_layer  # noqa: E402
-from runtime.kv_format import KVFormat, dequantize  # noqa: E402
+from runtime.kv_format import KVFormat  # noqa: E402
+from runtime.kv_quant import dequantize  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 

@@ -15,7 +15,8 @@ from runtime.block_manager import BlockManager, OutOfBlocks
 from runtime.config import ModelConfig
 from runtime.engine import Engine
 from runtime.engine_dir import read_settings
-from runtime.kv_format import KVFormat, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import static_scale_from_amax
 from runtime.model import LlamaModel
 from runtime.runner import plan_pool
 from runtime.sampling import SamplingParams

@@ -152,7 +152,8 @@ def test_rotated_quantized_engine_batched_equals_sequential(tiny_dir, fmt):
 def test_rotation_reduces_int4_key_error_on_outlier_channels():
     """Why it exists: a key with one outlier channel loses its other channels at 4 bits per token;
     rotated, the error (measured in the unrotated basis, fp64 reference) is several times smaller."""
-    from runtime.kv_format import KVFormat, dequantize, quantize_dynamic
+    from runtime.kv_format import KVFormat
+    from runtime.kv_quant import dequantize, quantize_dynamic
 
     g = torch.Generator().manual_seed(0)
     d = 64

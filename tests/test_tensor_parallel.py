@@ -27,7 +27,8 @@ from runtime import parallel
 from runtime.config import ModelConfig
 from runtime.engine import Engine
 from runtime.errors import InputError, UnsupportedError
-from runtime.kv_format import KVFormat, kv_bytes_per_token, static_scale_from_amax
+from runtime.kv_format import KVFormat, kv_bytes_per_token
+from runtime.kv_quant import static_scale_from_amax
 from runtime.model import LlamaModel
 from runtime.parallel.sharding import ShardedWeights, check_parallelism, rank_shard
 from runtime.weights import SafetensorsWeights, expected_shapes

@@ -19,7 +19,8 @@ import torch
 from calibration.calibrate import calibration_rotation, scales_for
 from calibration.loading import load_model, load_tokenizer
 from calibration.perplexity import eval_windows
-from runtime.kv_format import KVFormat, dequantize, quantize
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import dequantize, quantize
 from runtime.rotation import KVRotation
 
 FMT = KVFormat("fp8_e4m3", "per_tensor")

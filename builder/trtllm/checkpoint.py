@@ -32,7 +32,8 @@ import torch
 from calibration.files import write_json_atomic
 from runtime.config import ModelConfig
 from runtime.errors import InputError, NumericsError, UnsupportedError
-from runtime.kv_format import KVFormat, static_scale_from_amax
+from runtime.kv_format import KVFormat
+from runtime.kv_quant import static_scale_from_amax
 from runtime.parallel.sharding import check_parallelism, rank_shard
 
 from ..convert.hf import HFCheckpoint

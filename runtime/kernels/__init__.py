@@ -4,7 +4,7 @@ The public ops have runtime/attention.py's signatures plus `plan=` (docs/interfa
 
     write_kv(cache, k, v, slot_mapping, plan=None)
         fused quantize-on-write of a step's K/V [T, kv_heads, head_dim] into the paged cache; every
-        format and granularity; bytes equal kv_format.quantize.
+        format and granularity; bytes equal kv_quant.quantize.
     decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan=None) -> out
         paged, GQA-grouped decode attention with in-register dequantization, fp32 online softmax and
         split-K for long contexts.

@@ -246,7 +246,7 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
 def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              plan: WritePlan | None = None) -> None:
     """Quantize k, v [T, kv_heads, head_dim] (after RoPE) into `cache` at `slot_mapping` [T] int64 (negative slots:
-    padding, skipped); the bytes equal `kv_format.quantize`'s."""
+    padding, skipped); the bytes equal `kv_quant.quantize`'s."""
     if served_by_mixed(cache.fmt):
         return launch_mixed.write_kv(cache, k, v, slot_mapping, plan)
     kf = kernel_format(cache)

@@ -51,7 +51,7 @@ def _side(kf: KernelFormat, prefix: str) -> dict:
 
 def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              plan: WritePlan | None = None) -> None:
-    """`launch.write_kv` for a mixed-format cache; the bytes equal `kv_format.quantize_dynamic`'s."""
+    """`launch.write_kv` for a mixed-format cache; the bytes equal `kv_quant.quantize_dynamic`'s."""
     kf_k, kf_v = kernel_formats(cache)
     check_device(cache.k, k, v, slot_mapping)
     _, heads, bs, _ = cache.k.shape

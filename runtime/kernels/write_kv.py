@@ -4,7 +4,7 @@ One program handles BLOCK_T tokens of one KV head for both K and V: it loads
 the rows, computes the per-token scale (and zero point) when the format is
 dynamic, quantizes, and stores the bytes at each token's slot
 (`block_id * block_size + offset`). Every rounding decision is the one
-`runtime/kv_format.py` makes, so the bytes equal `kv_format.quantize`'s:
+`runtime/kv_quant.py` makes, so the bytes equal `kv_quant.quantize`'s:
 
 * scales: s = amax / qmax in fp32 (IEEE division, `div_rn`), clamped to the
   scale dtype's [smallest normal, largest finite], then rounded *up* to the
@@ -118,7 +118,7 @@ def _quantize_rows(
         else:
             amax = tl.max(_halves(tl.abs(xa), tl.abs(xb), KIND, True), 1)
             s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-        # clamped like kv_format.dynamic_scales: never zero, never inf (a huge token saturates)
+        # clamped like kv_quant.dynamic_scales: never zero, never inf (a huge token saturates)
         s = _clamp_round(s, SCALE_DT, True)
         tl.store(scale_ptr + meta_off, s.to(scale_ptr.dtype.element_ty), mask=mask_t)
         if ASYM:

@@ -3,7 +3,7 @@ e8m0 scales.
 
 One program quantizes BLOCK_T tokens of one KV head of one side (program_id 2: 0 = K, 1 = V), each side with its
 own compile-time format, so a K8V4 cache is written by one launch. The rounding decisions are
-`runtime/kv_format.py`'s, so the bytes equal `kv_format.quantize_dynamic`'s:
+`runtime/kv_quant.py`'s, so the bytes equal `kv_quant.quantize_dynamic`'s:
 
 * scales per token and group of GS channels (GS = head_dim without group scales): s = amax / qmax (asymmetric:
   (max - zero) / qmax, zero = min rounded down) with IEEE division, clamped to the scale dtype's range, rounded up
@@ -25,7 +25,7 @@ from . import codes
 from .exact_round import _clamp_round, _fp8_byte
 from .write_kv import _to_int
 
-E8M0_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126: e8m0 scales are kept normal in fp32 (kv_format.dynamic_scales)
+E8M0_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126: e8m0 scales are kept normal in fp32 (kv_quant.dynamic_scales)
 E8M0_BIG = tl.constexpr(1.7014118346046923e38)  # 2**127 (globals in jit code must be constexpr)
 
 
@@ -110,7 +110,7 @@ def _side_write(
     cols = tl.arange(0, BLOCK_D)
     m2 = mask_t[:, None] & (cols < HEAD_DIM)[None, :]
     x = tl.load(X + t[:, None] * stride_xt + head * stride_xh + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    real = m2 & (x == x)  # NaNs stay out of the reductions (kv_format.dynamic_scales)
+    real = m2 & (x == x)  # NaNs stay out of the reductions (kv_quant.dynamic_scales)
     if BLOCK_D == HEAD_DIM and GROUPS > 1:  # the groups as an axis: one reduction over each group's channels
         s_el, z_el = _group_scales(x, real, S, Z, meta, mask_t, BLOCK_T, HEAD_DIM, ASYM, QMAX, SCALE_DT, GROUPS, GS)
     else:

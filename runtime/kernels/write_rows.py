@@ -7,7 +7,7 @@ arithmetic repeats per thread. Here a row lives in N lanes (N = 4: 32 values a t
 / max is log2(N) shuffles, and the scale arithmetic runs once per thread. Values are clamped to
 B = qmax * s (rounded) before the division, so every quotient is finite and lands in range; bf16
 rows load as 32-bit words and widen with one shift or mask a value; eight nibbles (int4) or four
-bytes (int8) pack by shifts and adds; stores are 32-bit words. The bytes are `kv_format.quantize`'s, as on the tile path
+bytes (int8) pack by shifts and adds; stores are 32-bit words. The bytes are `kv_quant.quantize`'s, as on the tile path
 (`_rows_int` has the rounding argument).
 """
 
@@ -113,7 +113,7 @@ def _rows_reduce(xe, xo, MAX: tl.constexpr):
 def _row_scale_store(lo, hi, scale_ptr, zero_ptr, meta_off, mask_t, G: tl.constexpr, ASYM: tl.constexpr,
                      QMAX: tl.constexpr, SCALE_DT: tl.constexpr):
     """A row's scale (and zero point) from its min and max (symmetric: hi = lo = amax), stored at
-    its slot, as `kv_format.dynamic_scales` rounds them; [1, BLOCK_T, 1, 1] in the tile's own layout
+    its slot, as `kv_quant.dynamic_scales` rounds them; [1, BLOCK_T, 1, 1] in the tile's own layout
     (keep_dims: no conversion to broadcast them back), stored through a [G, BLOCK_T, 1, 1] view of
     them that only the lane g == 0 stores."""
     if ASYM:
