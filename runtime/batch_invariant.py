@@ -36,7 +36,6 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import cpu_lanes
 from .attention import _static_scale, gather_kv, write_kv
 from .config import ceil_div
 from .errors import UnsupportedError
@@ -90,26 +89,16 @@ def _packs(device_type: str, dtype: torch.dtype) -> bool:
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """A weight [N, K] in the form `fast_linear` multiplies fastest, same values. CPU fp32: laid out once
     in oneDNN's blocked format (an opaque mkldnn tensor; `.shape`, `.dtype` and `.numel()` work, indexing
-    does not), cut along N into one such slice per torch thread where decode's products can run over the
-    cores (a `cpu_lanes.SplitWeight`, the same bits). Against the plain weight, a decode step's linears take ~0.6x the time at 8 rows and
+    does not). Against the plain weight, a decode step's linears take ~0.6x the time at 8 rows and
     ~0.7x at 1 row (SmolLM2, 1 thread), and at 2 rows and more the products are bit for bit those of
     the plain weight. Elsewhere `w` itself."""
     if w.dim() == 2 and not w.is_mkldnn and _packs(w.device.type, w.dtype):
-        parts = cpu_lanes.lanes_available()
-        if parts > 1 and w.shape[0] >= 2 * parts:  # decode's products over the cores (runtime/cpu_lanes.py)
-            return cpu_lanes.SplitWeight(w, parts, _pack)
-        return _pack(w.contiguous())
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
     return w
-
-
-def _pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
 
 
 def fast_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T: oneDNN on the CPU (fp32; w plain or from `pack_weight`), F.linear elsewhere."""
-    if isinstance(w, cpu_lanes.SplitWeight):
-        return cpu_lanes.split_linear(x.reshape(-1, x.shape[-1]), w, _onednn_linear).view(*x.shape[:-1], w.shape[0])
     if w.is_mkldnn:
         return _onednn_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
