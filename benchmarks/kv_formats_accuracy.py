@@ -24,6 +24,7 @@ from calibration.evaluate import EngineKV, EvalSettings, run_evaluation
 from calibration.files import write_json_atomic, write_text_atomic
 from calibration.report import markdown_table
 from runtime.kv_format import KVFormat
+from runtime.rotation import NO_ROTATION, KVRotation
 
 
 def _int4(group: int = 0, scale: str = "float16", symmetric: bool = False) -> KVFormat:
@@ -43,7 +44,10 @@ SWEEP = [_int4(0, sd) for sd in ("float16", "bfloat16", "float32")] + [
 # the formats a user picks from
 FORMATS = [KVFormat("int8", "per_token"), _k8v4(), _k8v4(k_dtype="fp8_e4m3"), _k8v4(v_group=64), _int4(),
            _int4(64), _int4(32)]
-SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS))}
+# the bundled 4-bit recipes' formats (recipes/bundled/smollm2-135m-{k8v4,int4}kv.yaml), rotated as they are
+BUNDLED = [_k8v4(v_group=32), _int4(32)]
+SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS)), "bundled": BUNDLED}
+ROTATED = {"bundled": KVRotation("hadamard", 0)}  # the sets measured with K/V rotated (docs/kv-rotation.md)
 
 
 def main() -> None:
@@ -58,6 +62,7 @@ def main() -> None:
     ap.add_argument("--passkey-lengths", default="320,1024,3072")
     ap.add_argument("--passkey-trials", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma-separated format names: a subset")
+    ap.add_argument("--ood", default=None, help="also the perplexity on this text (.txt/.jsonl or a directory)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -71,13 +76,16 @@ def main() -> None:
     fmts = SETS[args.set]
     if args.only:
         fmts = [f for f in fmts if f.name in args.only.split(",")]
-    specs = [EngineKV(f.name, f, note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64") for f in fmts]
+    rot = ROTATED.get(args.set, NO_ROTATION)
+    specs = [EngineKV(f.name + (f"+{rot.name}" if rot.active else ""), f, rotation=rot,
+                      note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64") for f in fmts]
     settings = EvalSettings(
         # the batch-invariant mode where the device's GEMMs allow it (docs/numerics.md: not fp32 cuBLAS)
         batch_invariant=args.device == "cpu",
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],
-        passkey_trials=args.passkey_trials, attention_tokens=256, engine_greedy=False)
+        passkey_trials=args.passkey_trials, attention_tokens=256, engine_greedy=False,
+        extra_eval_data=[args.ood] if args.ood else [])
     res = run_evaluation(model_dir, specs, None, settings, device=args.device, progress=True)
     res["bits_per_element"] = {f.name: f.bits_per_element(64) for f in fmts}
     res["host"] = {"machine": platform.machine(), "device": args.device, "torch": torch.__version__,
