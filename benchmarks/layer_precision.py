@@ -40,7 +40,7 @@ from calibration.layer_search import (
 )
 from calibration.loading import load_model, load_tokenizer
 from calibration.perplexity import eval_windows
-from recipes.schema import DEFAULT_SEARCH_FORMATS, layer_ranges
+from recipes.kv_section import DEFAULT_SEARCH_FORMATS, layer_ranges
 from runtime.config import ModelConfig
 from runtime.engine_dir import parse_kv_format_name
 from runtime.layer_formats import bits_per_element, formats_name

@@ -40,7 +40,7 @@ def read_layer_formats(path: Path, num_layers: int) -> LayerFormats:
         return formats_from_json(data, num_layers, str(path))
     import yaml
 
-    from recipes.schema import parse_layer_ranges
+    from recipes.kv_section import parse_layer_ranges
 
     try:
         data = yaml.safe_load(path.read_text())

@@ -128,7 +128,7 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
 
 
 def layer_ranges_of(formats) -> dict[str, str]:
-    from recipes.schema import layer_ranges
+    from recipes.kv_section import layer_ranges
 
     return layer_ranges(formats)
 

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from calibration.layer_search import EngineScorer, Sensitivity, choose, measure_sensitivity, repair, search
 from calibration.loading import load_model
 from recipes import load_recipe
-from recipes.schema import layer_ranges, parse_layer_ranges
+from recipes.kv_section import layer_ranges, parse_layer_ranges
 from runtime.config import ModelConfig
 from runtime.engine import Engine
 from runtime.errors import InputError, RecipeError, UnsupportedError
