@@ -80,7 +80,7 @@ def main() -> None:
     specs = [EngineKV(f.name + (f"+{rot.name}" if rot.active else ""), f, rotation=rot,
                       note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64") for f in fmts]
     settings = EvalSettings(
-        # the batch-invariant mode where the device's GEMMs allow it (docs/numerics.md: not fp32 cuBLAS)
+        # the batch-invariant mode on the CPU only: on CUDA its prefill reads every token's context (docs/numerics.md)
         batch_invariant=args.device == "cpu",
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],

@@ -196,7 +196,7 @@ def main() -> None:
         print(f"calibrated ({rot.name}) in {cal_facts[rot.name]['seconds']} s", flush=True)
     engines = [e for e in specs(calib, formats) if wanted is None or e.name in wanted]
     settings = EvalSettings(
-        # the batch-invariant mode where the device's GEMMs allow it (docs/numerics.md: not fp32 cuBLAS)
+        # the batch-invariant mode on the CPU only: on CUDA its prefill reads every token's context (docs/numerics.md)
         batch_invariant=args.device == "cpu",
         perplexity_tokens=args.ppl_tokens, perplexity_window=1024, greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens, passkey_lengths=[int(x) for x in args.passkey_lengths.split(",")],

@@ -20,6 +20,23 @@ from runtime.kernels.formats import format_codes
 from runtime.kernels.plan import DEVICE_H200, DecodePlan, Device, decode_plan
 from runtime.kv_format import KVFormat
 
+
+def cuobjdump(compiled, *flags: str) -> list[str]:
+    """cuobjdump's output for each flag, on a compiled build's cubin (the binary ships with Triton)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return [subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
+                for flag in flags]
+
+
+def resource_usage(usage: str, compiled) -> dict:
+    """Registers a thread and spill stack from cuobjdump's resource usage, and the build's shared memory."""
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return dict(regs=regs, stack=stack, shared=compiled.metadata.shared)
+
+
 # fp8 / int8 / int4 x per-tensor, per-head, per-token (+ asym)
 FORMATS_BY_NAME = {f.name: f for f in [KVFormat(dtype, g) for dtype in ("fp8_e4m3", "int8", "int4")
                                        for g in ("per_tensor", "per_head", "per_token")]
@@ -96,15 +113,8 @@ def build(name: str, group: int, stages: int, pairs: bool, tma: bool) -> dict:
     cap = plan.registers
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return dict(cap=cap, regs=regs, stack=stack, loop_local=loop_local_accesses(sass), shared=compiled.metadata.shared)
+    usage, sass = cuobjdump(compiled, "--dump-resource-usage", "-sass")
+    return dict(cap=cap, **resource_usage(usage, compiled), loop_local=loop_local_accesses(sass))
 
 
 def main() -> None:

@@ -6,10 +6,6 @@ in a subprocess)."""
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 import triton
@@ -17,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from runtime.kernels import invariant_gemm
+from tests.helpers_mixed_compile import resources
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (128, 128), (960, 576),
           (49152, 576)]
@@ -37,14 +34,7 @@ def build(n: int, k: int, dtype: torch.dtype) -> dict:
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return dict(regs=regs, stack=stack, shared=compiled.metadata.shared, wgmma="wgmma" in compiled.asm["ptx"])
+    return dict(resources(compiled), wgmma="wgmma" in compiled.asm["ptx"])
 
 
 def main() -> None:

@@ -59,21 +59,9 @@ def _decode(fmt: KVFormat, q_dtype: torch.dtype) -> list[dict]:
 
 def resources(compiled) -> dict:
     """Registers a thread, spill stack and shared memory of a compiled build (cuobjdump's resource usage)."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
+    from tests.helpers_gluon_compile import cuobjdump, resource_usage
 
-    import triton
-
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return dict(regs=regs, stack=stack, shared=compiled.metadata.shared)
+    return resource_usage(cuobjdump(compiled, "--dump-resource-usage")[0], compiled)
 
 
 def main() -> None:

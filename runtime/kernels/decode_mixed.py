@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import codes
 from .dequant import _dot, _operand
-from .group_io import _program_tokens
+from .group_io import _program_tokens, _softmax_step
 
 
 @triton.jit
@@ -159,11 +159,7 @@ def _decode_mixed_kernel(
             if K_ASYM:
                 s += qsum[:, None] * _load_meta(KZ, meta * K_GROUPS + g, nmask, SCALE_DT)[None, :]
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
         pd = _operand(p, dt, DOT)
         vs = _per_channel(VS, meta, nmask, V_GROUPS, V_STORED, BLOCK_SV, BLOCK_N, V_KIND, V_GS, SCALE_DT)
         if V_ASYM:

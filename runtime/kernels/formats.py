@@ -154,13 +154,34 @@ def check_q(q: torch.Tensor, kf: KernelFormat, kv_heads: int, rows: str) -> None
         raise ValueError(f"q must be fp16/bf16/fp32, got {q.dtype}")
 
 
-def check_decode_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int) -> None:
-    """Decode's block tables int32 [batch, max_blocks] and lengths int32 [batch], or a ValueError naming them."""
+def check_decode_inputs(q: torch.Tensor, cache: LayerCache, kf: KernelFormat, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor) -> None:
+    """Decode's q [batch, heads, head_dim] for `cache` (kf: its K side), block tables int32 [batch, max_blocks]
+    and lengths int32 [batch], on one device the kernels run on, or an error naming them."""
+    check_device(q, cache.k, block_tables, seq_lens)
+    check_q(q, kf, cache.k.shape[1], "batch")
+    batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32 [{batch}, max_blocks], got {block_tables.dtype} "
                          f"{tuple(block_tables.shape)}")
     if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+
+
+def check_write_inputs(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                       head_dim: int) -> None:
+    """The write's k, v [tokens, kv_heads, head_dim] of one float dtype and slot_mapping int64 [tokens] for
+    `cache`, on one device the kernels run on, or an error naming them."""
+    check_device(cache.k, k, v, slot_mapping)
+    heads = cache.k.shape[1]
+    if k.dim() != 3 or k.shape != v.shape or k.shape[1] != heads or k.shape[2] != head_dim:
+        raise ValueError(f"k and v must both be [tokens, {heads}, {head_dim}] for this cache, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if k.dtype not in Q_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"k and v must share a float dtype (fp16/bf16/fp32), got {k.dtype} and {v.dtype}")
 
 
 def check_device(*tensors: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""What a decode program reads and writes for its query-head group, the same in both kernels.
+"""What a decode program reads and writes for its query-head group, the same in both kernels, and the online
+softmax step the chunked-prefill and mixed-format kernels take over a score tile.
 
 A program of `decode_tiles._decode_kernel` or `decode_warps._decode_kernel_warps`
 serves the GROUP query heads of one KV head: it loads their q rows, folds the static
@@ -13,6 +14,15 @@ import triton.language as tl
 
 from . import codes
 from .dequant import _operand
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over one score tile [ROWS, BLOCK_N]: (new max, new sum, rescale of acc, p in fp32)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
 
 
 @triton.jit

@@ -16,9 +16,10 @@ from .decode_warps import _decode_kernel_warps
 from .formats import (
     FP8_HARDWARE,
     Q_DTYPES,
-    check_decode_tables,
+    check_decode_inputs,
     check_device,
     check_q,
+    check_write_inputs,
     kernel_format,
     kernel_formats,
     meta_strides,
@@ -75,11 +76,9 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     if served_by_mixed(cache.fmt):
         return _decode_mixed_format(q, cache, block_tables, seq_lens, sm_scale, plan)
     kf = kernel_format(cache)
-    check_device(q, cache.k, block_tables, seq_lens)
+    check_decode_inputs(q, cache, kf, block_tables, seq_lens)
     _, kv_heads, bs, stored = cache.k.shape
-    check_q(q, kf, kv_heads, "batch")
     batch, num_heads, head_dim = q.shape
-    check_decode_tables(block_tables, seq_lens, batch)
     out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
     if batch == 0:
         return out.to(q.dtype)
@@ -145,10 +144,8 @@ def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch
     (`decode_gluon.serves_mixed`: K/V-split formats, group 64, int4 group 32), everything else on `launch_mixed`'s
     kernel."""
     kf_k, kf_v = kernel_formats(cache)
-    check_device(q, cache.k, block_tables, seq_lens)
+    check_decode_inputs(q, cache, kf_k, block_tables, seq_lens)
     _, kv_heads, bs, _ = cache.k.shape
-    check_q(q, kf_k, kv_heads, "batch")
-    check_decode_tables(block_tables, seq_lens, q.shape[0])
     plan = decode_plan_for(q, cache, block_tables) if plan is None else plan
     if plan.kernel != "gluon":
         return launch_mixed.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan)
@@ -250,16 +247,8 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     if served_by_mixed(cache.fmt):
         return launch_mixed.write_kv(cache, k, v, slot_mapping, plan)
     kf = kernel_format(cache)
-    check_device(cache.k, k, v, slot_mapping)
     _, heads, bs, stored = cache.k.shape
-    if k.dim() != 3 or k.shape != v.shape or k.shape[1] != heads or k.shape[2] != kf.head_dim:
-        raise ValueError(f"k and v must both be [tokens, {heads}, {kf.head_dim}] for this cache, "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)}")
-    if k.dtype not in Q_DTYPES or v.dtype != k.dtype:
-        raise ValueError(f"k and v must share a float dtype (fp16/bf16/fp32), got {k.dtype} and {v.dtype}")
+    check_write_inputs(cache, k, v, slot_mapping, kf.head_dim)
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return

@@ -12,11 +12,9 @@ from .. import attention as reference
 from ..kv_cache import LayerCache
 from .decode_mixed import _decode_mixed_kernel
 from .formats import (
-    Q_DTYPES,
     KernelFormat,
-    check_decode_tables,
-    check_device,
-    check_q,
+    check_decode_inputs,
+    check_write_inputs,
     kernel_formats,
     out_dtype,
 )
@@ -53,17 +51,9 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
              plan: WritePlan | None = None) -> None:
     """`launch.write_kv` for a mixed-format cache; the bytes equal `kv_quant.quantize_dynamic`'s."""
     kf_k, kf_v = kernel_formats(cache)
-    check_device(cache.k, k, v, slot_mapping)
     _, heads, bs, _ = cache.k.shape
     head_dim = kf_k.head_dim
-    if k.dim() != 3 or k.shape != v.shape or k.shape[1] != heads or k.shape[2] != head_dim:
-        raise ValueError(f"k and v must both be [tokens, {heads}, {head_dim}] for this cache, "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)}")
-    if k.dtype not in Q_DTYPES or v.dtype != k.dtype:
-        raise ValueError(f"k and v must share a float dtype (fp16/bf16/fp32), got {k.dtype} and {v.dtype}")
+    check_write_inputs(cache, k, v, slot_mapping, head_dim)
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -89,11 +79,9 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
                      sm_scale: float, plan: DecodePlan | None = None) -> torch.Tensor:
     """`launch.decode_attention` for a mixed-format cache."""
     kf_k, kf_v = kernel_formats(cache)
-    check_device(q, cache.k, block_tables, seq_lens)
+    check_decode_inputs(q, cache, kf_k, block_tables, seq_lens)
     _, kv_heads, bs, _ = cache.k.shape
-    check_q(q, kf_k, kv_heads, "batch")
     batch, num_heads, head_dim = q.shape
-    check_decode_tables(block_tables, seq_lens, batch)
     out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
     if batch == 0:
         return out.to(q.dtype)

@@ -33,16 +33,7 @@ import triton.language as tl
 
 from . import codes
 from .dequant import _dequant_v, _dot, _operand, _unpack
-from .group_io import _static_folds, _stored_columns, _tile_pages
-
-
-@triton.jit
-def _softmax_step(s, m_i, l_i):
-    """Online softmax over one score tile [ROWS, BLOCK_N]: (new max, new sum, rescale of acc, p in fp32)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+from .group_io import _softmax_step, _static_folds, _stored_columns, _tile_pages
 
 
 @triton.jit
