@@ -276,6 +276,13 @@ def measure_format(args, name: str, root: Path) -> list[dict]:
         engine.shutdown()
 
 
+def release_gpu() -> None:
+    """The last engine's pool goes back before the next one allocates its own (each takes most of the GPU)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -322,14 +329,13 @@ def main(argv: list[str] | None = None) -> None:
         small_args = argparse.Namespace(**{**vars(args), "preset": small, "tag": f"{small} ", "contexts": args.small_contexts,
                                            "max_ctx": 0, "gemm_sweep": False, "split_sweep": False})
         rows += measure_format(small_args, "bf16", root / "small")
+        release_gpu()
     for name in args.formats:
         if time.perf_counter() - t0 > args.time_budget_s:
             print(f"skipping {name}: time budget of {args.time_budget_s:.0f} s spent", flush=True)
             continue
         rows += measure_format(args, name, root)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_gpu()
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "step_profile.jsonl", "w") as f:
         for r in [{"kind": "env", **env}] + rows:
