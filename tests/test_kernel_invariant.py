@@ -36,11 +36,13 @@ def test_gemm_rows_do_not_depend_on_the_row_count(dtype, n, k):
         assert torch.equal(invariant_gemm.linear(x[:m], w), full[:m]), f"rows of an M={m} product differ"
     for i in (5, 64, 130, 299):  # a row alone sits at row 0 of its tile: the position in the tile is no input
         assert torch.equal(invariant_gemm.linear(x[i:i + 1], w)[0], full[i]), f"row {i} alone differs"
-    # the values: fp64 oracle, within twice torch's own error at this precision plus an ulp of the result
+    # the values: fp64 oracle, within 4x torch's own error at this precision plus an ulp of the result. The
+    # kernel sums K in one fixed order (its error grows like sqrt(K)); cuBLAS splits K into more partial sums
+    # (2.3x less error at K = 4096 in fp32 on the H200). TF32 instead of fp32 products would be ~50x torch's.
     ref = x.double() @ w.double().T
     torch_err = ((x @ w.T).double() - ref).abs().max()
     err = (full.double() - ref).abs().max()
-    assert err <= 2 * torch_err + torch.finfo(dtype).eps * ref.abs().max(), f"error {err:.3g} vs torch's {torch_err:.3g}"
+    assert err <= 4 * torch_err + torch.finfo(dtype).eps * ref.abs().max(), f"error {err:.3g} vs torch's {torch_err:.3g}"
 
 
 def test_gemm_config_depends_on_the_weight_only():
