@@ -12,7 +12,8 @@ all of it; the host replays it `steps` times back to back and reads the ring onc
 Tokens are the legacy path's: the same forward on the same inputs, the same argmax over the same
 fp32 logits; the one difference is the block tables' width (`table_width`: fitted to the burst's longest
 sequence rather than the engine's), which only the split-K Triton attention sees, as a different
-order of its fp32 sums (the batch-invariant attention's result does not depend on it). What a burst cannot do is decide between its steps: the caller gives each
+order of its fp32 sums where a context spans several splits (the batch-invariant attention's result does
+not depend on it). A fitted width never changes which kernel runs (`kernel_width`). What a burst cannot do is decide between its steps: the caller gives each
 sequence room for the burst's tokens beforehand and drops whatever follows a stop (the KV written
 for dropped tokens lies in pages the finished sequence frees). So bursts serve greedy rows
 without logit adjustments or log-probs; the step loop (runtime/step_loop.py) runs everything
@@ -21,6 +22,7 @@ else one step at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,35 @@ def table_width(tokens: int, block_size: int, max_blocks: int) -> int:
     return min(width, max_blocks)
 
 
+# the plan fields that decide a decode kernel's arithmetic (which kernel, its tiles, its dot and softmax steps); the
+# others (split count, registers, ring stages, loads) only change where and when the same sums run
+_ARITHMETIC = ("kernel", "block_n", "num_warps", "k_chains", "skip_rescale", "dot_fp16", "p_scale", "widen_ptx",
+               "heads_n")
+
+
+def decode_kernels(layers, size: int, heads: int, head_dim: int, q_dtype: torch.dtype, device
+                   ) -> Callable[[int], tuple]:
+    """width -> the arithmetic (`_ARITHMETIC`) of the default decode plan of every layer of `layers` ((format, KV
+    heads, block size) each) for `size` rows of `heads` query heads on `device` (a plan.Device), at that table width."""
+    from .kernels.plan import decode_plan
+
+    def kernels(width: int) -> tuple:
+        plans = [decode_plan(fmt, size, heads, kv_heads, width * bs, device, head_dim=head_dim, block_size=bs,
+                             q_dtype=q_dtype) for fmt, kv_heads, bs in sorted(set(layers), key=str)]
+        return tuple(tuple(getattr(p, f) for f in _ARITHMETIC) for p in plans)
+    return kernels
+
+
+def kernel_width(width: int, max_blocks: int, kernels: Callable[[int], tuple]) -> int:
+    """`width`, or the engine's full table (max_blocks, as the legacy step pads it) where the decode kernels at
+    `width` (`kernels(width)`, e.g. `decode_kernels`) are not the full table's.
+    why: the plan may pick another kernel for a narrow table -- static fp8 / int8 take Triton's 4-warp tile where few
+    (sequence, KV head) pairs and a short table make too few one-warp programs, Gluon at the full width -- and a
+    burst's tokens then differed from the ordinary step's even where one split holds the whole context. That happens
+    only with few pairs, where attention is a small share of the step (Llama-3-8B, one 8k sequence: ~1%)."""
+    return width if kernels(width) == kernels(max_blocks) else max_blocks
+
+
 class DecodeBurst:
     def __init__(self, model: LlamaModel, caches: list[LayerCache], backend, max_batch: int, max_seq_len: int,
                  block_size: int, steps: int, use_graphs: bool):
@@ -68,7 +99,24 @@ class DecodeBurst:
         self.failure: str | None = None  # why a capture failed; from then on bursts run eagerly
         self.steps_run = 0  # decode steps run in bursts so far
         self._buffers: dict[tuple[int, int], _Buffers] = {}  # by (batch bucket, block-table width)
+        self._widths: dict[tuple[int, int], int] = {}  # (batch bucket, fitted width) -> the width bursts run
         model.rotary.table(model.device, max_seq_len)  # a captured graph keeps the table it saw
+
+    def _width(self, size: int, fitted: int) -> int:
+        """`fitted`, or the full table where that runs other Triton decode kernels (`kernel_width`)."""
+        key = (size, fitted)
+        if key not in self._widths:
+            name = getattr(self.backend, "name", "")
+            if name.startswith("triton"):
+                from .kernels.plan import device_of
+
+                layers = [(c.fmt, c.k.shape[1], c.k.shape[2]) for c in self.caches]
+                kernels = decode_kernels(layers, size, self.model.num_heads, self.model.cfg.head_dim, self.model.dtype,
+                                         device_of(self.model.device))
+                self._widths[key] = kernel_width(fitted, self.max_blocks, kernels)
+            else:  # the reference and the batch-invariant attention run the same sums at any width
+                self._widths[key] = fitted
+        return self._widths[key]
 
     def _make(self, size: int, width: int) -> _Buffers:
         dev = self.model.device
@@ -132,7 +180,7 @@ class DecodeBurst:
         # padding rows write to slot -1, which only the Triton write skips (the reference one would wrap it
         # to the pool's last slot): eager bursts run exactly n rows
         size = bucket_for(n) if self.use_graphs else n
-        width = table_width(max(positions) + steps, self.block_size, self.max_blocks)
+        width = self._width(size, table_width(max(positions) + steps, self.block_size, self.max_blocks))
         buf = self._buffers.get((size, width))
         if buf is None:
             buf = self._buffers[(size, width)] = self._make(size, width)

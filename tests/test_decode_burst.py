@@ -150,3 +150,31 @@ def test_on_the_gpu_bursts_and_fused_ops_give_the_legacy_tokens(tiny_dir):
         fused, _, runs, _ = _generate(tiny_dir, PROMPTS, 8, max_tokens=20, ignore_eos=True,
                                       engine={**engine, "fused_ops": True})
         assert fused == want and sum(runs) == 19, fmt  # the fused ops give the unfused ops' bits
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_token"])
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_a_bursts_table_runs_the_legacy_steps_decode_kernels(dtype, granularity):
+    """The H200's plans at Llama-3-8B's geometry (32 query heads over 8 KV heads of 128, pages of 64, a 131072-token
+    engine): the block table a burst runs takes the decode kernels of the legacy step's full table, so one split that
+    holds a whole context sums it in the same order. Static fp8's fitted tables of few sequences took Triton's 4-warp
+    tile where the full table takes Gluon, and the profile's fused step gave other tokens than the legacy one."""
+    from helpers_kernels import CUDA  # noqa: F401  (the interpreter where no GPU runs the kernels)
+
+    from runtime.decode_burst import decode_kernels, kernel_width, table_width
+    from runtime.kernels.plan import DEVICE_H200
+    from runtime.kv_format import format_from_name
+
+    fmt = format_from_name(f"{dtype}-{granularity}")
+    max_blocks = 131072 // 64
+    switched = 0
+    for size in (1, 2, 4, 16, 64):
+        kernels = decode_kernels([(fmt, 8, 64)] * 2, size, 32, 128, torch.bfloat16, DEVICE_H200)
+        for ctx in (37, 200, 1000, 8192, 40000):
+            fitted = table_width(ctx + 8, 64, max_blocks)
+            width = kernel_width(fitted, max_blocks, kernels)
+            assert kernels(width) == kernels(max_blocks), (size, ctx)
+            assert width in (fitted, max_blocks)
+            switched += width != fitted
+    # the static formats are the ones whose narrow tables switch kernel (the per-token ones stay on Gluon)
+    assert (switched > 0) == (granularity != "per_token")
