@@ -146,28 +146,53 @@ class StepLoop:
             self.fail(seqs, e)
             return
         st = self.stats
-        for row_tokens, row_finite in zip(tokens, finite):
-            st.step_batch_sizes.append(len(seqs))
-            st.step_num_tokens.append(len(seqs))
-            for seq, tok, ok in zip(seqs, row_tokens, row_finite):
-                if seq.finished:  # stopped earlier in the burst: its later tokens are dropped
-                    continue
-                seq.num_computed = seq.num_tokens
-                try:
-                    if not ok:
-                        raise NumericsError("the model produced NaN/Inf logits for this request; its output is "
-                                            "unusable. Check the engine's KV scales and weights (kvq eval).")
-                    seq.output_ids.append(tok)
-                    reason = self.finish_reason(seq, tok)
-                except Exception as e:  # noqa: BLE001
-                    self.fail([seq], e)
-                    continue
-                st.generated_tokens += 1
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                self.emit(seq, tok, reason)
+        st.step_batch_sizes += [len(seqs)] * steps
+        st.step_num_tokens += [len(seqs)] * steps
+        # sequence by sequence (each one's tokens in step order: its stream is the ordinary step's): one that
+        # cannot stop inside the burst takes its tokens at once, the others token by token
+        for seq, seq_tokens, seq_finite in zip(seqs, zip(*tokens), zip(*finite)):
+            if all(seq_finite) and not self._may_stop(seq, seq_tokens):
+                seq.output_ids += seq_tokens
+                seq.num_computed = seq.num_tokens - 1  # the newest token's K/V the next step writes
+                st.generated_tokens += steps
+                if seq.on_token is not None:
+                    for tok in seq_tokens:
+                        self.emit(seq, tok, None)
+                continue
+            self._take_tokens(seq, seq_tokens, seq_finite)
         self.scheduler.commit(Step([s for s in seqs if not s.finished], [], []))
         self._cache_stats()
+
+    def _may_stop(self, seq: Sequence, tokens: tuple[int, ...]) -> bool:
+        """Whether `finish_reason` could end seq at one of `tokens` (the next ones it gets): `finish_reason`'s
+        conditions for all of them at once, in C-level set and length checks instead of a call a token."""
+        sp, n = seq.sampling, len(tokens)
+        if len(seq.output_ids) + n >= sp.max_tokens or seq.num_tokens + n >= self.max_seq_len or sp.stop_sequences:
+            return True
+        stops = set(sp.stop_token_ids)
+        if not sp.ignore_eos and self.cfg.eos_token_id is not None:
+            stops.add(self.cfg.eos_token_id)
+        return not stops.isdisjoint(tokens)
+
+    def _take_tokens(self, seq: Sequence, tokens: tuple[int, ...], finite: tuple[bool, ...]) -> None:
+        """A burst's tokens for seq one by one: stop checks after each, the rest dropped after a stop."""
+        for tok, ok in zip(tokens, finite):
+            if seq.finished:  # stopped earlier in the burst: its later tokens are dropped
+                return
+            seq.num_computed = seq.num_tokens
+            try:
+                if not ok:
+                    raise NumericsError("the model produced NaN/Inf logits for this request; its output is "
+                                        "unusable. Check the engine's KV scales and weights (kvq eval).")
+                seq.output_ids.append(tok)
+                reason = self.finish_reason(seq, tok)
+            except Exception as e:  # noqa: BLE001
+                self.fail([seq], e)
+                continue
+            self.stats.generated_tokens += 1
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            self.emit(seq, tok, reason)
 
     def fail(self, seqs: list[Sequence], e: Exception) -> None:
         err = e

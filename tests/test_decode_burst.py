@@ -178,3 +178,38 @@ def test_a_bursts_table_runs_the_legacy_steps_decode_kernels(dtype, granularity)
             switched += width != fitted
     # the static formats are the ones whose narrow tables switch kernel (the per-token ones stay on Gluon)
     assert (switched > 0) == (granularity != "per_token")
+
+
+def test_streamed_tokens_of_bursts_are_the_single_steps(tiny_dir):
+    """Token callbacks under bursts (sequences that cannot stop inside a burst take its tokens at once, the others one
+    by one): every request streams the single steps' tokens, done flags and finish reason, a stop token and a
+    max_tokens cut inside a burst included."""
+    import threading
+
+    legacy, _, _, _ = _generate(tiny_dir, PROMPTS[:4], 0, max_tokens=13, ignore_eos=True)
+    stop = legacy[2][6]
+
+    def stream(burst_steps):
+        eng = Engine.from_dir(tiny_dir, num_blocks=128, block_size=8, burst_steps=burst_steps, max_batch_size=8)
+        events, done = {i: [] for i in range(4)}, threading.Semaphore(0)
+        # the first two stop only at max_tokens (13: not a multiple of the burst), the others also at `stop`
+        limits = [SamplingParams(max_tokens=13, ignore_eos=True)] * 2 + [
+            SamplingParams(max_tokens=13, ignore_eos=True, stop_token_ids=[stop])] * 2
+
+        def callback(i):
+            return lambda tok, fin, reason: events[i].append((tok, fin, reason)) or (fin and done.release())
+        try:
+            with eng._run_lock:  # all four admitted before the first step
+                for i in range(4):
+                    eng.submit(PROMPTS[i], limits[i], callback(i))
+            for _ in range(4):
+                assert done.acquire(timeout=120)
+            assert burst_steps == 0 or eng.steps.burst.steps_run > 0
+        finally:
+            eng.shutdown()
+        return events
+
+    want = stream(0)
+    got = stream(4)
+    assert got == want
+    assert want[2][-1] == (stop, True, "stop") and len(want[0]) == 13 and want[0][-1][1:] == (True, "length")
