@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--bursts", type=int, default=9, help="Timed bursts per point (median).")
     args = ap.parse_args(argv)
+    if args.ctx + args.burst * (args.bursts + 1) + 1 >= 1024:
+        ap.error(f"--ctx {args.ctx} leaves no room for {args.bursts + 1} bursts of {args.burst} in 1024 positions")
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp())
     n_max = max(args.batches)
