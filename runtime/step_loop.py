@@ -136,8 +136,7 @@ class StepLoop:
     def _run_burst(self, steps: int) -> None:
         seqs = list(self.scheduler.running)
         for seq in seqs:
-            for _ in range(steps):
-                self.blocks.append(seq.request_id)
+            self.blocks.append_tokens(seq.request_id, steps)
         try:
             # a decoding sequence's newest token is its last output (token_ids would copy the whole prompt)
             tokens, finite = self.burst.run([s.output_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
