@@ -254,7 +254,8 @@ def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], di
 def measure_format(args, name: str, root: Path) -> list[dict]:
     fmt = FORMATS[name]
     room = args.rounds * len(args.step) * (args.warmup + args.tokens + 2 * args.burst) + args.block + 4
-    max_seq = min(max(args.contexts + [args.max_ctx]) + room, PRESETS[args.preset].max_position_embeddings)
+    longest = max(args.contexts + [args.max_ctx, args.engine_len or 0])
+    max_seq = min(longest + room, PRESETS[args.preset].max_position_embeddings)
     root.mkdir(parents=True, exist_ok=True)
     d = make_engine_dir(root, name, fmt, args.block, args.max_batch, max_seq, args.preset)
     # the legacy step's engine (no bursts, torch's small ops); the other modes are built beside it (`_modes`)
@@ -310,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--burst", type=int, default=8, help="Decode steps per host read in the burst modes.")
     ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 130000], help="Batch-1 contexts.")
     ap.add_argument("--max-ctx", type=int, default=8192, help="Context of the max-concurrency scenario (0: none).")
+    ap.add_argument("--engine-len", type=int, default=0,
+                    help="The engine's longest sequence, where longer than the contexts (the legacy step pads its block "
+                         "tables to it; 0: the longest context).")
     ap.add_argument("--kv-gib", type=float, default=96.0)
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--block", type=int, default=64)
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     if args.small_contexts:  # first: a few seconds, never cut by the time budget
         small_args = argparse.Namespace(**{**vars(args), "preset": small, "tag": f"{small} ", "contexts": args.small_contexts,
-                                           "max_ctx": 0, "gemm_sweep": False, "split_sweep": False})
+                                           "max_ctx": 0, "engine_len": 0, "gemm_sweep": False, "split_sweep": False})
         rows += measure_format(small_args, "bf16", root / "small")
     for name in args.formats:
         if time.perf_counter() - t0 > args.time_budget_s:
