@@ -17,7 +17,9 @@ not depend on it). A fitted width never changes which kernel runs (`kernel_width
 sequence room for the burst's tokens beforehand and drops whatever follows a stop (the KV written
 for dropped tokens lies in pages the finished sequence frees). So bursts serve greedy rows
 without logit adjustments or log-probs; the step loop (runtime/step_loop.py) runs everything
-else one step at a time.
+else one step at a time. A burst can also follow another on the device before the host has read the
+first one's tokens (`follow`: the step loop's host work then runs beside the GPU); each burst writes
+its own half of a two-burst ring, read through pinned memory and an event (`PendingBurst.read`).
 """
 
 from __future__ import annotations
@@ -42,10 +44,32 @@ DEFAULT_BURST_STEPS = 8
 class _Buffers:
     batch: PagedBatch  # the step's inputs; each step writes the next one's
     active: torch.Tensor  # [size] int64: 1 for a real row, 0 for padding (which writes nowhere)
-    ring_tokens: torch.Tensor  # [steps, size] int64: the pick of every step
-    ring_finite: torch.Tensor  # [steps, size] bool: whether its logit was finite
+    ring_tokens: torch.Tensor  # [2 * steps, size] int64: the pick of every step, two bursts' halves
+    ring_finite: torch.Tensor  # [2 * steps, size] bool: whether its logit was finite
     counter: torch.Tensor  # [1] int64: the ring row the next step writes
+    host: tuple[torch.Tensor, torch.Tensor]  # [2, steps, size] the halves' copies on the host (pinned on CUDA)
     graph: torch.cuda.CUDAGraph | None = None
+    half: int = 0  # the ring half the next burst writes
+
+
+@dataclass
+class PendingBurst:
+    """A burst launched on the device, its picks on their way to the host (`read`)."""
+
+    burst: DecodeBurst
+    buf: _Buffers
+    n: int  # its sequences, the buffer's first rows
+    steps: int
+    positions: list[int]  # each sequence's position at the burst's first step
+    half: int
+    event: torch.cuda.Event | None
+
+    def read(self) -> tuple[list[list[int]], list[list[bool]]]:
+        """Greedy tokens [steps][n] and whether each was finite; waits for this burst only."""
+        if self.event is not None:
+            self.event.synchronize()
+        tokens, finite = (h[self.half, : self.steps, : self.n] for h in self.buf.host)
+        return tokens.tolist(), finite.tolist()
 
 
 def table_width(tokens: int, block_size: int, max_blocks: int) -> int:
@@ -131,8 +155,11 @@ class DecodeBurst:
             seq_lens=torch.ones(size, dtype=torch.int32, device=dev), cu_seqlens=zeros(1, dtype=torch.int32),
             logits_indices=torch.arange(size, device=dev), max_position=self.max_position,
         )
-        return _Buffers(batch, zeros(size), zeros(self.steps, size), zeros(self.steps, size, dtype=torch.bool),
-                        zeros(1))
+        pin = dev.type == "cuda"
+        host = (torch.zeros(2, self.steps, size, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(2, self.steps, size, dtype=torch.bool, pin_memory=pin))
+        return _Buffers(batch, zeros(size), zeros(2 * self.steps, size),
+                        zeros(2 * self.steps, size, dtype=torch.bool), zeros(1), host)
 
     def _step(self, buf: _Buffers) -> None:
         """One decode step, its pick, and the next step's inputs, all on the device."""
@@ -146,8 +173,12 @@ class DecodeBurst:
         b.input_ids.copy_(tokens)
         b.positions.add_(buf.active)
         b.seq_lens.add_(buf.active.to(torch.int32))
-        # the page of the next position; past the table's end (a step after the burst's last) any page will
-        # do, the step never runs
+        self._next_slots(buf)
+
+    def _next_slots(self, buf: _Buffers) -> None:
+        """The KV slot of each row's position from its block table (padding rows: -1)."""
+        b = buf.batch
+        # past the table's end (a step after the burst's last) any page will do, the step never runs
         col = (b.positions // self.block_size).clamp_(max=b.block_tables.shape[1] - 1)
         page = b.block_tables.gather(1, col[:, None])[:, 0].to(torch.int64)
         slot = page * self.block_size + b.positions % self.block_size
@@ -175,6 +206,11 @@ class DecodeBurst:
             ) -> tuple[list[list[int]], list[list[bool]]]:
         """Greedy tokens [steps][n] (and whether each was finite) for n sequences decoding from
         (last token, its position) with block tables that already hold room for `steps` tokens each."""
+        return self.launch(input_ids, positions, tables, steps).read()
+
+    def launch(self, input_ids: list[int], positions: list[int], tables: list[list[int]], steps: int
+               ) -> PendingBurst:
+        """`run`'s burst, launched: its tokens come with the result's `read`."""
         n = len(input_ids)
         if not 1 <= steps <= self.steps or not 1 <= n <= self.max_batch:
             raise ValueError(f"a burst takes 1..{self.steps} steps of 1..{self.max_batch} sequences")
@@ -186,18 +222,13 @@ class DecodeBurst:
         if buf is None:
             buf = self._buffers[(size, width)] = self._make(size, width)
         bs = self.block_size
-        dev = self.model.device
         b = buf.batch
         pad = size - n
-        # rows into one numpy array: a torch tensor a row (or one from nested lists) took the host 3x as long
-        host_tables = np.zeros((size, width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            host_tables[i, : min(len(t), width)] = t[:width]
+        self._load_tables(buf, tables)
         b.input_ids.copy_(torch.tensor(input_ids + [0] * pad))
         b.positions.copy_(torch.tensor(positions + [0] * pad))
         b.seq_lens.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
         b.slot_mapping.copy_(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [-1] * pad))
-        b.block_tables.copy_(torch.from_numpy(host_tables).to(dev, non_blocking=True))
         buf.active.copy_(torch.tensor([1] * n + [0] * pad))
         buf.counter.zero_()
         if self.use_graphs and self.failure is None and buf.graph is None:
@@ -205,12 +236,48 @@ class DecodeBurst:
                 self._capture(buf)
             except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why
                 self.failure = f"{type(e).__name__}: {e}"
+        return self._replay(buf, n, steps, positions)
+
+    def can_follow(self, pending: PendingBurst, steps: int) -> bool:
+        """Whether `follow` can run `steps` more steps of pending's sequences in its buffer: the table width a burst
+        from there would take is the buffer's (so the tokens are those of a burst launched afresh)."""
+        size, width = pending.buf.batch.block_tables.shape
+        ahead = max(pending.positions) + pending.steps + steps
+        return 1 <= steps <= self.steps and self._width(size, table_width(ahead, self.block_size, self.max_blocks)) \
+            == width
+
+    def follow(self, pending: PendingBurst, tables: list[list[int]], steps: int) -> PendingBurst:
+        """The next burst of pending's sequences, launched behind it before its tokens are read: the device's
+        inputs are where pending leaves them, the block tables (with room for `steps` more tokens each) are
+        reloaded and the next slots taken from them. Only while no sequence has stopped (`can_follow` first)."""
+        buf = pending.buf
+        self._load_tables(buf, tables)
+        self._next_slots(buf)  # pending's last step took them from the tables before the new pages
+        return self._replay(buf, pending.n, steps, [p + pending.steps for p in pending.positions])
+
+    def _load_tables(self, buf: _Buffers, tables: list[list[int]]) -> None:
+        size, width = buf.batch.block_tables.shape
+        # rows into one numpy array: a torch tensor a row (or one from nested lists) took the host 3x as long
+        host_tables = np.zeros((size, width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            host_tables[i, : min(len(t), width)] = t[:width]
+        buf.batch.block_tables.copy_(torch.from_numpy(host_tables).to(self.model.device, non_blocking=True))
+
+    def _replay(self, buf: _Buffers, n: int, steps: int, positions: list[int]) -> PendingBurst:
+        """`steps` steps into the buffer's next ring half, whose rows then start for the host."""
+        half, buf.half = buf.half, 1 - buf.half
+        buf.counter.fill_(half * self.steps)
         for _ in range(steps):
             if buf.graph is not None:
                 buf.graph.replay()
             else:
                 self._step(buf)
         self.steps_run += steps
-        tokens = buf.ring_tokens[:steps, :n].tolist()  # the burst's one read of the device
-        finite = buf.ring_finite[:steps, :n].tolist()
-        return tokens, finite
+        rows = slice(half * self.steps, half * self.steps + steps)
+        event = None
+        for host, ring in zip(buf.host, (buf.ring_tokens, buf.ring_finite)):
+            host[half, :steps].copy_(ring[rows], non_blocking=ring.is_cuda)
+        if self.model.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingBurst(self, buf, n, steps, positions, half, event)
