@@ -109,7 +109,8 @@ def kernel_width(width: int, max_blocks: int, kernels: Callable[[int], tuple]) -
     why: the plan may pick another kernel for a narrow table -- static fp8 / int8 take Triton's 4-warp tile where few
     (sequence, KV head) pairs and a short table make too few one-warp programs, Gluon at the full width -- and a
     burst's tokens then differed from the ordinary step's even where one split holds the whole context. That happens
-    only with few pairs, where attention is a small share of the step (Llama-3-8B, one 8k sequence: ~1%)."""
+    only with few pairs, where attention is a small share of the step (Llama-3-8B FP8, one 8k sequence: ~0.13 ms of
+    a 7.5 ms step)."""
     return width if kernels(width) == kernels(max_blocks) else max_blocks
 
 
