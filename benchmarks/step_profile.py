@@ -245,7 +245,8 @@ def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], di
             errors[mode] = f"{type(e).__name__}: {e}"
             print(f"{engine.fmt.name} {mode} FAILED: {errors[mode]}", flush=True)
         finally:
-            engine.steps.drain()
+            with engine._run_lock:  # the engine's loop thread steps only under this lock
+                engine.steps.drain()
             engine.runner.backend = runner_ops
         if burst is not None and burst.failure:
             errors.setdefault(mode + " capture", burst.failure)
