@@ -52,7 +52,7 @@ class _Buffers:
     half: int = 0  # the ring half the next burst writes
 
 
-@dataclass
+@dataclass(eq=False)
 class PendingBurst:
     """A burst launched on the device, its picks on their way to the host (`read`)."""
 
