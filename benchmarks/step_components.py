@@ -82,10 +82,11 @@ def kernels_per_call(replay: Callable[[], None]) -> int | None:
     return len(kernels) or None
 
 
-def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_ops=None, backend=None
-               ) -> list[Component]:
+def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_ops=None, backend=None,
+               width: int | None = None) -> list[Component]:
     """One step's components for n = len(tables) sequences at context ctx, through `backend` (`engine`'s by
-    default) and its matmul (the invariant mode's GEMM, the fused step's skinny-matmul rule)."""
+    default) and its matmul (the invariant mode's GEMM, the fused step's skinny-matmul rule), with block tables of
+    `width` blocks (a burst's: DecodeBurst.width_for; None: the legacy graphs' or the fitted width)."""
     model, cfg = engine.model, engine.cfg
     backend = backend if backend is not None else engine.backend
     lin = getattr(backend, "linear", fast_linear)
@@ -103,7 +104,8 @@ def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_op
     x = randn(n, hid)
     layers = [model.layer(i) for i in range(nl)]
     # the legacy graphs pad block tables to the engine's longest sequence, bursts fit them to theirs
-    width = -(-engine.max_seq_len // bs) if ops_set == "legacy" else table_width(ctx + 1, bs, 1 << 30)
+    if width is None:
+        width = -(-engine.max_seq_len // bs) if ops_set == "legacy" else table_width(ctx + 1, bs, 1 << 30)
     block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32,
                                 device=dev)
     seq_lens = torch.full((n,), ctx + 1, dtype=torch.int32, device=dev)

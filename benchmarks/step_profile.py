@@ -193,7 +193,8 @@ def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, 
             gpu = replay_ms(replay) if replay is not None else None
             small = getattr(burst.backend, "small_ops", None) if burst is not None else None
             comps = components(engine, [engine.blocks.block_table(s.request_id) for s in seqs], ctx, ops_set, small,
-                               burst.backend if burst is not None else engine.backend)
+                               burst.backend if burst is not None else engine.backend,
+                               burst.width_for(n, ctx + 1) if burst is not None else None)
             comp_rows = []
             for c in comps:
                 ms = time_ms(c.fn, engine.model.device, args.reps)

@@ -128,6 +128,12 @@ class DecodeBurst:
         self._widths: dict[tuple[int, int], int] = {}  # (batch bucket, fitted width) -> the width bursts run
         model.rotary.table(model.device, max_seq_len)  # a captured graph keeps the table it saw
 
+    def width_for(self, n: int, tokens: int) -> int:
+        """The block-table width a burst of n sequences whose longest reaches `tokens` tokens runs: `table_width`'s,
+        or the full table where that runs other decode kernels (`kernel_width`)."""
+        size = bucket_for(n) if self.use_graphs else n
+        return self._width(size, table_width(tokens, self.block_size, self.max_blocks))
+
     def _width(self, size: int, fitted: int) -> int:
         """`fitted`, or the full table where that runs other Triton decode kernels (`kernel_width`)."""
         key = (size, fitted)
@@ -218,7 +224,7 @@ class DecodeBurst:
         # padding rows write to slot -1, which only the Triton write skips (the reference one would wrap it
         # to the pool's last slot): eager bursts run exactly n rows
         size = bucket_for(n) if self.use_graphs else n
-        width = self._width(size, table_width(max(positions) + steps, self.block_size, self.max_blocks))
+        width = self.width_for(n, max(positions) + steps)
         buf = self._buffers.get((size, width))
         if buf is None:
             buf = self._buffers[(size, width)] = self._make(size, width)
@@ -242,10 +248,8 @@ class DecodeBurst:
     def can_follow(self, pending: PendingBurst, steps: int) -> bool:
         """Whether `follow` can run `steps` more steps of pending's sequences in its buffer: the table width a burst
         from there would take is the buffer's (so the tokens are those of a burst launched afresh)."""
-        size, width = pending.buf.batch.block_tables.shape
         ahead = max(pending.positions) + pending.steps + steps
-        return 1 <= steps <= self.steps and self._width(size, table_width(ahead, self.block_size, self.max_blocks)) \
-            == width
+        return 1 <= steps <= self.steps and self.width_for(pending.n, ahead) == pending.buf.batch.block_tables.shape[1]
 
     def follow(self, pending: PendingBurst, tables: list[list[int]], steps: int) -> PendingBurst:
         """The next burst of pending's sequences, launched behind it before its tokens are read: the device's
