@@ -130,6 +130,12 @@ def run_steps(engine: Engine, seqs: list[Sequence], tokens: int) -> tuple[float,
     return (time.perf_counter() - t0) * 1e3 / done, done
 
 
+def tokens_per_mode(args) -> int:
+    """Tokens a sequence may take in one mode's warm-up and timed run: each stops after the burst that passes its
+    count, plus the burst launched behind it (runtime/step_loop.py), which `run_steps` drains."""
+    return args.warmup + args.tokens + 4 * args.burst
+
+
 def captured_step(engine: Engine, burst: DecodeBurst | None, n: int, ctx: int):
     """The replay of the captured step of n sequences at ctx tokens (the legacy graph, or the burst's of the
     narrowest block table that holds them); None where none was captured."""
@@ -170,7 +176,7 @@ def step_bound_ms(engine: Engine, n: int, ctx: int, args) -> float:
 
 
 def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, args) -> list[dict]:
-    seqs = start_sequences(engine, n, ctx, args.rounds * len(modes) * (args.warmup + args.tokens + 2 * args.burst) + 2)
+    seqs = start_sequences(engine, n, ctx, args.rounds * len(modes) * tokens_per_mode(args) + 2)
     steps: dict[str, list[float]] = {m: [] for m in modes}
     in_bursts = dict.fromkeys(modes, 0)  # timed steps that ran in bursts: a burst mode should run all
     timed = dict.fromkeys(modes, 0)
@@ -257,7 +263,7 @@ def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], di
 
 def measure_format(args, name: str, root: Path) -> list[dict]:
     fmt = FORMATS[name]
-    room = args.rounds * len(args.step) * (args.warmup + args.tokens + 2 * args.burst) + args.block + 4
+    room = args.rounds * len(args.step) * tokens_per_mode(args) + args.block + 4
     longest = max(args.contexts + [args.max_ctx, args.engine_len or 0])
     max_seq = min(longest + room, PRESETS[args.preset].max_position_embeddings)
     root.mkdir(parents=True, exist_ok=True)
