@@ -3,8 +3,9 @@
 Used by benchmarks/step_profile.py. Every component runs what LlamaModel.forward_paged runs for it, for all
 layers of one step (each layer's own weights, so nothing is served from L2 that a real step reads from
 HBM): on CUDA captured in a CUDA graph and timed by replay (GPU time, no host), on the CPU eagerly.
-Two op sets: `legacy` (torch norms, RoPE, SwiGLU; the host's sampling) and `fused` (the small ops of
-runtime/kernels/small_ops.py; the pick and next inputs of a decode burst on the device).
+Op sets: `legacy` (torch norms, RoPE, SwiGLU; the host's sampling), `burst` (those ops; the pick and next inputs
+of a decode burst on the device), `fused` and `invariant` (a burst through the backend's small ops of
+runtime/kernels/small_ops.py where it has them, and its matmul).
 """
 
 from __future__ import annotations
@@ -81,9 +82,14 @@ def kernels_per_call(replay: Callable[[], None]) -> int | None:
     return len(kernels) or None
 
 
-def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_ops=None) -> list[Component]:
-    """One step's components for n = len(tables) sequences at context ctx, through `engine`'s backend."""
-    model, cfg, backend = engine.model, engine.cfg, engine.backend
+def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_ops=None, backend=None,
+               width: int | None = None) -> list[Component]:
+    """One step's components for n = len(tables) sequences at context ctx, through `backend` (`engine`'s by
+    default) and its matmul (the invariant mode's GEMM, the fused step's skinny-matmul rule), with block tables of
+    `width` blocks (a burst's: DecodeBurst.width_for; None: the legacy graphs' or the fitted width)."""
+    model, cfg = engine.model, engine.cfg
+    backend = backend if backend is not None else engine.backend
+    lin = getattr(backend, "linear", fast_linear)
     caches = engine.runner.caches
     dev, dt = model.device, model.dtype
     n, hid, nl = len(tables), cfg.hidden_size, cfg.num_layers
@@ -98,7 +104,8 @@ def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_op
     x = randn(n, hid)
     layers = [model.layer(i) for i in range(nl)]
     # the legacy graphs pad block tables to the engine's longest sequence, bursts fit them to theirs
-    width = -(-engine.max_seq_len // bs) if ops_set == "legacy" else table_width(ctx + 1, bs, 1 << 30)
+    if width is None:
+        width = -(-engine.max_seq_len // bs) if ops_set == "legacy" else table_width(ctx + 1, bs, 1 << 30)
     block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32,
                                 device=dev)
     seq_lens = torch.full((n,), ctx + 1, dtype=torch.int32, device=dev)
@@ -118,7 +125,7 @@ def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_op
     def gemm(name: str, weight: Callable[[int], torch.Tensor], inp: torch.Tensor) -> Component:
         w0 = weight(0)
         out_f, in_f = w0.shape
-        return Component(name, per_layer(lambda i: fast_linear(inp, weight(i))),
+        return Component(name, per_layer(lambda i: lin(inp, weight(i))),
                          nl * (out_f * in_f + n * (in_f + out_f)) * el, nl * 2.0 * n * out_f * in_f)
 
     kv_read = n * ctx * kv_bytes_per_token(cfg, engine.fmt)  # every layer's K/V of the context, once
@@ -133,11 +140,11 @@ def components(engine, tables: list[list[int]], ctx: int, ops_set: str, small_op
                   n * (2 * kvh * d * el + kv_bytes_per_token(cfg, engine.fmt))),
         Component("attention", per_layer(lambda i: backend.decode_attention(
             q, caches[i], block_tables, seq_lens, model.sm_scale)), kv_read + nl * 2 * n * heads * d * el),
-        Component("lm_head", lambda: fast_linear(x, model.lm_head).to(torch.float32),
+        Component("lm_head", lambda: lin(x, model.lm_head).to(torch.float32),
                   cfg.vocab_size * hid * el + n * cfg.vocab_size * 4, 2.0 * n * cfg.vocab_size * hid),
     ]
     norm_bytes = (2 * nl + 1) * 3 * act_bytes  # h (and the residual's delta) in, normed out
-    if ops_set != "fused":  # legacy and burst: the torch small ops
+    if small_ops is None:  # legacy and burst (and the invariant mode on the CPU): the torch small ops
         out += [
             Component("norms", lambda: [model._rms_norm(x, w) for layer in layers
                                         for w in (layer.input_norm, layer.post_norm)] + [

@@ -13,7 +13,9 @@ sampling, stop checks, callbacks) on sequences whose K/V fill the pool, interlea
   burst   --burst greedy steps per host read, the pick and the next inputs on the device
           (runtime/decode_burst.py);
   fused   burst, plus norms / RoPE / SwiGLU as fused Triton kernels (runtime/kernels/small_ops.py): a CUDA
-          engine's default step.
+          engine's default step;
+  invariant  burst through the batch-invariant mode's ops (runtime/engine_ops.batch_invariant_backend: on CUDA
+          its Triton GEMM, attention and small ops), the step of an engine built with batch_invariant: true.
 
 First the --small-preset geometry (SmolLM2-135M) at batch 1 in BF16, whose step is bound by its kernel
 launches and the host, not its bytes: its rows count the kernels one captured step launches.
@@ -22,7 +24,8 @@ Rows: step ms (wall, per token of every sequence), its GPU part (the captured st
 host's (the rest), tokens/s, and the bound: weights read once + every sequence's K/V read once + logits,
 at --bandwidth-gbs. Then each component (benchmarks/step_components.py) alone, with its own bound; the
 components sum to the GPU step up to the gaps between kernels (`unattributed`). Finally greedy tokens of
-each mode against legacy's on the same prompts (`tokens_match`).
+each mode against legacy's on the same prompts (`tokens_match`); for invariant, whether each prompt's tokens
+decoded alone equal its tokens decoded beside the others (the mode's promise; its sums are not legacy's).
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ from runtime.config import PRESETS
 from runtime.cuda_graphs import bucket_for
 from runtime.decode_burst import DecodeBurst
 from runtime.engine import Engine
-from runtime.engine_ops import with_small_ops
+from runtime.engine_ops import batch_invariant_backend, with_small_ops
+from runtime.errors import UnsupportedError
 from runtime.kv_format import kv_bytes_per_token
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Sequence
 
-MODES = ("legacy", "burst", "fused")
+MODES = ("legacy", "burst", "fused", "invariant")
 PRESET_ALIASES = {"tiny": "tiny-llama3"}
 GIB = 2**30
 
@@ -75,6 +79,11 @@ def _modes(engine: Engine, args) -> dict:
         else:
             print("fused: the small-op kernels need CUDA (the CPU runs them only under TRITON_INTERPRET=1 in "
                   "tests); skipped", flush=True)
+    if "invariant" in args.step:
+        try:
+            out["invariant"] = (make(batch_invariant_backend(engine.model)), "invariant")
+        except UnsupportedError as e:  # the CPU's GEMMs may not allow the mode: say so, profile the others
+            print(f"invariant: {e}; skipped", flush=True)
     return out
 
 
@@ -115,9 +124,16 @@ def run_steps(engine: Engine, seqs: list[Sequence], tokens: int) -> tuple[float,
         engine.steps.step()
         if seqs[0].finished:
             raise RuntimeError(f"a profiled sequence ended early ({seqs[0].finish_reason}): {seqs[0].error!r}")
+    engine.steps.drain()  # a burst launched behind the last one: its tokens count, its time is in the wall time
     sync(engine)
     done = len(seqs[0].output_ids) - start
     return (time.perf_counter() - t0) * 1e3 / done, done
+
+
+def tokens_per_mode(args) -> int:
+    """Tokens a sequence may take in one mode's warm-up and timed run: each stops after the burst that passes its
+    count, plus the burst launched behind it (runtime/step_loop.py), which `run_steps` drains."""
+    return args.warmup + args.tokens + 4 * args.burst
 
 
 def captured_step(engine: Engine, burst: DecodeBurst | None, n: int, ctx: int):
@@ -160,7 +176,7 @@ def step_bound_ms(engine: Engine, n: int, ctx: int, args) -> float:
 
 
 def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, args) -> list[dict]:
-    seqs = start_sequences(engine, n, ctx, args.rounds * len(modes) * (args.warmup + args.tokens + 2 * args.burst) + 2)
+    seqs = start_sequences(engine, n, ctx, args.rounds * len(modes) * tokens_per_mode(args) + 2)
     steps: dict[str, list[float]] = {m: [] for m in modes}
     in_bursts = dict.fromkeys(modes, 0)  # timed steps that ran in bursts: a burst mode should run all
     timed = dict.fromkeys(modes, 0)
@@ -182,7 +198,9 @@ def profile_scenario(engine: Engine, modes: dict, label: str, n: int, ctx: int, 
             replay = captured_step(engine, burst, n, ctx)
             gpu = replay_ms(replay) if replay is not None else None
             small = getattr(burst.backend, "small_ops", None) if burst is not None else None
-            comps = components(engine, [engine.blocks.block_table(s.request_id) for s in seqs], ctx, ops_set, small)
+            comps = components(engine, [engine.blocks.block_table(s.request_id) for s in seqs], ctx, ops_set, small,
+                               burst.backend if burst is not None else engine.backend,
+                               burst.width_for(n, ctx + 1) if burst is not None else None)
             comp_rows = []
             for c in comps:
                 ms = time_ms(c.fn, engine.model.device, args.reps)
@@ -219,28 +237,40 @@ def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], di
     longest = engine.max_seq_len - args.check_tokens - 1
     prompts = [torch.randint(3, engine.cfg.vocab_size, (min(n, longest),), generator=g).tolist() for n in (37, 200)]
     out, errors = {}, {}
+    alone: list[list[int]] = []  # the invariant mode's tokens of each prompt decoded by itself
     for mode, (burst, _) in modes.items():
         engine.steps.burst = burst
+        runner_ops = engine.runner.backend
+        if mode == "invariant":  # its prefill too: a batch-invariant engine runs every step through the mode's ops
+            engine.runner.backend = burst.backend
         try:
             out[mode] = [g.token_ids for g in engine.generate(prompts, max_tokens=args.check_tokens, ignore_eos=True)]
+            if mode == "invariant":
+                alone = [engine.generate([p], max_tokens=args.check_tokens, ignore_eos=True)[0].token_ids
+                         for p in prompts]
         except Exception as e:  # noqa: BLE001 - report the mode's failure, measure the others
             errors[mode] = f"{type(e).__name__}: {e}"
             print(f"{engine.fmt.name} {mode} FAILED: {errors[mode]}", flush=True)
+        finally:
+            with engine._run_lock:  # the engine's loop thread steps only under this lock
+                engine.steps.drain()
+            engine.runner.backend = runner_ops
         if burst is not None and burst.failure:
             errors.setdefault(mode + " capture", burst.failure)
     engine.steps.burst = None
-    return {mode: toks == out.get("legacy") for mode, toks in out.items()}, errors
+    return {mode: toks == (alone if mode == "invariant" else out.get("legacy")) for mode, toks in out.items()}, errors
 
 
 def measure_format(args, name: str, root: Path) -> list[dict]:
     fmt = FORMATS[name]
-    room = args.rounds * len(args.step) * (args.warmup + args.tokens + 2 * args.burst) + args.block + 4
-    max_seq = min(max(args.contexts + [args.max_ctx]) + room, PRESETS[args.preset].max_position_embeddings)
+    room = args.rounds * len(args.step) * tokens_per_mode(args) + args.block + 4
+    longest = max(args.contexts + [args.max_ctx, args.engine_len or 0])
+    max_seq = min(longest + room, PRESETS[args.preset].max_position_embeddings)
     root.mkdir(parents=True, exist_ok=True)
     d = make_engine_dir(root, name, fmt, args.block, args.max_batch, max_seq, args.preset)
     # the legacy step's engine (no bursts, torch's small ops); the other modes are built beside it (`_modes`)
     engine = Engine.from_dir(d, device=args.device, memory_budget=int(args.kv_gib * GIB), prefix_caching=False,
-                             max_seq_len=max_seq, burst_steps=0, fused_ops=False)
+                             max_seq_len=max_seq, burst_steps=0, fused_ops=False, batch_invariant=False)
     try:
         modes = _modes(engine, args)
         match, errors = tokens_match(engine, modes, args)  # first: a mode that fails here is not profiled
@@ -293,10 +323,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small-preset", default="smollm2-135m", help="The launch-bound geometry, batch 1, BF16 KV.")
     ap.add_argument("--small-contexts", nargs="*", type=int, default=[2048], help="Its contexts (none: skip it).")
     ap.add_argument("--step", nargs="+", default=["legacy", "fused"], choices=MODES,
-                    help="Step modes, side by side (legacy: the old default, fused: the CUDA default).")
+                    help="Step modes, side by side (legacy: the old default, fused: the CUDA default, invariant: "
+                         "batch_invariant: true).")
     ap.add_argument("--burst", type=int, default=8, help="Decode steps per host read in the burst modes.")
     ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 130000], help="Batch-1 contexts.")
     ap.add_argument("--max-ctx", type=int, default=8192, help="Context of the max-concurrency scenario (0: none).")
+    ap.add_argument("--engine-len", type=int, default=0,
+                    help="The engine's longest sequence, where longer than the contexts (the legacy step pads its block "
+                         "tables to it; 0: the longest context).")
     ap.add_argument("--kv-gib", type=float, default=96.0)
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--block", type=int, default=64)
@@ -327,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     if args.small_contexts:  # first: a few seconds, never cut by the time budget
         small_args = argparse.Namespace(**{**vars(args), "preset": small, "tag": f"{small} ", "contexts": args.small_contexts,
-                                           "max_ctx": 0, "gemm_sweep": False, "split_sweep": False})
+                                           "max_ctx": 0, "engine_len": 0, "gemm_sweep": False, "split_sweep": False})
         rows += measure_format(small_args, "bf16", root / "small")
         release_gpu()
     for name in args.formats:

@@ -14,7 +14,8 @@ def markdown(rows: list[dict], env: dict) -> str:
              f"bound: weights (or their matmuls at {env.get('tflops'):g} TFLOP/s, where slower) + K/V + logits "
              f"read once at {env.get('bandwidth_gbs'):g} GB/s. Step ms is wall time "
              "per token of every sequence through the engine's step loop; GPU is the captured step replayed "
-             "alone; host is the rest. x legacy: tokens/s over the legacy step's.", ""]
+             "alone; host is the rest. x legacy: tokens/s over the legacy step's. Tokens match: greedy tokens "
+             "against the legacy step's; invariant: each prompt's tokens alone against beside the others.", ""]
     head = "| KV format | scenario | sequences | " + " | ".join(
         f"{m}: step ms (GPU / host) | {m}: tok/s | {m}: % of bound" for m in modes) + " | bound ms | x legacy | tokens match |"
     lines += [head, "|" + "---|" * (3 * len(modes) + 6)]

@@ -246,6 +246,19 @@ class BlockManager:
         s.num_tokens += 1
         return cow
 
+    def append_tokens(self, seq_id: object, n: int) -> None:
+        """Room for n more tokens, as n `append`s (whose copy-on-write a shared last page takes first), with the
+        new pages taken at once: a decode burst's room for every running sequence, without a call a token."""
+        s = self._seqs[seq_id]
+        if n > 0 and s.blocks and s.num_tokens % self.block_size and self._ref[s.blocks[-1]] > 1:
+            self.append(seq_id)
+            n -= 1
+        new = max(0, self.blocks_for(s.num_tokens + n) - len(s.blocks))
+        if new > self.num_free_blocks:
+            raise OutOfBlocks(f"sequence {seq_id!r} needs {new} blocks, {self.num_free_blocks} free")
+        s.blocks += [self._take() for _ in range(new)]
+        s.num_tokens += n
+
     def fork(self, parent: object, child: object) -> None:
         """The child shares every page of the parent (ref counts go up)."""
         if child in self._seqs:

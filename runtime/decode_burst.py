@@ -12,17 +12,22 @@ all of it; the host replays it `steps` times back to back and reads the ring onc
 Tokens are the legacy path's: the same forward on the same inputs, the same argmax over the same
 fp32 logits; the one difference is the block tables' width (`table_width`: fitted to the burst's longest
 sequence rather than the engine's), which only the split-K Triton attention sees, as a different
-order of its fp32 sums (the batch-invariant attention's result does not depend on it). What a burst cannot do is decide between its steps: the caller gives each
+order of its fp32 sums where a context spans several splits (the batch-invariant attention's result does
+not depend on it). A fitted width never changes which kernel runs (`kernel_width`). What a burst cannot do is decide between its steps: the caller gives each
 sequence room for the burst's tokens beforehand and drops whatever follows a stop (the KV written
 for dropped tokens lies in pages the finished sequence frees). So bursts serve greedy rows
 without logit adjustments or log-probs; the step loop (runtime/step_loop.py) runs everything
-else one step at a time.
+else one step at a time. A burst can also follow another on the device before the host has read the
+first one's tokens (`follow`: the step loop's host work then runs beside the GPU); each burst writes
+its own half of a two-burst ring, read through pinned memory and an event (`PendingBurst.read`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .cuda_graphs import bucket_for
@@ -39,10 +44,32 @@ DEFAULT_BURST_STEPS = 8
 class _Buffers:
     batch: PagedBatch  # the step's inputs; each step writes the next one's
     active: torch.Tensor  # [size] int64: 1 for a real row, 0 for padding (which writes nowhere)
-    ring_tokens: torch.Tensor  # [steps, size] int64: the pick of every step
-    ring_finite: torch.Tensor  # [steps, size] bool: whether its logit was finite
+    ring_tokens: torch.Tensor  # [2 * steps, size] int64: the pick of every step, two bursts' halves
+    ring_finite: torch.Tensor  # [2 * steps, size] bool: whether its logit was finite
     counter: torch.Tensor  # [1] int64: the ring row the next step writes
+    host: tuple[torch.Tensor, torch.Tensor]  # [2, steps, size] the halves' copies on the host (pinned on CUDA)
     graph: torch.cuda.CUDAGraph | None = None
+    half: int = 0  # the ring half the next burst writes
+
+
+@dataclass(eq=False)
+class PendingBurst:
+    """A burst launched on the device, its picks on their way to the host (`read`)."""
+
+    burst: DecodeBurst
+    buf: _Buffers
+    n: int  # its sequences, the buffer's first rows
+    steps: int
+    positions: list[int]  # each sequence's position at the burst's first step
+    half: int
+    event: torch.cuda.Event | None
+
+    def read(self) -> tuple[list[list[int]], list[list[bool]]]:
+        """Greedy tokens [steps][n] and whether each was finite; waits for this burst only."""
+        if self.event is not None:
+            self.event.synchronize()
+        tokens, finite = (h[self.half, : self.steps, : self.n] for h in self.buf.host)
+        return tokens.tolist(), finite.tolist()
 
 
 def table_width(tokens: int, block_size: int, max_blocks: int) -> int:
@@ -57,6 +84,36 @@ def table_width(tokens: int, block_size: int, max_blocks: int) -> int:
     return min(width, max_blocks)
 
 
+# the plan fields that decide a decode kernel's arithmetic (which kernel, its tiles, its dot and softmax steps); the
+# others (split count, registers, ring stages, loads) only change where and when the same sums run
+_ARITHMETIC = ("kernel", "block_n", "num_warps", "k_chains", "skip_rescale", "dot_fp16", "p_scale", "widen_ptx",
+               "heads_n")
+
+
+def decode_kernels(layers, size: int, heads: int, head_dim: int, q_dtype: torch.dtype, device
+                   ) -> Callable[[int], tuple]:
+    """width -> the arithmetic (`_ARITHMETIC`) of the default decode plan of every layer of `layers` ((format, KV
+    heads, block size) each) for `size` rows of `heads` query heads on `device` (a plan.Device), at that table width."""
+    from .kernels.plan import decode_plan
+
+    def kernels(width: int) -> tuple:
+        plans = [decode_plan(fmt, size, heads, kv_heads, width * bs, device, head_dim=head_dim, block_size=bs,
+                             q_dtype=q_dtype) for fmt, kv_heads, bs in sorted(set(layers), key=str)]
+        return tuple(tuple(getattr(p, f) for f in _ARITHMETIC) for p in plans)
+    return kernels
+
+
+def kernel_width(width: int, max_blocks: int, kernels: Callable[[int], tuple]) -> int:
+    """`width`, or the engine's full table (max_blocks, as the legacy step pads it) where the decode kernels at
+    `width` (`kernels(width)`, e.g. `decode_kernels`) are not the full table's.
+    why: the plan may pick another kernel for a narrow table -- static fp8 / int8 take Triton's 4-warp tile where few
+    (sequence, KV head) pairs and a short table make too few one-warp programs, Gluon at the full width -- and a
+    burst's tokens then differed from the ordinary step's even where one split holds the whole context. That happens
+    only with few pairs, where attention is a small share of the step (Llama-3-8B FP8, one 8k sequence: ~0.13 ms of
+    a 7.5 ms step)."""
+    return width if kernels(width) == kernels(max_blocks) else max_blocks
+
+
 class DecodeBurst:
     def __init__(self, model: LlamaModel, caches: list[LayerCache], backend, max_batch: int, max_seq_len: int,
                  block_size: int, steps: int, use_graphs: bool):
@@ -68,7 +125,30 @@ class DecodeBurst:
         self.failure: str | None = None  # why a capture failed; from then on bursts run eagerly
         self.steps_run = 0  # decode steps run in bursts so far
         self._buffers: dict[tuple[int, int], _Buffers] = {}  # by (batch bucket, block-table width)
+        self._widths: dict[tuple[int, int], int] = {}  # (batch bucket, fitted width) -> the width bursts run
         model.rotary.table(model.device, max_seq_len)  # a captured graph keeps the table it saw
+
+    def width_for(self, n: int, tokens: int) -> int:
+        """The block-table width a burst of n sequences whose longest reaches `tokens` tokens runs: `table_width`'s,
+        or the full table where that runs other decode kernels (`kernel_width`)."""
+        size = bucket_for(n) if self.use_graphs else n
+        return self._width(size, table_width(tokens, self.block_size, self.max_blocks))
+
+    def _width(self, size: int, fitted: int) -> int:
+        """`fitted`, or the full table where that runs other Triton decode kernels (`kernel_width`)."""
+        key = (size, fitted)
+        if key not in self._widths:
+            name = getattr(self.backend, "name", "")
+            if name.startswith("triton"):
+                from .kernels.plan import device_of
+
+                layers = [(c.fmt, c.k.shape[1], c.k.shape[2]) for c in self.caches]
+                kernels = decode_kernels(layers, size, self.model.num_heads, self.model.cfg.head_dim, self.model.dtype,
+                                         device_of(self.model.device))
+                self._widths[key] = kernel_width(fitted, self.max_blocks, kernels)
+            else:  # the reference and the batch-invariant attention run the same sums at any width
+                self._widths[key] = fitted
+        return self._widths[key]
 
     def _make(self, size: int, width: int) -> _Buffers:
         dev = self.model.device
@@ -82,8 +162,11 @@ class DecodeBurst:
             seq_lens=torch.ones(size, dtype=torch.int32, device=dev), cu_seqlens=zeros(1, dtype=torch.int32),
             logits_indices=torch.arange(size, device=dev), max_position=self.max_position,
         )
-        return _Buffers(batch, zeros(size), zeros(self.steps, size), zeros(self.steps, size, dtype=torch.bool),
-                        zeros(1))
+        pin = dev.type == "cuda"
+        host = (torch.zeros(2, self.steps, size, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(2, self.steps, size, dtype=torch.bool, pin_memory=pin))
+        return _Buffers(batch, zeros(size), zeros(2 * self.steps, size),
+                        zeros(2 * self.steps, size, dtype=torch.bool), zeros(1), host)
 
     def _step(self, buf: _Buffers) -> None:
         """One decode step, its pick, and the next step's inputs, all on the device."""
@@ -97,8 +180,12 @@ class DecodeBurst:
         b.input_ids.copy_(tokens)
         b.positions.add_(buf.active)
         b.seq_lens.add_(buf.active.to(torch.int32))
-        # the page of the next position; past the table's end (a step after the burst's last) any page will
-        # do, the step never runs
+        self._next_slots(buf)
+
+    def _next_slots(self, buf: _Buffers) -> None:
+        """The KV slot of each row's position from its block table (padding rows: -1)."""
+        b = buf.batch
+        # past the table's end (a step after the burst's last) any page will do, the step never runs
         col = (b.positions // self.block_size).clamp_(max=b.block_tables.shape[1] - 1)
         page = b.block_tables.gather(1, col[:, None])[:, 0].to(torch.int64)
         slot = page * self.block_size + b.positions % self.block_size
@@ -126,28 +213,29 @@ class DecodeBurst:
             ) -> tuple[list[list[int]], list[list[bool]]]:
         """Greedy tokens [steps][n] (and whether each was finite) for n sequences decoding from
         (last token, its position) with block tables that already hold room for `steps` tokens each."""
+        return self.launch(input_ids, positions, tables, steps).read()
+
+    def launch(self, input_ids: list[int], positions: list[int], tables: list[list[int]], steps: int
+               ) -> PendingBurst:
+        """`run`'s burst, launched: its tokens come with the result's `read`."""
         n = len(input_ids)
         if not 1 <= steps <= self.steps or not 1 <= n <= self.max_batch:
             raise ValueError(f"a burst takes 1..{self.steps} steps of 1..{self.max_batch} sequences")
         # padding rows write to slot -1, which only the Triton write skips (the reference one would wrap it
         # to the pool's last slot): eager bursts run exactly n rows
         size = bucket_for(n) if self.use_graphs else n
-        width = table_width(max(positions) + steps, self.block_size, self.max_blocks)
+        width = self.width_for(n, max(positions) + steps)
         buf = self._buffers.get((size, width))
         if buf is None:
             buf = self._buffers[(size, width)] = self._make(size, width)
         bs = self.block_size
-        dev = self.model.device
         b = buf.batch
-        host_tables = torch.zeros(size, width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            host_tables[i, : min(len(t), width)] = torch.tensor(t[:width], dtype=torch.int32)
         pad = size - n
+        self._load_tables(buf, tables)
         b.input_ids.copy_(torch.tensor(input_ids + [0] * pad))
         b.positions.copy_(torch.tensor(positions + [0] * pad))
         b.seq_lens.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
         b.slot_mapping.copy_(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [-1] * pad))
-        b.block_tables.copy_(host_tables.to(dev, non_blocking=True))
         buf.active.copy_(torch.tensor([1] * n + [0] * pad))
         buf.counter.zero_()
         if self.use_graphs and self.failure is None and buf.graph is None:
@@ -155,12 +243,46 @@ class DecodeBurst:
                 self._capture(buf)
             except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why
                 self.failure = f"{type(e).__name__}: {e}"
+        return self._replay(buf, n, steps, positions)
+
+    def can_follow(self, pending: PendingBurst, steps: int) -> bool:
+        """Whether `follow` can run `steps` more steps of pending's sequences in its buffer: the table width a burst
+        from there would take is the buffer's (so the tokens are those of a burst launched afresh)."""
+        ahead = max(pending.positions) + pending.steps + steps
+        return 1 <= steps <= self.steps and self.width_for(pending.n, ahead) == pending.buf.batch.block_tables.shape[1]
+
+    def follow(self, pending: PendingBurst, tables: list[list[int]], steps: int) -> PendingBurst:
+        """The next burst of pending's sequences, launched behind it before its tokens are read: the device's
+        inputs are where pending leaves them, the block tables (with room for `steps` more tokens each) are
+        reloaded and the next slots taken from them. Only while no sequence has stopped (`can_follow` first)."""
+        buf = pending.buf
+        self._load_tables(buf, tables)
+        self._next_slots(buf)  # pending's last step took them from the tables before the new pages
+        return self._replay(buf, pending.n, steps, [p + pending.steps for p in pending.positions])
+
+    def _load_tables(self, buf: _Buffers, tables: list[list[int]]) -> None:
+        size, width = buf.batch.block_tables.shape
+        # rows into one numpy array: a torch tensor a row (or one from nested lists) took the host 3x as long
+        host_tables = np.zeros((size, width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            host_tables[i, : min(len(t), width)] = t[:width]
+        buf.batch.block_tables.copy_(torch.from_numpy(host_tables).to(self.model.device, non_blocking=True))
+
+    def _replay(self, buf: _Buffers, n: int, steps: int, positions: list[int]) -> PendingBurst:
+        """`steps` steps into the buffer's next ring half, whose rows then start for the host."""
+        half, buf.half = buf.half, 1 - buf.half
+        buf.counter.fill_(half * self.steps)
         for _ in range(steps):
             if buf.graph is not None:
                 buf.graph.replay()
             else:
                 self._step(buf)
         self.steps_run += steps
-        tokens = buf.ring_tokens[:steps, :n].tolist()  # the burst's one read of the device
-        finite = buf.ring_finite[:steps, :n].tolist()
-        return tokens, finite
+        rows = slice(half * self.steps, half * self.steps + steps)
+        event = None
+        for host, ring in zip(buf.host, (buf.ring_tokens, buf.ring_finite)):
+            host[half, :steps].copy_(ring[rows], non_blocking=ring.is_cuda)
+        if self.model.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingBurst(self, buf, n, steps, positions, half, event)

@@ -15,7 +15,7 @@ from typing import Any
 
 from .block_manager import BlockManager
 from .config import ModelConfig
-from .decode_burst import DecodeBurst
+from .decode_burst import DecodeBurst, PendingBurst
 from .errors import KvqError, NumericsError
 from .runner import ModelRunner
 from .sampling import select_tokens
@@ -68,8 +68,15 @@ class StepLoop:
         self.cfg, self.max_seq_len = cfg, max_seq_len
         self.live = live  # the engine's requests in flight by id; a finished one leaves it here
         self.cancel = cancel  # the engine's cancel: a broken callback cancels its own request
+        # a burst launched behind the one whose tokens the last step took, and its sequences: the next step's
+        self._inflight: tuple[PendingBurst, list[Sequence]] | None = None
 
     def step(self) -> None:
+        if self._inflight is not None:
+            pending, seqs = self._inflight
+            self._inflight = None
+            self._finish_burst(pending, seqs, follow=True)
+            return
         steps = self._burst_steps()
         if steps:
             self._run_burst(steps)
@@ -133,41 +140,114 @@ class StepLoop:
                      for s in sched.running)
         return steps if steps >= 1 and needed + len(sched.running) <= self.blocks.num_free_blocks else 0
 
+    def drain(self) -> None:
+        """Take the tokens of a burst still in flight (what the next step would), launching none behind it."""
+        if self._inflight is not None:
+            pending, seqs = self._inflight
+            self._inflight = None
+            self._finish_burst(pending, seqs, follow=False)
+
     def _run_burst(self, steps: int) -> None:
         seqs = list(self.scheduler.running)
         for seq in seqs:
-            for _ in range(steps):
-                self.blocks.append(seq.request_id)
+            self.blocks.append_tokens(seq.request_id, steps)
         try:
             # a decoding sequence's newest token is its last output (token_ids would copy the whole prompt)
-            tokens, finite = self.burst.run([s.output_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
-                                            [self.blocks.block_table(s.request_id) for s in seqs], steps)
+            pending = self.burst.launch([s.output_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
+                                        [self.blocks.block_table(s.request_id) for s in seqs], steps)
         except Exception as e:  # noqa: BLE001 - the forward is shared: fail these requests only
             self.fail(seqs, e)
             return
+        self._finish_burst(pending, seqs, follow=True)
+
+    def _follow_steps(self, pending: PendingBurst, seqs: list[Sequence]) -> int:
+        """Steps of a burst that can run behind `pending` before its tokens are read (0: none): the same
+        sequences, none stopped, no request waiting, each with tokens left after pending's, pages for them all
+        (`_burst_steps`' rule) and the same buffer (`DecodeBurst.can_follow`)."""
+        sched, done = self.scheduler, pending.steps
+        running = sched.running
+        if (pending.burst is not self.burst or sched.waiting or len(running) != len(seqs)
+                or any(a is not b or a.finished for a, b in zip(running, seqs))):
+            return 0
+        steps = min([self.burst.steps] + [min(s.sampling.max_tokens - len(s.output_ids), self.max_seq_len - s.num_tokens)
+                                          - done for s in seqs])
+        needed = sum(self.blocks.blocks_for(s.num_tokens - 1 + done + steps) - len(self.blocks.block_table(s.request_id))
+                     for s in seqs)
+        fits = steps >= 1 and needed + len(seqs) <= self.blocks.num_free_blocks
+        return steps if fits and self.burst.can_follow(pending, steps) else 0
+
+    def _finish_burst(self, pending: PendingBurst, seqs: list[Sequence], follow: bool) -> None:
+        """pending's tokens into its sequences; first, where `follow` and `_follow_steps` allow, the next burst
+        launched behind it, so the device runs it while the host takes these tokens (a sequence that stops in
+        pending wastes its rows of the next burst, whose K/V go to pages that the GPU writes before any later
+        owner's: one stream orders them)."""
+        steps = pending.steps
+        nxt = self._follow_steps(pending, seqs) if follow else 0
+        if nxt:
+            for seq in seqs:
+                self.blocks.append_tokens(seq.request_id, nxt)
+            try:
+                self._inflight = (self.burst.follow(pending, [self.blocks.block_table(s.request_id) for s in seqs],
+                                                    nxt), seqs)
+            except Exception as e:  # noqa: BLE001 - the forward is shared: fail these requests only
+                self.fail(seqs, e)
+                return
+        try:
+            tokens, finite = pending.read()
+        except Exception as e:  # noqa: BLE001
+            self._inflight = None
+            self.fail(seqs, e)
+            return
         st = self.stats
-        for row_tokens, row_finite in zip(tokens, finite):
-            st.step_batch_sizes.append(len(seqs))
-            st.step_num_tokens.append(len(seqs))
-            for seq, tok, ok in zip(seqs, row_tokens, row_finite):
-                if seq.finished:  # stopped earlier in the burst: its later tokens are dropped
-                    continue
-                seq.num_computed = seq.num_tokens
-                try:
-                    if not ok:
-                        raise NumericsError("the model produced NaN/Inf logits for this request; its output is "
-                                            "unusable. Check the engine's KV scales and weights (kvq eval).")
-                    seq.output_ids.append(tok)
-                    reason = self.finish_reason(seq, tok)
-                except Exception as e:  # noqa: BLE001
-                    self.fail([seq], e)
-                    continue
-                st.generated_tokens += 1
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                self.emit(seq, tok, reason)
+        st.step_batch_sizes += [len(seqs)] * steps
+        st.step_num_tokens += [len(seqs)] * steps
+        # sequence by sequence (each one's tokens in step order: its stream is the ordinary step's): one that
+        # cannot stop inside the burst takes its tokens at once, the others token by token
+        for seq, seq_tokens, seq_finite in zip(seqs, zip(*tokens), zip(*finite)):
+            if seq.finished:  # stopped in the burst before, or cancelled since: these tokens are dropped
+                continue
+            if all(seq_finite) and not self._may_stop(seq, seq_tokens):
+                seq.output_ids += seq_tokens
+                seq.num_computed = seq.num_tokens - 1  # the newest token's K/V the next step writes
+                st.generated_tokens += steps
+                if seq.on_token is not None:
+                    for tok in seq_tokens:
+                        self.emit(seq, tok, None)
+                continue
+            self._take_tokens(seq, seq_tokens, seq_finite)
         self.scheduler.commit(Step([s for s in seqs if not s.finished], [], []))
         self._cache_stats()
+
+    def _may_stop(self, seq: Sequence, tokens: tuple[int, ...]) -> bool:
+        """Whether `finish_reason` could end seq at one of `tokens` (the next ones it gets): `finish_reason`'s
+        conditions for all of them at once, in C-level set and length checks instead of a call a token."""
+        sp, n = seq.sampling, len(tokens)
+        if len(seq.output_ids) + n >= sp.max_tokens or seq.num_tokens + n >= self.max_seq_len or sp.stop_sequences:
+            return True
+        stops = set(sp.stop_token_ids)
+        if not sp.ignore_eos and self.cfg.eos_token_id is not None:
+            stops.add(self.cfg.eos_token_id)
+        return not stops.isdisjoint(tokens)
+
+    def _take_tokens(self, seq: Sequence, tokens: tuple[int, ...], finite: tuple[bool, ...]) -> None:
+        """A burst's tokens for seq one by one: stop checks after each, the rest dropped after a stop."""
+        for tok, ok in zip(tokens, finite):
+            if seq.finished:  # stopped earlier in the burst: its later tokens are dropped
+                return
+            seq.num_computed = seq.num_tokens
+            try:
+                if not ok:
+                    raise NumericsError("the model produced NaN/Inf logits for this request; its output is "
+                                        "unusable. Check the engine's KV scales and weights (kvq eval).")
+                seq.output_ids.append(tok)
+                reason = self.finish_reason(seq, tok)
+            except Exception as e:  # noqa: BLE001
+                self.fail([seq], e)
+                continue
+            self.stats.generated_tokens += 1
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            self.emit(seq, tok, reason)
 
     def fail(self, seqs: list[Sequence], e: Exception) -> None:
         err = e

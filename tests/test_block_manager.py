@@ -107,3 +107,45 @@ def test_random_workload_never_leaks_or_double_books():
 def test_invalid_construction():
     with pytest.raises(ValueError):
         BlockManager(0, 16)
+
+
+def test_append_tokens_is_n_appends():
+    """A burst's room at once (append_tokens) leaves the pages, tokens and reference counts of n appends, shared
+    last pages (forks) and full pages included; and is all or nothing when the pool runs out."""
+    rng = random.Random(1)
+    one, many = BlockManager(num_blocks=64, block_size=4), BlockManager(num_blocks=64, block_size=4)
+    live: list[int] = []
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.2:
+            n = rng.randint(1, 12)
+            if one.can_allocate(n):
+                for m in (one, many):
+                    m.allocate(step, n)
+                live.append(step)
+        elif op < 0.3 and live:
+            parent = rng.choice(live)
+            if one.num_free_blocks:
+                for m in (one, many):
+                    m.fork(parent, step)
+                live.append(step)
+        elif op < 0.85 and live:
+            s, n = rng.choice(live), rng.randint(0, 9)
+            want = one.num_tokens(s) + n
+            if one.blocks_for(want) - len(one.block_table(s)) + 1 <= one.num_free_blocks:
+                for _ in range(n):
+                    one.append(s)
+                many.append_tokens(s, n)
+                assert many.num_tokens(s) == want
+        elif live:
+            s = live.pop(rng.randrange(len(live)))
+            for m in (one, many):
+                m.free(s)
+        assert {s: one.block_table(s) for s in live} == {s: many.block_table(s) for s in live}
+        assert one.num_free_blocks == many.num_free_blocks
+        assert all(one.ref_count(b) == many.ref_count(b) for s in live for b in one.block_table(s))
+    m = BlockManager(num_blocks=3, block_size=4)
+    m.allocate("a", 4)
+    with pytest.raises(OutOfBlocks):
+        m.append_tokens("a", 9)  # three more pages, two free
+    assert m.num_tokens("a") == 4 and m.block_table("a") == [0] and m.num_free_blocks == 2

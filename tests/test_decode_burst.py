@@ -25,9 +25,11 @@ def _generate(d, prompts, burst_steps, **kw):
     eng = Engine.from_dir(d, num_blocks=kw.pop("num_blocks", 128), block_size=8, burst_steps=burst_steps,
                           max_batch_size=kw.pop("max_batch_size", 8), **kw.pop("engine", {}))
     runs = []
-    if eng.steps.burst is not None:  # count the bursts, so a test knows they ran
-        real = eng.steps.burst.run
-        eng.steps.burst.run = lambda *a: runs.append(a[3]) or real(*a)
+    if eng.steps.burst is not None:  # count the bursts' steps (launched afresh or behind another), so a test knows
+        burst = eng.steps.burst
+        launch, follow = burst.launch, burst.follow
+        burst.launch = lambda *a: runs.append(a[3]) or launch(*a)
+        burst.follow = lambda *a: runs.append(a[2]) or follow(*a)
     try:
         outs = eng.generate(prompts, SamplingParams(**kw))
         assert eng.blocks.num_free_blocks == eng.blocks.num_blocks  # every page came back
@@ -150,3 +152,92 @@ def test_on_the_gpu_bursts_and_fused_ops_give_the_legacy_tokens(tiny_dir):
         fused, _, runs, _ = _generate(tiny_dir, PROMPTS, 8, max_tokens=20, ignore_eos=True,
                                       engine={**engine, "fused_ops": True})
         assert fused == want and sum(runs) == 19, fmt  # the fused ops give the unfused ops' bits
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_token"])
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_a_bursts_table_runs_the_legacy_steps_decode_kernels(dtype, granularity):
+    """The H200's plans at Llama-3-8B's geometry (32 query heads over 8 KV heads of 128, pages of 64, a 131072-token
+    engine): the block table a burst runs takes the decode kernels of the legacy step's full table, so one split that
+    holds a whole context sums it in the same order. Static fp8's fitted tables of few sequences took Triton's 4-warp
+    tile where the full table takes Gluon, and the profile's fused step gave other tokens than the legacy one."""
+    from helpers_kernels import CUDA  # noqa: F401  (the interpreter where no GPU runs the kernels)
+
+    from runtime.decode_burst import decode_kernels, kernel_width, table_width
+    from runtime.kernels.plan import DEVICE_H200
+    from runtime.kv_format import format_from_name
+
+    fmt = format_from_name(f"{dtype}-{granularity}")
+    max_blocks = 131072 // 64
+    switched = 0
+    for size in (1, 2, 4, 16, 64):
+        kernels = decode_kernels([(fmt, 8, 64)] * 2, size, 32, 128, torch.bfloat16, DEVICE_H200)
+        for ctx in (37, 200, 1000, 8192, 40000):
+            fitted = table_width(ctx + 8, 64, max_blocks)
+            width = kernel_width(fitted, max_blocks, kernels)
+            assert kernels(width) == kernels(max_blocks), (size, ctx)
+            assert width in (fitted, max_blocks)
+            switched += width != fitted
+    # the static formats are the ones whose narrow tables switch kernel (the per-token ones stay on Gluon)
+    assert (switched > 0) == (granularity != "per_token")
+
+
+def test_streamed_tokens_of_bursts_are_the_single_steps(tiny_dir):
+    """Token callbacks under bursts (sequences that cannot stop inside a burst take its tokens at once, the others one
+    by one): every request streams the single steps' tokens, done flags and finish reason, a stop token and a
+    max_tokens cut inside a burst included."""
+    import threading
+
+    legacy, _, _, _ = _generate(tiny_dir, PROMPTS[:4], 0, max_tokens=13, ignore_eos=True)
+    stop = legacy[2][6]
+
+    def stream(burst_steps):
+        eng = Engine.from_dir(tiny_dir, num_blocks=128, block_size=8, burst_steps=burst_steps, max_batch_size=8)
+        events, done = {i: [] for i in range(4)}, threading.Semaphore(0)
+        # the first two stop only at max_tokens (13: not a multiple of the burst), the others also at `stop`
+        limits = [SamplingParams(max_tokens=13, ignore_eos=True)] * 2 + [
+            SamplingParams(max_tokens=13, ignore_eos=True, stop_token_ids=[stop])] * 2
+
+        def callback(i):
+            return lambda tok, fin, reason: events[i].append((tok, fin, reason)) or (fin and done.release())
+        try:
+            with eng._run_lock:  # all four admitted before the first step
+                for i in range(4):
+                    eng.submit(PROMPTS[i], limits[i], callback(i))
+            for _ in range(4):
+                assert done.acquire(timeout=120)
+            assert burst_steps == 0 or eng.steps.burst.steps_run > 0
+        finally:
+            eng.shutdown()
+        return events
+
+    want = stream(0)
+    got = stream(4)
+    assert got == want
+    assert want[2][-1] == (stop, True, "stop") and len(want[0]) == 13 and want[0][-1][1:] == (True, "length")
+
+
+def test_a_burst_follows_the_last_before_its_tokens_are_read(tiny_dir):
+    """The step loop launches a burst behind the last one (its inputs already on the device) while every sequence
+    goes on: the tokens and pages are the single steps'; a sequence that stops inside a burst ends the chain, and
+    its rows of the burst in flight are dropped."""
+    eng = Engine.from_dir(tiny_dir, num_blocks=128, block_size=8, burst_steps=4, max_batch_size=8)
+    follows = []
+    follow = eng.steps.burst.follow
+    eng.steps.burst.follow = lambda *a: follows.append(a[2]) or follow(*a)
+    try:
+        got = [g.token_ids for g in eng.generate(PROMPTS, SamplingParams(max_tokens=19, ignore_eos=True))]
+        assert follows and sum(follows) < 18  # some bursts followed, others started afresh (a new table width)
+        legacy, _, _, _ = _generate(tiny_dir, PROMPTS, 0, max_tokens=19, ignore_eos=True)
+        assert got == legacy
+        stop = legacy[1][2]  # inside the first burst of the second prompt: the burst behind it is in flight
+        follows.clear()
+        want, want_reasons, _, _ = _generate(tiny_dir, PROMPTS, 0, max_tokens=19, stop_token_ids=[stop])
+        outs = eng.generate(PROMPTS, SamplingParams(max_tokens=19, stop_token_ids=[stop]))
+        assert [g.token_ids for g in outs] == want and [g.finish_reason for g in outs] == want_reasons
+        assert follows
+        # a burst still in flight once every request is done holds finished sequences only (the next step drops it)
+        assert eng.steps._inflight is None or all(s.finished for s in eng.steps._inflight[1])
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    finally:
+        eng.shutdown()

@@ -158,3 +158,46 @@ def test_the_model_with_small_ops_gives_the_torch_paths_tokens(tmp_path_factory)
     assert got == want
     # 6 forwards (one prefill, 5 decode steps) of 2 layers: 1 + 2 * 2 norms, 2 RoPEs, 2 SwiGLUs each
     assert calls.count("add_rms_norm") == 6 * 5 and calls.count("rope_qk") == calls.count("swiglu") == 6 * 2
+
+
+@pytest.mark.slow
+def test_fused_bursts_store_the_legacy_steps_fp8_codes(tmp_path_factory, fmt="fp8_e4m3-per_tensor"):
+    """A tiny Llama through the Triton KV kernels, FP8 caches: decode bursts through the fused small ops write the
+    K/V codes of the legacy step's torch ops, byte for byte in every layer, and give its tokens. The norms of both
+    paths run the one kernel, as on CUDA (model.LlamaModel._rms_norm); the RoPE, SwiGLU and residual adds are the
+    fused ones against torch's. (~50 s under the interpreter: one format; the plans of every fp8 format are
+    tests/test_decode_burst.py's.)"""
+    import types
+
+    from helpers_runtime import tiny_llama_dir
+
+    import runtime.kernels as kernels
+    from runtime.decode_burst import DecodeBurst
+    from runtime.engine import Engine
+    from runtime.kernels import small_ops
+
+    d = tiny_llama_dir(tmp_path_factory)
+    prompts = [[(5 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([9, 21])]
+    scales = {"k_scale": torch.full((2,), 0.02), "v_scale": torch.full((2,), 0.02)} if "per_tensor" in fmt else None
+
+    def run(fused: bool):
+        eng = Engine.from_dir(d, device=DEV, dtype="bfloat16", kv_format=fmt, kv_scales=scales, num_blocks=32,
+                              block_size=8, batch_invariant=False, cuda_graphs=False, burst_steps=0, fused_ops=False)
+        triton_ops = {n: getattr(kernels, n, None) or getattr(eng.backend, n) for n in
+                      ("write_kv", "decode_attention", "prefill_attention", "prefill_context_attention")}
+        eng.backend = eng.runner.backend = types.SimpleNamespace(name="triton", **triton_ops)
+        eng.model._rms_norm = lambda x, w: rms_norm(x, w, eng.cfg.rms_norm_eps)
+        if fused:
+            ops = types.SimpleNamespace(**vars(eng.backend), small_ops=small_ops)
+            eng.steps.burst = DecodeBurst(eng.model, eng.runner.caches, ops, 8, eng.max_seq_len, 8, 4, use_graphs=False)
+        try:
+            tokens = [g.token_ids for g in eng.generate(prompts, max_tokens=6, ignore_eos=True)]
+            assert not fused or eng.steps.burst.steps_run == 5
+            return tokens, [(c.k.view(torch.uint8).clone(), c.v.view(torch.uint8).clone()) for c in eng.runner.caches]
+        finally:
+            eng.shutdown()
+
+    (want, want_kv), (got, got_kv) = run(False), run(True)
+    assert got == want
+    for (k, v), (k0, v0) in zip(got_kv, want_kv):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -1,5 +1,6 @@
 """benchmarks/step_profile.py on the CPU with the tiny preset: the rows and the table it writes, the step
-modes side by side, every component of a step measured, and the burst's tokens equal to the legacy step's."""
+modes side by side, every component of a step measured, the burst's tokens equal to the legacy step's, and the
+batch-invariant mode's tokens of a prompt alone equal to its tokens beside another."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def profile(tmp_path_factory):
     main(["--device", "cpu", "--preset", "tiny", "--out", str(out), "--formats", "bf16", "--contexts", "40",
           "--max-ctx", "24", "--kv-gib", "0.001", "--max-batch", "6", "--block", "8", "--rounds", "1",
           "--warmup", "1", "--tokens", "3", "--reps", "4", "--burst", "2", "--check-tokens", "3",
-          "--step", "legacy", "burst", "fused", "--small-preset", "tiny", "--small-contexts", "16"])
+          "--step", "legacy", "burst", "fused", "invariant", "--small-preset", "tiny", "--small-contexts", "16"])
     rows = [json.loads(line) for line in (out / "step_profile.jsonl").read_text().splitlines()]
     return rows, (out / "step_profile.md").read_text()
 
@@ -32,7 +33,7 @@ def test_every_scenario_has_each_mode_with_its_components(profile):
     # and first the small geometry's batch 1 (the tiny preset again here), named by its preset
     assert {(r["scenario"], r["batch"]) for r in steps} == {("tiny-llama3 batch1@16", 1), ("batch1@40", 1),
                                                             ("max@24", 6)}
-    assert {r["mode"] for r in steps} == {"legacy", "burst"}  # fused needs CUDA
+    assert {r["mode"] for r in steps} == {"legacy", "burst", "invariant"}  # fused needs CUDA
     for step in steps:
         mine = [r for r in rows if r["kind"] == "component" and
                 (r["scenario"], r["mode"]) == (step["scenario"], step["mode"])]
@@ -47,14 +48,16 @@ def test_every_scenario_has_each_mode_with_its_components(profile):
         assert total <= 2 * step["step_ms"]
         assert step["tok_s"] == pytest.approx(step["batch"] / step["step_ms"] * 1e3)
         assert step["tokens_match"] is True
-        assert step["burst"] == (2 if step["mode"] == "burst" else 1)
-        assert step["burst_share"] == (1.0 if step["mode"] == "burst" else 0.0)  # every timed step in bursts
+        bursts = step["mode"] != "legacy"  # the invariant mode's engine runs bursts too
+        assert step["burst"] == (2 if bursts else 1)
+        assert step["burst_share"] == (1.0 if bursts else 0.0)  # every timed step in bursts
 
 
 def test_the_markdown_puts_the_modes_side_by_side(profile):
     _, md = profile
-    assert "| legacy: step ms (GPU / host) |" in md and "| burst: tok/s |" in md
+    assert "| legacy: step ms (GPU / host) |" in md and "| burst: tok/s |" in md and "| invariant: tok/s |" in md
     assert "| bf16 | batch1@40 |" in md and "| bf16 | max@24 | burst |" in md and "burst: yes" in md
+    assert "| bf16 | max@24 | invariant |" in md and "invariant: yes" in md
     # batch-1 steps with what bounds them (no captured step to count kernels in on the CPU)
     bounds = md.split("What bounds a batch-1 step")[1].split("\n\n")[1]
     assert "| tiny-llama3 | bf16 | tiny-llama3 batch1@16 | legacy |" in bounds and "max@24" not in bounds
