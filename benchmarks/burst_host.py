@@ -47,7 +47,6 @@ def host_us(engine: Engine, n: int, ctx: int, steps: int, bursts: int, callback:
             t0 = time.perf_counter()
             engine.steps.step()
             times.append((time.perf_counter() - t0) * 1e6 / (n * steps))
-        engine.steps.drain()
         if burst.steps_run < steps * (bursts + 1):
             raise RuntimeError(f"the step loop ran {burst.steps_run} burst steps, not {steps * (bursts + 1)}")
     finally:

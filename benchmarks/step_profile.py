@@ -124,7 +124,6 @@ def run_steps(engine: Engine, seqs: list[Sequence], tokens: int) -> tuple[float,
         engine.steps.step()
         if seqs[0].finished:
             raise RuntimeError(f"a profiled sequence ended early ({seqs[0].finish_reason}): {seqs[0].error!r}")
-    engine.steps.drain()  # a burst launched behind the last one: its tokens count, its time is in the wall time
     sync(engine)
     done = len(seqs[0].output_ids) - start
     return (time.perf_counter() - t0) * 1e3 / done, done
@@ -132,7 +131,7 @@ def run_steps(engine: Engine, seqs: list[Sequence], tokens: int) -> tuple[float,
 
 def tokens_per_mode(args) -> int:
     """Tokens a sequence may take in one mode's warm-up and timed run: each stops after the burst that passes its
-    count, plus the burst launched behind it (runtime/step_loop.py), which `run_steps` drains."""
+    count."""
     return args.warmup + args.tokens + 4 * args.burst
 
 
@@ -252,8 +251,6 @@ def tokens_match(engine: Engine, modes: dict, args) -> tuple[dict[str, bool], di
             errors[mode] = f"{type(e).__name__}: {e}"
             print(f"{engine.fmt.name} {mode} FAILED: {errors[mode]}", flush=True)
         finally:
-            with engine._run_lock:  # the engine's loop thread steps only under this lock
-                engine.steps.drain()
             engine.runner.backend = runner_ops
         if burst is not None and burst.failure:
             errors.setdefault(mode + " capture", burst.failure)

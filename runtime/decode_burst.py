@@ -17,9 +17,8 @@ not depend on it). A fitted width never changes which kernel runs (`kernel_width
 sequence room for the burst's tokens beforehand and drops whatever follows a stop (the KV written
 for dropped tokens lies in pages the finished sequence frees). So bursts serve greedy rows
 without logit adjustments or log-probs; the step loop (runtime/step_loop.py) runs everything
-else one step at a time. A burst can also follow another on the device before the host has read the
-first one's tokens (`follow`: the step loop's host work then runs beside the GPU); each burst writes
-its own half of a two-burst ring, read through pinned memory and an event (`PendingBurst.read`).
+else one step at a time. A burst's picks reach the host through pinned memory and an event
+(`PendingBurst.read`).
 """
 
 from __future__ import annotations
@@ -244,21 +243,6 @@ class DecodeBurst:
             except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why
                 self.failure = f"{type(e).__name__}: {e}"
         return self._replay(buf, n, steps, positions)
-
-    def can_follow(self, pending: PendingBurst, steps: int) -> bool:
-        """Whether `follow` can run `steps` more steps of pending's sequences in its buffer: the table width a burst
-        from there would take is the buffer's (so the tokens are those of a burst launched afresh)."""
-        ahead = max(pending.positions) + pending.steps + steps
-        return 1 <= steps <= self.steps and self.width_for(pending.n, ahead) == pending.buf.batch.block_tables.shape[1]
-
-    def follow(self, pending: PendingBurst, tables: list[list[int]], steps: int) -> PendingBurst:
-        """The next burst of pending's sequences, launched behind it before its tokens are read: the device's
-        inputs are where pending leaves them, the block tables (with room for `steps` more tokens each) are
-        reloaded and the next slots taken from them. Only while no sequence has stopped (`can_follow` first)."""
-        buf = pending.buf
-        self._load_tables(buf, tables)
-        self._next_slots(buf)  # pending's last step took them from the tables before the new pages
-        return self._replay(buf, pending.n, steps, [p + pending.steps for p in pending.positions])
 
     def _load_tables(self, buf: _Buffers, tables: list[list[int]]) -> None:
         size, width = buf.batch.block_tables.shape

@@ -68,15 +68,8 @@ class StepLoop:
         self.cfg, self.max_seq_len = cfg, max_seq_len
         self.live = live  # the engine's requests in flight by id; a finished one leaves it here
         self.cancel = cancel  # the engine's cancel: a broken callback cancels its own request
-        # a burst launched behind the one whose tokens the last step took, and its sequences: the next step's
-        self._inflight: tuple[PendingBurst, list[Sequence]] | None = None
 
     def step(self) -> None:
-        if self._inflight is not None:
-            pending, seqs = self._inflight
-            self._inflight = None
-            self._finish_burst(pending, seqs, follow=True)
-            return
         steps = self._burst_steps()
         if steps:
             self._run_burst(steps)
@@ -140,13 +133,6 @@ class StepLoop:
                      for s in sched.running)
         return steps if steps >= 1 and needed + len(sched.running) <= self.blocks.num_free_blocks else 0
 
-    def drain(self) -> None:
-        """Take the tokens of a burst still in flight (what the next step would), launching none behind it."""
-        if self._inflight is not None:
-            pending, seqs = self._inflight
-            self._inflight = None
-            self._finish_burst(pending, seqs, follow=False)
-
     def _run_burst(self, steps: int) -> None:
         seqs = list(self.scheduler.running)
         for seq in seqs:
@@ -158,44 +144,14 @@ class StepLoop:
         except Exception as e:  # noqa: BLE001 - the forward is shared: fail these requests only
             self.fail(seqs, e)
             return
-        self._finish_burst(pending, seqs, follow=True)
+        self._finish_burst(pending, seqs)
 
-    def _follow_steps(self, pending: PendingBurst, seqs: list[Sequence]) -> int:
-        """Steps of a burst that can run behind `pending` before its tokens are read (0: none): the same
-        sequences, none stopped, no request waiting, each with tokens left after pending's, pages for them all
-        (`_burst_steps`' rule) and the same buffer (`DecodeBurst.can_follow`)."""
-        sched, done = self.scheduler, pending.steps
-        running = sched.running
-        if (pending.burst is not self.burst or sched.waiting or len(running) != len(seqs)
-                or any(a is not b or a.finished for a, b in zip(running, seqs))):
-            return 0
-        steps = min([self.burst.steps] + [min(s.sampling.max_tokens - len(s.output_ids), self.max_seq_len - s.num_tokens)
-                                          - done for s in seqs])
-        needed = sum(self.blocks.blocks_for(s.num_tokens - 1 + done + steps) - len(self.blocks.block_table(s.request_id))
-                     for s in seqs)
-        fits = steps >= 1 and needed + len(seqs) <= self.blocks.num_free_blocks
-        return steps if fits and self.burst.can_follow(pending, steps) else 0
-
-    def _finish_burst(self, pending: PendingBurst, seqs: list[Sequence], follow: bool) -> None:
-        """pending's tokens into its sequences; first, where `follow` and `_follow_steps` allow, the next burst
-        launched behind it, so the device runs it while the host takes these tokens (a sequence that stops in
-        pending wastes its rows of the next burst, whose K/V go to pages that the GPU writes before any later
-        owner's: one stream orders them)."""
+    def _finish_burst(self, pending: PendingBurst, seqs: list[Sequence]) -> None:
+        """pending's tokens into its sequences."""
         steps = pending.steps
-        nxt = self._follow_steps(pending, seqs) if follow else 0
-        if nxt:
-            for seq in seqs:
-                self.blocks.append_tokens(seq.request_id, nxt)
-            try:
-                self._inflight = (self.burst.follow(pending, [self.blocks.block_table(s.request_id) for s in seqs],
-                                                    nxt), seqs)
-            except Exception as e:  # noqa: BLE001 - the forward is shared: fail these requests only
-                self.fail(seqs, e)
-                return
         try:
             tokens, finite = pending.read()
         except Exception as e:  # noqa: BLE001
-            self._inflight = None
             self.fail(seqs, e)
             return
         st = self.stats
