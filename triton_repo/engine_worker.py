@@ -1,0 +1,205 @@
+"""The kvq_engine model's engine process: the Engine and its step loop, away from the python backend's stub.
+
+Why a process of its own: in the stub, every response send holds the GIL for ~150-200 us (numpy
+tensors through the stub's IPC), once per token per stream, and the engine's step loop (Python
+dispatch of kernels / CUDA graphs, token callbacks) waited on it: at 256 streams the served engine
+stepped several times slower than the same engine in-process. Here the step loop shares its GIL
+with nothing but one thread that ships each step's token events to the stub in one message.
+
+Started by triton_repo/engine_process.py (`python -m triton_repo.engine_worker --fd N ENGINE_DIR
+DEVICE`), over one socket (multiprocessing.connection framing, pickled tuples):
+
+  stub -> worker  ("submit", key, prompt_ids, SamplingParams) | ("cancel", key) | ("stop",)
+  worker -> stub  ("ready", {"vocab_size", "pid"}) or ("failed", traceback text), once, first;
+                  then ("events", [Event...], [step batch sizes]) per engine step (or per several,
+                  when the stub reads slower than the engine steps): every token of the step in one
+                  message. Event = (key, token or None, finished, finish_reason, logprob or None,
+                  (reused, new) KV blocks on the final event or None, error or None), where error =
+                  (is_request_error, message) for a request the engine refused at submit.
+
+The worker exits when the stub closes its end of the socket or dies (recv sees EOF): no engine,
+and no tensor-parallel rank, outlives the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+FLUSH_IDLE_S = 0.05  # events emitted outside a step (cancellations, a failed step) wait at most this long
+EXIT_GRACE_S = 20.0  # a shutdown that hangs (a wedged device) ends with os._exit after this long
+
+log = logging.getLogger("kvq.engine_worker")
+
+
+class StepOutbox:
+    """Token events of the engine's step loop, shipped to the stub by one thread, one message per step.
+
+    The step loop only appends (its callbacks) and, at the end of a step, wakes the thread; a stub that
+    reads slowly makes the thread's send wait, never the step loop, and the events of the steps in
+    between go in its next message."""
+
+    def __init__(self, conn: Connection, stats):
+        self.conn, self.stats = conn, stats
+        self.events: list[tuple] = []
+        self.sizes_sent = 0
+        self.cv = threading.Condition()
+        self.step_done = False
+        self.closed = False
+        self.broken = False  # the stub is gone: drop what comes
+        self.thread = threading.Thread(target=self._run, name="kvq-worker-outbox", daemon=True)
+        self.thread.start()
+
+    def add(self, event: tuple) -> None:
+        self.events.append(event)  # list.append is atomic: the step loop takes no lock per token
+
+    def end_step(self) -> None:
+        with self.cv:
+            self.step_done = True
+            self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join(timeout=EXIT_GRACE_S)
+
+    def _take(self) -> tuple[list, list]:
+        events, self.events = self.events, []
+        sizes = self.stats.step_batch_sizes
+        end = len(sizes)
+        new = sizes[self.sizes_sent : end]
+        self.sizes_sent = end
+        return events, new
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                if not (self.step_done or self.closed):
+                    self.cv.wait(FLUSH_IDLE_S)
+                self.step_done = False
+                closing = self.closed
+            events, sizes = self._take()
+            if (events or sizes) and not self.broken:
+                try:
+                    self.conn.send(("events", events, sizes))
+                except OSError:  # the stub went away; the main thread sees EOF and stops the engine
+                    self.broken = True
+            if closing and not self.events:
+                return
+
+
+def _engine_class():
+    from runtime.engine import Engine
+
+    class StepEngine(Engine):
+        """The Engine whose every step ends by handing that step's events to the outbox."""
+
+        outbox: StepOutbox | None = None
+
+        def _step(self) -> None:
+            try:
+                super()._step()
+            finally:
+                if self.outbox is not None:
+                    self.outbox.end_step()
+
+    return StepEngine
+
+
+class Worker:
+    def __init__(self, conn: Connection, engine):
+        self.conn, self.engine = conn, engine
+        self.outbox = StepOutbox(conn, engine.stats)
+        engine.outbox = self.outbox
+        self.engine_ids: dict[int, int] = {}  # stub key -> engine request id, while it runs
+
+    def _callbacks(self, key: int):
+        usage = [None]
+
+        def on_finish(u) -> None:
+            usage[0] = (u.reused_blocks, u.new_blocks)
+
+        def on_token(tok, finished, reason, logprob=None) -> None:
+            if finished:
+                self.engine_ids.pop(key, None)
+            self.outbox.add((key, tok, finished, reason, logprob, usage[0] if finished else None, None))
+
+        return on_token, on_finish
+
+    def submit(self, key: int, ids: list[int], sampling) -> None:
+        from runtime.errors import KvqError, RequestError
+
+        on_token, on_finish = self._callbacks(key)
+        try:
+            self.engine_ids[key] = self.engine.submit(ids, sampling, on_token, on_finish=on_finish)
+        except KvqError as e:  # e.g. more KV blocks than the pool has: that request's error, nothing else's
+            self.engine_ids.pop(key, None)
+            self.outbox.add((key, None, True, "error", None, None, (isinstance(e, RequestError), str(e))))
+            self.outbox.end_step()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the stub closed the socket or died
+                log.warning("kvq_engine's stub process is gone: stopping the engine")
+                return
+            kind = msg[0]
+            if kind == "submit":
+                self.submit(*msg[1:])
+            elif kind == "cancel":
+                rid = self.engine_ids.get(msg[1])
+                if rid is not None:
+                    self.engine.cancel(rid)  # a no-op if it finished meanwhile
+            elif kind == "stop":
+                return
+
+    def stop(self) -> None:
+        from runtime import parallel
+
+        self.engine.shutdown()  # what was still running gets its "cancelled" event
+        self.outbox.close()
+        parallel.close_group()  # a tensor-parallel engine's ranks (engine.json "tp") stop with it
+
+
+def _exit_anyway() -> None:
+    timer = threading.Timer(EXIT_GRACE_S, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fd", type=int, required=True, help="this end of the socket to the stub")
+    p.add_argument("engine_dir")
+    p.add_argument("device", help="cpu, cuda, cuda:N, or auto")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="kvq_engine worker: %(message)s")
+    conn = Connection(args.fd)
+    try:
+        engine = _engine_class().from_dir(args.engine_dir, device=None if args.device in ("", "auto") else args.device)
+    except BaseException:  # noqa: BLE001 - the stub raises it from initialize(): the model fails to load
+        try:
+            conn.send(("failed", traceback.format_exc()))
+        except OSError:
+            pass
+        return 1
+    worker = Worker(conn, engine)
+    conn.send(("ready", {"vocab_size": engine.cfg.vocab_size, "pid": os.getpid()}))
+    try:
+        worker.serve()
+    finally:
+        _exit_anyway()
+        worker.stop()
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
