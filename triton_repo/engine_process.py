@@ -2,8 +2,8 @@
 
 The worker runs in a python of the same environment: KVQ_WORKER_PYTHON (triton_repo/server.py sets it
 to the stub environment's interpreter, whose site-packages names this source tree and sys.path), else
-the first python3 on PATH (the stub's own environment goes first there). The stub's sys.executable is
-not used: in the python backend it may be the stub binary itself.
+this interpreter when it is one (outside Triton), else the first python3 on PATH (the stub's own
+environment goes first there): in the python backend, sys.executable may be the stub binary itself.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Callable
 
 from runtime.errors import KvqError, ServerError
@@ -28,7 +29,10 @@ Event = tuple
 
 
 def worker_python() -> str:
-    python = os.environ.get(PYTHON_ENV) or shutil.which("python3") or shutil.which("python")
+    python = os.environ.get(PYTHON_ENV)
+    if not python and Path(sys.executable).name.startswith("python"):
+        python = sys.executable  # an ordinary interpreter (not the stub): its own environment
+    python = python or shutil.which("python3") or shutil.which("python")
     if not python:
         raise ServerError(
             f"no python to run the engine process: set {PYTHON_ENV} to the interpreter of the environment "

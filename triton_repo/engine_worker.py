@@ -49,6 +49,7 @@ class StepOutbox:
         self.events: list[tuple] = []
         self.sizes_sent = 0
         self.cv = threading.Condition()
+        self.in_step = False  # a step is under way: its events go out together when it ends
         self.step_done = False
         self.closed = False
         self.broken = False  # the stub is gone: drop what comes
@@ -58,8 +59,12 @@ class StepOutbox:
     def add(self, event: tuple) -> None:
         self.events.append(event)  # list.append is atomic: the step loop takes no lock per token
 
+    def begin_step(self) -> None:
+        self.in_step = True
+
     def end_step(self) -> None:
         with self.cv:
+            self.in_step = False
             self.step_done = True
             self.cv.notify()
 
@@ -82,6 +87,8 @@ class StepOutbox:
             with self.cv:
                 if not (self.step_done or self.closed):
                     self.cv.wait(FLUSH_IDLE_S)
+                if self.in_step and not (self.step_done or self.closed):
+                    continue  # woken by the idle timer mid-step: never split a step's events
                 self.step_done = False
                 closing = self.closed
             events, sizes = self._take()
@@ -103,6 +110,8 @@ def _engine_class():
         outbox: StepOutbox | None = None
 
         def _step(self) -> None:
+            if self.outbox is not None:
+                self.outbox.begin_step()
             try:
                 super()._step()
             finally:
@@ -158,6 +167,7 @@ class Worker:
                 if rid is not None:
                     self.engine.cancel(rid)  # a no-op if it finished meanwhile
             elif kind == "stop":
+                log.info("stopping the engine (the model is unloading)")
                 return
 
     def stop(self) -> None:
@@ -180,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("engine_dir")
     p.add_argument("device", help="cpu, cuda, cuda:N, or auto")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="kvq_engine worker: %(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="kvq_engine worker %(process)d: %(message)s")
+    log.setLevel(logging.INFO)  # its own start and stop lines; the engine's loggers stay at warnings
     conn = Connection(args.fd)
     try:
         engine = _engine_class().from_dir(args.engine_dir, device=None if args.device in ("", "auto") else args.device)
@@ -198,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         _exit_anyway()
         worker.stop()
         conn.close()
+    log.info("engine stopped")
     return 0
 
 

@@ -197,6 +197,7 @@ class TritonPythonModel:
         self.outbox = queue.SimpleQueue()  # requests with something to send (_Request.flush)
         self.engine = EngineProcess(engine_dir, params.get("device", "auto"), self._on_events, self._on_lost)
         self.vocab_size = self.engine.info["vocab_size"]
+        self._set_up(1)
         pb_utils.Logger.log_info(f"kvq_engine: engine process pid {self.engine.pid} serves {engine_dir}")
         self.sender = threading.Thread(target=self._send_loop, name="kvq-send", daemon=True)
         self.sender.start()
@@ -226,6 +227,7 @@ class TritonPythonModel:
             "(or the server restarted). The server log has the engine's last words."
         )
         pb_utils.Logger.log_error(f"kvq_engine: {self.lost}")
+        self._set_up(0)
         failure = _error(self.lost, pb_utils.TritonError.UNAVAILABLE)
         with self.active_lock:
             reqs = list(self.active.values())
@@ -347,9 +349,20 @@ class TritonPythonModel:
                 kind=pb_utils.MetricFamily.COUNTER,
             )
             self.cancel_metric = self.cancel_family.Metric(labels={"instance": instance})
+            # The readiness Triton cannot report for a python model: 0 once the engine process is gone.
+            self.up_family = pb_utils.MetricFamily(
+                name="kvq_engine_process_up",
+                description="1 while the instance's engine process serves, 0 once it is gone",
+                kind=pb_utils.MetricFamily.GAUGE,
+            )
+            self.up_metric = self.up_family.Metric(labels={"instance": instance})
         except Exception as e:  # metrics disabled on this server: serving goes on without them
             pb_utils.Logger.log_warn(f"kvq_engine: no custom metrics ({e})")
             self.steps_family = None
+
+    def _set_up(self, value):
+        if self.steps_family is not None:
+            self.up_metric.set(value)
 
     def _publish_stats(self):
         if self.steps_family is None:
@@ -402,5 +415,5 @@ class TritonPythonModel:
         self.sender.join(timeout=5)
         # Metrics must go before their families (the stub crashes at exit otherwise).
         self.step_metrics.clear()
-        self.tokens_metric = self.cancel_metric = None
-        self.steps_family = self.tokens_family = self.cancel_family = None
+        self.tokens_metric = self.cancel_metric = self.up_metric = None
+        self.steps_family = self.tokens_family = self.cancel_family = self.up_family = None
