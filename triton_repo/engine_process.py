@@ -54,8 +54,10 @@ class EngineProcess:
     ):
         self.on_events, self.on_exit = on_events, on_exit
         ours, theirs = socket.socketpair()
-        cmd = [worker_python(), "-m", "triton_repo.engine_worker", "--fd", str(theirs.fileno()),
-               str(engine_dir), device or "auto"]
+        # -c, not -m: under -m the worker's classes would belong to __main__, and a tensor-parallel
+        # engine's spawned ranks could not unpickle StepEngine.from_dir by name.
+        cmd = [worker_python(), "-c", "import sys; from triton_repo.engine_worker import main; sys.exit(main())",
+               "--fd", str(theirs.fileno()), str(engine_dir), device or "auto"]
         try:
             self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         finally:

@@ -6,8 +6,8 @@ dispatch of kernels / CUDA graphs, token callbacks) waited on it: at 256 streams
 stepped several times slower than the same engine in-process. Here the step loop shares its GIL
 with nothing but one thread that ships each step's token events to the stub in one message.
 
-Started by triton_repo/engine_process.py (`python -m triton_repo.engine_worker --fd N ENGINE_DIR
-DEVICE`), over one socket (multiprocessing.connection framing, pickled tuples):
+Started by triton_repo/engine_process.py (`main(["--fd", N, ENGINE_DIR, DEVICE])` in a new python),
+over one socket (multiprocessing.connection framing, pickled tuples):
 
   stub -> worker  ("submit", key, prompt_ids, SamplingParams) | ("cancel", key) | ("stop",)
   worker -> stub  ("ready", {"vocab_size", "pid"}) or ("failed", traceback text), once, first;
@@ -30,6 +30,10 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
+
+from runtime import parallel
+from runtime.engine import Engine
+from runtime.errors import KvqError, RequestError
 
 FLUSH_IDLE_S = 0.05  # events emitted outside a step (cancellations, a failed step) wait at most this long
 EXIT_GRACE_S = 20.0  # a shutdown that hangs (a wedged device) ends with os._exit after this long
@@ -101,24 +105,20 @@ class StepOutbox:
                 return
 
 
-def _engine_class():
-    from runtime.engine import Engine
+class StepEngine(Engine):
+    """The Engine whose every step ends by handing that step's events to the outbox. A module-level
+    class: a tensor-parallel engine's ranks are spawned with its from_dir, which pickles by name."""
 
-    class StepEngine(Engine):
-        """The Engine whose every step ends by handing that step's events to the outbox."""
+    outbox: StepOutbox | None = None
 
-        outbox: StepOutbox | None = None
-
-        def _step(self) -> None:
+    def _step(self) -> None:
+        if self.outbox is not None:
+            self.outbox.begin_step()
+        try:
+            super()._step()
+        finally:
             if self.outbox is not None:
-                self.outbox.begin_step()
-            try:
-                super()._step()
-            finally:
-                if self.outbox is not None:
-                    self.outbox.end_step()
-
-    return StepEngine
+                self.outbox.end_step()
 
 
 class Worker:
@@ -142,8 +142,6 @@ class Worker:
         return on_token, on_finish
 
     def submit(self, key: int, ids: list[int], sampling) -> None:
-        from runtime.errors import KvqError, RequestError
-
         on_token, on_finish = self._callbacks(key)
         try:
             self.engine_ids[key] = self.engine.submit(ids, sampling, on_token, on_finish=on_finish)
@@ -171,8 +169,6 @@ class Worker:
                 return
 
     def stop(self) -> None:
-        from runtime import parallel
-
         self.engine.shutdown()  # what was still running gets its "cancelled" event
         self.outbox.close()
         parallel.close_group()  # a tensor-parallel engine's ranks (engine.json "tp") stop with it
@@ -185,7 +181,7 @@ def _exit_anyway() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kvq_engine worker", description=__doc__.splitlines()[0])
     p.add_argument("--fd", type=int, required=True, help="this end of the socket to the stub")
     p.add_argument("engine_dir")
     p.add_argument("device", help="cpu, cuda, cuda:N, or auto")
@@ -194,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)  # its own start and stop lines; the engine's loggers stay at warnings
     conn = Connection(args.fd)
     try:
-        engine = _engine_class().from_dir(args.engine_dir, device=None if args.device in ("", "auto") else args.device)
+        engine = StepEngine.from_dir(args.engine_dir, device=None if args.device in ("", "auto") else args.device)
     except BaseException:  # noqa: BLE001 - the stub raises it from initialize(): the model fails to load
         try:
             conn.send(("failed", traceback.format_exc()))
