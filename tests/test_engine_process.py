@@ -109,11 +109,11 @@ def test_each_steps_tokens_cross_in_one_message_and_equal_the_engines(engine_dir
         assert [e[1] for e in evs] == want
         assert [e[2] for e in evs] == [False] * (len(want) - 1) + [True]
         assert evs[-1][3] in ("length", "stop") and evs[-1][5] is not None  # KV usage on the final event
-    steps = [s for _, sizes in got.messages for s in sizes]
     assert sum(len(events) for events, _ in got.messages) == sum(map(len, reference))
-    # every message is one step's (or several steps') events, never a part of one step's
-    assert len([m for m in got.messages if m[0]]) <= len(steps)
-    assert max(len(events) for events, _ in got.messages) == len(PROMPTS)  # the batched decode steps
+    # Every sequence of a step gets a token here (the prompts prefill in one step), so a message that
+    # carries whole steps has as many events as its steps' batch sizes add up to: never part of a step.
+    assert [len(events) for events, _ in got.messages] == [sum(sizes) for _, sizes in got.messages]
+    assert max(max(sizes, default=0) for _, sizes in got.messages) == len(PROMPTS)  # batched decode steps
 
 
 def test_a_refused_request_gets_its_error_and_the_others_their_tokens(engine_dir, reference):
@@ -130,6 +130,28 @@ def test_a_refused_request_gets_its_error_and_the_others_their_tokens(engine_dir
     is_request_error, message = refused[6]
     assert is_request_error and "max_seq_len" in message
     assert [e[1] for e in got.by_key[1]] == reference[1]
+
+
+def test_a_cancel_ends_its_request_even_when_it_overtakes_the_submit(engine_dir, reference):
+    got = Collector(want_finished=2)
+    started = threading.Event()
+    proc = EngineProcess(str(engine_dir), "cpu", lambda events, sizes: (got.on_events(events, sizes),
+                                                                        2 in got.by_key and started.set()),
+                         got.on_exit)
+    try:
+        proc.cancel(1)  # the stub registers a request before it sends it: its cancel can come first
+        proc.submit(1, PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS))
+        proc.submit(2, PROMPTS[1], SamplingParams(max_tokens=100))
+        assert started.wait(60)
+        proc.cancel(2)
+        proc.submit(3, PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS))
+        assert got.done.wait(120), got.by_key
+    finally:
+        proc.stop()
+    assert 1 not in got.by_key  # never ran
+    last = got.by_key[2][-1]
+    assert last[1:4] == (None, True, "cancelled") and len(got.by_key[2]) < 100
+    assert [e[1] for e in got.by_key[3]] == reference[2]
 
 
 def test_a_killed_engine_process_is_reported_and_refuses_more_work(engine_dir):

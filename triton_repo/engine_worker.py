@@ -44,33 +44,41 @@ log = logging.getLogger("kvq.engine_worker")
 class StepOutbox:
     """Token events of the engine's step loop, shipped to the stub by one thread, one message per step.
 
-    The step loop only appends (its callbacks) and, at the end of a step, wakes the thread; a stub that
-    reads slowly makes the thread's send wait, never the step loop, and the events of the steps in
-    between go in its next message."""
+    The step loop's callbacks append to the current step's list; the step's end closes that list (with
+    the count of steps so far) and wakes the thread. A stub that reads slowly makes the thread's send
+    wait, never the step loop, and the closed lists of the steps in between go in its next message:
+    a message carries whole steps, never a part of one. Events outside any step (a refused submit,
+    the cancellations of a shutdown) go out within FLUSH_IDLE_S."""
 
     def __init__(self, conn: Connection, stats):
         self.conn, self.stats = conn, stats
-        self.events: list[tuple] = []
+        self.events: list[tuple] = []  # of the step under way (or of no step)
+        self.closed_steps: list[tuple[list[tuple], int]] = []  # (events, steps so far) to send
         self.sizes_sent = 0
-        self.cv = threading.Condition()
-        self.in_step = False  # a step is under way: its events go out together when it ends
-        self.step_done = False
+        self.cv = threading.Condition()  # every add takes it: uncontended, ~0.1 us a token
+        self.in_step = False
         self.closed = False
         self.broken = False  # the stub is gone: drop what comes
         self.thread = threading.Thread(target=self._run, name="kvq-worker-outbox", daemon=True)
         self.thread.start()
 
     def add(self, event: tuple) -> None:
-        self.events.append(event)  # list.append is atomic: the step loop takes no lock per token
+        with self.cv:
+            self.events.append(event)
 
     def begin_step(self) -> None:
-        self.in_step = True
+        with self.cv:
+            self.in_step = True
 
     def end_step(self) -> None:
         with self.cv:
             self.in_step = False
-            self.step_done = True
+            self._close_list()
             self.cv.notify()
+
+    def _close_list(self) -> None:
+        self.closed_steps.append((self.events, len(self.stats.step_batch_sizes)))
+        self.events = []
 
     def close(self) -> None:
         with self.cv:
@@ -78,30 +86,27 @@ class StepOutbox:
             self.cv.notify()
         self.thread.join(timeout=EXIT_GRACE_S)
 
-    def _take(self) -> tuple[list, list]:
-        events, self.events = self.events, []
-        sizes = self.stats.step_batch_sizes
-        end = len(sizes)
-        new = sizes[self.sizes_sent : end]
-        self.sizes_sent = end
-        return events, new
-
     def _run(self) -> None:
         while True:
             with self.cv:
-                if not (self.step_done or self.closed):
-                    self.cv.wait(FLUSH_IDLE_S)
-                if self.in_step and not (self.step_done or self.closed):
-                    continue  # woken by the idle timer mid-step: never split a step's events
-                self.step_done = False
+                while not (self.closed_steps or self.closed):
+                    if not self.cv.wait(FLUSH_IDLE_S) and not self.in_step and self.events:
+                        self._close_list()  # idle: events of no step
                 closing = self.closed
-            events, sizes = self._take()
-            if (events or sizes) and not self.broken:
-                try:
-                    self.conn.send(("events", events, sizes))
-                except OSError:  # the stub went away; the main thread sees EOF and stops the engine
-                    self.broken = True
-            if closing and not self.events:
+                if closing and self.events:
+                    self._close_list()
+                batches, self.closed_steps = self.closed_steps, []
+            if batches and not self.broken:
+                events = [e for evs, _ in batches for e in evs]
+                mark = batches[-1][1]
+                sizes = self.stats.step_batch_sizes[self.sizes_sent : mark]
+                self.sizes_sent = mark
+                if events or sizes:
+                    try:
+                        self.conn.send(("events", events, sizes))
+                    except OSError:  # the stub went away; the main thread sees EOF and stops the engine
+                        self.broken = True
+            if closing:
                 return
 
 
@@ -127,6 +132,10 @@ class Worker:
         self.outbox = StepOutbox(conn, engine.stats)
         engine.outbox = self.outbox
         self.engine_ids: dict[int, int] = {}  # stub key -> engine request id, while it runs
+        # The stub's keys increase. A cancel may overtake its own submit (the stub registers a request
+        # before sending it): such a key is remembered until its submit arrives, and never runs.
+        self.last_key = -1
+        self.cancelled_early: set[int] = set()
 
     def _callbacks(self, key: int):
         usage = [None]
@@ -142,6 +151,10 @@ class Worker:
         return on_token, on_finish
 
     def submit(self, key: int, ids: list[int], sampling) -> None:
+        self.last_key = max(self.last_key, key)
+        if key in self.cancelled_early:
+            self.cancelled_early.discard(key)
+            return
         on_token, on_finish = self._callbacks(key)
         try:
             self.engine_ids[key] = self.engine.submit(ids, sampling, on_token, on_finish=on_finish)
@@ -161,9 +174,12 @@ class Worker:
             if kind == "submit":
                 self.submit(*msg[1:])
             elif kind == "cancel":
-                rid = self.engine_ids.get(msg[1])
+                key = msg[1]
+                rid = self.engine_ids.get(key)
                 if rid is not None:
                     self.engine.cancel(rid)  # a no-op if it finished meanwhile
+                elif key > self.last_key:
+                    self.cancelled_early.add(key)
             elif kind == "stop":
                 log.info("stopping the engine (the model is unloading)")
                 return
