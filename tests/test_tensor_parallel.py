@@ -230,8 +230,8 @@ def test_smollm2(tmp_path_factory, fmt):
 
 @pytest.mark.slow
 def test_kvq_serve_runs_a_tensor_parallel_engine(tmp_path_factory, tmp_path):
-    """engine.json "tp": 2 deployed with `kvq deploy` and served by the real tritonserver: the python
-    backend's model instance is rank 0 and starts rank 1; the answer is the tp=1 engine's own."""
+    """engine.json "tp": 2 deployed with `kvq deploy` and served by the real tritonserver: the model
+    instance's engine process is rank 0 and starts rank 1; the answer is the tp=1 engine's own."""
     import json
     import os
     import signal

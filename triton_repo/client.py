@@ -193,13 +193,14 @@ _METRIC_LINE = re.compile(r"^(kvq_engine_\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$")
 
 
 def engine_metrics(metrics_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """kvq_engine's Prometheus counters, summed over instances: steps by batch size, tokens, cancellations."""
+    """kvq_engine's Prometheus counters, summed over instances: steps by batch size, tokens, cancellations,
+    and how many instances' engine processes serve (engines_up)."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
             text = r.read().decode()
     except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
         raise ServerError(f"cannot read metrics at {metrics_url}: {e}") from e
-    out: dict[str, Any] = {"steps_by_batch_size": {}, "generated_tokens": 0, "cancelled": 0}
+    out: dict[str, Any] = {"steps_by_batch_size": {}, "generated_tokens": 0, "cancelled": 0, "engines_up": 0}
     for line in text.splitlines():
         m = _METRIC_LINE.match(line)
         if not m:
@@ -212,4 +213,6 @@ def engine_metrics(metrics_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
             out["generated_tokens"] += int(value)
         elif name == "kvq_engine_cancelled_total":
             out["cancelled"] += int(value)
+        elif name == "kvq_engine_process_up":
+            out["engines_up"] += int(value)
     return out

@@ -10,7 +10,9 @@ sit inside the backend directory, so we assemble a private backend directory
 per server (pytriton does the same), which also keeps concurrent servers apart.
 
 The server runs in its own process group: stopping it (SIGTERM, then SIGKILL
-for anything left in that group) leaves no stub process behind. Its python
+for anything left in that group) leaves no stub process behind, nor the engine
+process that kvq_engine's stub starts with the stub environment's python
+(KVQ_WORKER_PYTHON). Its python
 backend's shared-memory regions carry a prefix recorded as its own
 (shm_regions.py): they are removed when it stops, and by the next start if it
 was killed.
@@ -37,6 +39,7 @@ from pathlib import Path
 from runtime.errors import ExternalToolMissing, InputError, ServerError
 
 from . import shm_regions
+from .engine_process import PYTHON_ENV as WORKER_PYTHON_ENV
 
 EXIT_TIMEOUT_S = 10
 CRASH_LINES = 40
@@ -137,6 +140,8 @@ def server_env(stub_bin: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env_bin = stub_bin or Path(sys.prefix) / "bin"
     env["PATH"] = f"{env_bin}{os.pathsep}{env.get('PATH', '')}"
+    # kvq_engine's engine process runs in the stub's environment (triton_repo/engine_process.py)
+    env[WORKER_PYTHON_ENV] = str(stub_bin / "python3") if stub_bin else sys.executable
     libs = [str(_pytriton_dir().parent / "nvidia_pytriton.libs"), str(sysconfig.get_config_var("LIBDIR"))]
     if env.get("LD_LIBRARY_PATH"):
         libs.append(env["LD_LIBRARY_PATH"])

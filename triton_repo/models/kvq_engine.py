@@ -1,14 +1,18 @@
 """Triton python model `kvq_engine`: our embedded engine behind a decoupled model.
 
-Copied into <repo>/kvq_engine/1/model.py. One engine per model instance,
-created in initialize(); execute() only validates and submits, and the engine's
-own background loop batches every in-flight request continuously (Triton's
-batching would only group requests that arrive together). The engine's token
-callback only records a token; one sender thread sends the responses, so their
-IPC never stalls the step loop: when streaming, a response carries every token
-its client has not seen (one per token while the sender keeps up; cumulative
-ids + how many were already shown, so postprocessing detokenizes exactly), one
-final response otherwise.
+Copied into <repo>/kvq_engine/1/model.py. One engine per model instance, in a
+process of its own (triton_repo/engine_worker.py) started in initialize() and
+stopped in finalize(): the response sends of this stub hold its GIL for each
+token of each stream, and the engine's step loop must not wait on them
+(docs/serving.md). execute() only validates and submits; the engine's own loop
+batches every in-flight request continuously (Triton's batching would only
+group requests that arrive together) and sends each step's token events in one
+message. A reader thread records them; one sender thread sends the responses:
+when streaming, a response carries every token its client has not seen (one
+per token while the sender keeps up; cumulative ids + how many were already
+shown, so postprocessing detokenizes exactly), one final response otherwise.
+If the engine process dies, every request in flight gets an error, and so does
+every later one (the model is then useless until it is reloaded).
 A client that goes away (request cancelled, or the sender refuses) cancels its
 engine request, so its blocks are freed and the batch goes on without it.
 (tritonserver 2.51 does not pass an ensemble request's cancellation on to its
@@ -17,25 +21,26 @@ Inputs and outputs carry tensorrt_llm's names and shapes ([batch, beam, ...]);
 fields with no meaning on this engine are refused by name unless empty/default.
 """
 
+import itertools
 import json
 import math
 import queue
 import threading
-from collections import Counter
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime import parallel
-from runtime.engine import Engine
 from runtime.errors import KvqError, RequestError
 from runtime.sampling import SamplingParams
 from triton_repo import protocol
+from triton_repo.engine_metrics import EngineMetrics
+from triton_repo.engine_process import EngineProcess
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENGINE_FIELDS = {f.to: f for f in protocol.ENSEMBLE_REQUEST + protocol.BLS_EXTRA if f.step == "engine"}
 FIELD_OF = {to: f.name for to, f in ENGINE_FIELDS.items()}  # engine input -> request field
 CANCEL_POLL_S = 0.1
+FAILED = "the engine failed on this request (requests beside it are unaffected); see the server log."
 
 
 def _array(request, name):
@@ -53,30 +58,29 @@ def _scalar(request, name, default):
     return a[0].item()
 
 
-def _error(e):
-    code = pb_utils.TritonError.INVALID_ARG if isinstance(e, RequestError) else pb_utils.TritonError.INTERNAL
+def _error(e, code=None):
+    if code is None:
+        code = pb_utils.TritonError.INVALID_ARG if isinstance(e, RequestError) else pb_utils.TritonError.INTERNAL
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), code))
 
 
 class _Request:
     """One client request: its sender, what it has generated, and whether it is closed."""
 
-    def __init__(self, model, sender, stream, prefix, logprobs, perf_metrics=False):
-        self.model, self.sender = model, sender
+    def __init__(self, model, key, sender, stream, prefix, logprobs, perf_metrics=False):
+        self.model, self.key, self.sender = model, key, sender
         self.stream = stream
         self.prefix = prefix  # prompt ids a non-streamed response starts with (exclude_input_in_output false)
         self.want_logprobs = logprobs
         self.want_perf_metrics = perf_metrics
-        self.kv_usage = None  # the engine's KVCacheUsage, set just before the final token arrives
+        self.kv_usage = None  # (reused, new) KV blocks, with the final token
         self.ids = []
         self.logprobs = []
         self.shown = 0
         self.done = False
         self.lock = threading.Lock()
-        self.engine_id = None
-        self.cancel_pending = False
         self.finished = False  # the engine's last token (or its failure) arrived
-        self.failed = False  # the engine failed on this request
+        self.failed = None  # the engine failed on this request: the error response to send
         self.cancelled = False  # the client went away
         self.queued = False  # waiting in the model's outbox for the sender thread
 
@@ -106,21 +110,18 @@ class _Request:
                 tensor("output_log_probs", new, np.float32, (1, len(new))),
             ]
         if self.want_perf_metrics and final and self.kv_usage is not None:
-            u = self.kv_usage  # as tensorrt_llm: on the final response, counted in KV pages
+            reused, new = self.kv_usage  # as tensorrt_llm: on the final response, counted in KV pages
             tensors += [
-                tensor("kv_cache_alloc_new_blocks", [u.new_blocks], np.int32, (1,)),
-                tensor("kv_cache_reused_blocks", [u.reused_blocks], np.int32, (1,)),
-                tensor("kv_cache_alloc_total_blocks", [u.total_blocks], np.int32, (1,)),
+                tensor("kv_cache_alloc_new_blocks", [new], np.int32, (1,)),
+                tensor("kv_cache_reused_blocks", [reused], np.int32, (1,)),
+                tensor("kv_cache_alloc_total_blocks", [reused + new], np.int32, (1,)),
             ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
-    def on_finish(self, usage):
-        self.kv_usage = usage
-
-    def on_token(self, token_id, finished, finish_reason, logprob=None):
-        """Called from the engine's step loop: record the token and hand the request to the sender thread.
-        The IPC of a response (numpy tensors through the stub) stays off the step loop, and a sender that
-        lags behind the engine sends every token it has not shown yet in one response."""
+    def on_token(self, token_id, finished, finish_reason, logprob=None, usage=None, failure=None):
+        """Called from the reader thread, per event of the engine's step: record the token and hand the
+        request to the sender thread. A sender that lags behind the engine sends every token it has not
+        shown yet in one response. `failure` is the error response when the engine refused or lost it."""
         with self.lock:
             if self.done or self.finished:
                 return
@@ -129,7 +130,11 @@ class _Request:
                 if self.want_logprobs:
                     self.logprobs.append(float(logprob))
             self.finished = finished
-            self.failed = finish_reason == "error" and token_id is None
+            self.kv_usage = usage
+            if finish_reason == "error" and token_id is None:
+                self.failed = failure or pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(FAILED, pb_utils.TritonError.INTERNAL)
+                )
             if not (finished or self.stream) or self.queued:
                 return
             self.queued = True
@@ -154,14 +159,10 @@ class _Request:
             self.queued = False
             if self.done:
                 return
-            final = self.finished or self.failed or self.cancelled
+            final = self.finished or self.failed is not None or self.cancelled
             try:
-                if self.failed:
-                    err = pb_utils.TritonError(
-                        "the engine failed on this request (requests beside it are unaffected); see the server log.",
-                        pb_utils.TritonError.INTERNAL,
-                    )
-                    self.sender.send(pb_utils.InferenceResponse(error=err), flags=FINAL)
+                if self.failed is not None:
+                    self.sender.send(self.failed, flags=FINAL)
                 elif self.cancelled or (self.stream and len(self.ids) == self.shown):
                     if final:  # the client is gone, or every token was already streamed
                         self.sender.send(flags=FINAL)
@@ -185,18 +186,53 @@ class TritonPythonModel:
         self.max_batch = cfg.get("max_batch_size", 0) > 0
         self.limits = protocol.EngineLimits.from_engine_dir(engine_dir)
         self.exclude_input = params.get("exclude_input_in_output", "true") == "true"
-        device = params.get("device", "auto")
-        self.engine = Engine.from_dir(engine_dir, device=None if device in ("", "auto") else device)
-        self.active = {}  # engine request id -> _Request still streaming
+        self.active = {}  # request key -> _Request still streaming
         self.active_lock = threading.Lock()  # lock order: _Request.lock, then active_lock
+        self.keys = itertools.count()
+        self.lost = None  # why the engine process is gone, once it is
         self.to_cancel = queue.SimpleQueue()
+        self.new_steps = queue.SimpleQueue()  # step batch sizes from the engine, for the metrics
         self.stopping = threading.Event()
-        self._init_metrics(args.get("model_instance_name", "kvq_engine"))
+        self.metrics = EngineMetrics(args.get("model_instance_name", "kvq_engine"))
         self.outbox = queue.SimpleQueue()  # requests with something to send (_Request.flush)
+        self.engine = EngineProcess(engine_dir, params.get("device", "auto"), self._on_events, self._on_lost)
+        self.vocab_size = self.engine.info["vocab_size"]
+        self.metrics.engine_up(True)
+        pb_utils.Logger.log_info(f"kvq_engine: engine process pid {self.engine.pid} serves {engine_dir}")
         self.sender = threading.Thread(target=self._send_loop, name="kvq-send", daemon=True)
         self.sender.start()
         self.watcher = threading.Thread(target=self._watch, name="kvq-cancel-watch", daemon=True)
         self.watcher.start()
+
+    # ------------------------------------------------------ engine process
+    def _on_events(self, events, step_sizes):
+        """Reader thread: one message of the engine process, the token events of one or more steps."""
+        if step_sizes:
+            self.new_steps.put(step_sizes)
+        active = self.active
+        for key, token, finished, reason, logprob, usage, refused in events:
+            req = active.get(key)
+            if req is None:  # its client is gone and the request is forgotten
+                continue
+            failure = None
+            if refused is not None:  # the engine refused it at submit (e.g. more KV blocks than the pool)
+                is_request_error, message = refused
+                failure = _error(RequestError(message) if is_request_error else KvqError(message))
+            req.on_token(token, finished, reason, logprob, usage, failure)
+
+    def _on_lost(self, why):
+        """Reader thread: the engine process ended on its own. Fail every request; refuse new ones."""
+        self.lost = (
+            f"{why}; this kvq_engine instance cannot serve until the model is reloaded "
+            "(or the server restarted). The server log has the engine's last words."
+        )
+        pb_utils.Logger.log_error(f"kvq_engine: {self.lost}")
+        self.metrics.engine_up(False)
+        failure = _error(self.lost, pb_utils.TritonError.UNAVAILABLE)
+        with self.active_lock:
+            reqs = list(self.active.values())
+        for req in reqs:
+            req.on_token(None, True, "error", failure=failure)
 
     # --------------------------------------------------------------- requests
     def _parse(self, request):
@@ -223,7 +259,7 @@ class TritonPythonModel:
                 f"length_penalty must be a finite number (no effect at beam_width 1), got {length_penalty}."
             )
         end_id = _scalar(request, "end_id", None)
-        vocab = self.engine.cfg.vocab_size
+        vocab = self.vocab_size
         if end_id is not None and not 0 <= int(end_id) < vocab:
             raise RequestError(f"end_id must be a token id in [0, {vocab}), got {end_id}.")
         seed = _scalar(request, "random_seed", None)
@@ -259,25 +295,24 @@ class TritonPythonModel:
 
     def _submit(self, request):
         sender = request.get_response_sender()
+        if self.lost is not None:
+            sender.send(_error(self.lost, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            return
         try:
             ids, sampling, stream, prefix, logprobs, perf = self._parse(request)
         except Exception as e:  # a bad request gets its error; the model stays up
             sender.send(_error(e if isinstance(e, KvqError) else RequestError(f"bad request: {e}")), flags=FINAL)
             return
-        req = _Request(self, sender, stream, prefix, logprobs, perf)
+        req = _Request(self, next(self.keys), sender, stream, prefix, logprobs, perf)
+        with self.active_lock:  # before the engine hears of it: its first events find it here
+            self.active[req.key] = req
         try:
-            # No lock is held across submit: the engine may call back from its own thread meanwhile.
-            engine_id = self.engine.submit(ids, sampling, req.on_token, on_finish=req.on_finish)
-        except KvqError as e:  # e.g. more KV blocks than the pool has
-            sender.send(_error(e), flags=FINAL)
-            return
-        with req.lock:
-            req.engine_id = engine_id
-            if not req.done:
-                with self.active_lock:
-                    self.active[engine_id] = req
-            elif req.cancel_pending:
-                self.to_cancel.put(engine_id)
+            self.engine.submit(req.key, ids, sampling)
+        except OSError:  # the engine process is gone; _on_lost fails the requests it knew of
+            with self.active_lock:
+                self.active.pop(req.key, None)
+            sender.send(_error(self.lost or "the engine process is gone", pb_utils.TritonError.UNAVAILABLE),
+                        flags=FINAL)
 
     def execute(self, requests):
         for request in requests:
@@ -285,60 +320,16 @@ class TritonPythonModel:
         return None
 
     def forget(self, req, cancel_engine):
-        with req.lock:
-            engine_id = req.engine_id
-            if engine_id is None:  # finished before submit() returned; _submit handles it
-                req.cancel_pending = req.cancel_pending or cancel_engine
-                return
         with self.active_lock:
-            self.active.pop(engine_id, None)
+            self.active.pop(req.key, None)
         if cancel_engine:
-            # Cancelled from the watcher thread, never from inside the engine's own callback.
-            self.to_cancel.put(engine_id)
-
-    # ---------------------------------------------------------------- metrics
-    def _init_metrics(self, instance):
-        """Prometheus counters of the engine's own steps by batch size: the proof that it batches."""
-        self.instance = instance
-        self.step_metrics = {}
-        self.steps_seen = 0
-        try:
-            self.steps_family = pb_utils.MetricFamily(
-                name="kvq_engine_steps_total",
-                description="Engine steps by batch size (sequences in the step)",
-                kind=pb_utils.MetricFamily.COUNTER,
-            )
-            # Families must outlive their metrics: keep a reference to both.
-            self.tokens_family = pb_utils.MetricFamily(
-                name="kvq_engine_generated_tokens_total",
-                description="Tokens generated by the engine",
-                kind=pb_utils.MetricFamily.COUNTER,
-            )
-            self.tokens_metric = self.tokens_family.Metric(labels={"instance": instance})
-            self.cancel_family = pb_utils.MetricFamily(
-                name="kvq_engine_cancelled_total",
-                description="Engine requests cancelled early (client gone, or a stop word)",
-                kind=pb_utils.MetricFamily.COUNTER,
-            )
-            self.cancel_metric = self.cancel_family.Metric(labels={"instance": instance})
-        except Exception as e:  # metrics disabled on this server: serving goes on without them
-            pb_utils.Logger.log_warn(f"kvq_engine: no custom metrics ({e})")
-            self.steps_family = None
+            self.to_cancel.put(req.key)  # the watcher tells the engine (and counts it)
 
     def _publish_stats(self):
-        if self.steps_family is None:
-            return
-        sizes = self.engine.stats.step_batch_sizes
-        new = sizes[self.steps_seen : len(sizes)]
-        self.steps_seen += len(new)
-        for size, count in Counter(new).items():
-            metric = self.step_metrics.get(size)
-            if metric is None:
-                metric = self.steps_family.Metric(labels={"instance": self.instance, "batch_size": str(size)})
-                self.step_metrics[size] = metric
-            metric.increment(count)
-        if new:
-            self.tokens_metric.increment(sum(new))  # one token per sequence per step
+        new = []
+        while not self.new_steps.empty():
+            new += self.new_steps.get_nowait()
+        self.metrics.steps(new)
 
     def _send_loop(self):
         while (req := self.outbox.get()) is not None:
@@ -352,8 +343,7 @@ class TritonPythonModel:
             self._publish_stats()
             while not self.to_cancel.empty():
                 self.engine.cancel(self.to_cancel.get_nowait())  # a no-op if it finished meanwhile
-                if self.steps_family is not None:
-                    self.cancel_metric.increment(1)
+                self.metrics.cancelled()
             with self.active_lock:
                 reqs = list(self.active.values())
             for req in reqs:
@@ -369,11 +359,9 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.watcher.join(timeout=5)
-        self.engine.shutdown()
+        # The engine process ends its requests in flight ("cancelled"), stops a tensor-parallel
+        # engine's ranks (engine.json "tp") and exits; the reader delivers those last events.
+        self.engine.stop()
         self.outbox.put(None)
         self.sender.join(timeout=5)
-        parallel.close_group()  # a tensor-parallel engine's ranks (engine.json "tp") stop with the model
-        # Metrics must go before their families (the stub crashes at exit otherwise).
-        self.step_metrics.clear()
-        self.tokens_metric = self.cancel_metric = None
-        self.steps_family = self.tokens_family = self.cancel_family = None
+        self.metrics.close()
