@@ -1,10 +1,11 @@
 """Per-layer KV formats on SmolLM2-135M: the automatic choice's bytes against the best uniform format.
 
 One run: convert the builtin SmolLM2 (or --model-dir), calibrate static scales on the built-in corpus
-(64 x 512 tokens, `max` policy), measure every layer's sensitivity to every candidate format through the
-engine (calibration/layer_search.py) once, then for each perplexity budget choose the per-layer formats
-and score the choice and every candidate as a uniform format on two held-out texts: the built-in
-corpus's evaluation split and an out-of-domain text. A budget is met on a text when the perplexity
+(64 x 512 tokens, `max` policy), then for each perplexity budget choose the per-layer formats through the
+engine (calibration/budget_search.py: uniform candidates checked first, then a verified descent from the
+smallest that fits; sensitivities shared by the budgets that start from the same format) and score the
+choice and every candidate as a uniform format on two held-out texts: the built-in corpus's evaluation
+split and an out-of-domain text. A budget is met on a text when the perplexity
 change against unquantized KV is at most the budget; the best uniform format of a budget is the
 smallest one that meets it on both texts. --speed also times greedy decode through the engine for
 each choice and each uniform format at one concurrency, in the same process (tokens/s).

@@ -5,7 +5,7 @@ recipe's budget (accuracy.max_perplexity_increase_pct) or size (kv.target_bits_p
 the choice and every candidate as a uniform format scored on held-out text (accuracy.eval_data).
 A choice that misses its perplexity budget on held-out text is recorded as a violation, which
 stops kvq-build (AccuracyBudgetError) unless --allow-accuracy-regression.
-calibration/layer_search.py holds the method; this file wires it to the recipe and writes:
+calibration/budget_search.py holds the method; this file wires it to the recipe and writes:
 
     kv_format.json      the chosen per-layer formats (what the build stage copies into the engine)
     recipe_kv.yaml      the same choice as a recipe's `kv:` section, to pin it

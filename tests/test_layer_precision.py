@@ -325,6 +325,10 @@ def test_search_stage_builds_the_chosen_engine(tmp_path, capsys):
     assert json.loads((engine_dir / "kv_format.json").read_text()) == json.loads((search_dir / "kv_format.json").read_text())
     assert result["heldout"]["auto"]["ppl_change_pct"] <= 1.0
     assert set(result["heldout"]) == {"auto", "_baseline", "fp32", "int8-per_head", "int4-per_token-asym"}
+    # the descent started from a uniform candidate that fit on the check windows and only lowered bytes
+    start = next(c for c in result["checks"] if c["kind"] == "uniform" and c["kept"])
+    assert start["formats"] == result["start"] and start["measured_pct"] <= 0.75 * 1.0
+    assert result["bytes_per_token"] <= result["heldout"][result["start"]]["bytes_per_token"]
     eng = Engine.from_dir(engine_dir, num_blocks=4)
     try:
         assert [f.name for f in eng.formats] == result["layer_formats"]
