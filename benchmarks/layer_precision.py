@@ -87,7 +87,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         budget = "—" if r["budget_pct"] is None else f"+{r['budget_pct']:g}%"
         cells = " | ".join(f"{r['ppl_change_pct'][n]:+.2f}%" for n in texts)
         meets = "—" if r["budget_pct"] is None else ("yes" if r["meets"] else "no")
-        vs = f"{r['saving_pct']:.1f}% fewer ({r['best_uniform']})" if r.get("saving_pct") is not None else ""
+        saving = r.get("saving_pct")
+        vs = "" if saving is None else (f"{saving:.1f}% fewer ({r['best_uniform']})" if saving >= 0
+                                        else f"{-saving:.1f}% more ({r['best_uniform']})")
         if r["kind"] == "auto" and r.get("best_uniform") is None and r["budget_pct"] is not None:
             vs = "no uniform format meets it"
         speed = f" {r['tokens_per_s']:.0f} |" if meta.get("speed") else ""
