@@ -1,10 +1,11 @@
 """Per-layer KV formats on SmolLM2-135M: the automatic choice's bytes against the best uniform format.
 
 One run: convert the builtin SmolLM2 (or --model-dir), calibrate static scales on the built-in corpus
-(64 x 512 tokens, `max` policy), measure every layer's sensitivity to every candidate format through the
-engine (calibration/layer_search.py) once, then for each perplexity budget choose the per-layer formats
-and score the choice and every candidate as a uniform format on two held-out texts: the built-in
-corpus's evaluation split and an out-of-domain text. A budget is met on a text when the perplexity
+(64 x 512 tokens, `max` policy), then for each perplexity budget choose the per-layer formats through the
+engine (calibration/budget_search.py: uniform candidates checked first, then a verified descent from the
+smallest that fits; sensitivities shared by the budgets that start from the same format) and score the
+choice and every candidate as a uniform format on two held-out texts: the built-in corpus's evaluation
+split and an out-of-domain text. A budget is met on a text when the perplexity
 change against unquantized KV is at most the budget; the best uniform format of a budget is the
 smallest one that meets it on both texts. --speed also times greedy decode through the engine for
 each choice and each uniform format at one concurrency, in the same process (tokens/s).
@@ -27,17 +28,9 @@ from pathlib import Path
 
 import torch
 
+from calibration.budget_search import VALIDATION_MARGIN, checks_to_json, search
 from calibration.calibrate import calibration_windows, run_calibration, scales_for
-from calibration.layer_search import (
-    VALIDATION_MARGIN,
-    EngineScorer,
-    Sensitivity,
-    heldout_change,
-    layer_scales,
-    measure_sensitivity,
-    nll_to_pct,
-    search,
-)
+from calibration.layer_search import EngineScorer, Sensitivity, heldout_change, ladder, layer_scales
 from calibration.loading import load_model, load_tokenizer
 from calibration.perplexity import eval_windows
 from recipes.kv_section import DEFAULT_SEARCH_FORMATS, layer_ranges
@@ -81,8 +74,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     texts = meta["texts"]
     lines = [f"# Per-layer KV formats on {meta['model']}", "",
              f"Device {meta['device']}, torch {meta['torch']}, fp32 model; sensitivity on {meta['num_samples']} x "
-             f"{meta['seq_len']} calibration tokens, choice verified on {meta.get('validation_samples', 0)} more windows "
-             f"to {meta.get('margin', 1):g} x budget ({meta['engine_runs']} engine runs), KV rotation {meta['rotation']}; "
+             f"{meta['seq_len']} calibration tokens, uniform candidates and descent steps checked on "
+             f"{meta['validation_samples']} more windows against {meta['margin']:g} x budget ({meta['engine_runs']} "
+             f"engine runs for the searches, {meta['wall_s']:.0f} s wall in all), KV rotation {meta['rotation']}; "
              "held-out: "
              + ", ".join(f"{n} ({t['tokens']} tokens, {t['source']})" for n, t in texts.items())
              + f". Candidates: {', '.join(meta['formats'])}.", "",
@@ -93,7 +87,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         budget = "—" if r["budget_pct"] is None else f"+{r['budget_pct']:g}%"
         cells = " | ".join(f"{r['ppl_change_pct'][n]:+.2f}%" for n in texts)
         meets = "—" if r["budget_pct"] is None else ("yes" if r["meets"] else "no")
-        vs = f"{r['saving_pct']:.1f}% fewer ({r['best_uniform']})" if r.get("saving_pct") is not None else ""
+        saving = r.get("saving_pct")
+        vs = "" if saving is None else (f"{saving:.1f}% fewer ({r['best_uniform']})" if saving >= 0
+                                        else f"{-saving:.1f}% more ({r['best_uniform']})")
         if r["kind"] == "auto" and r.get("best_uniform") is None and r["budget_pct"] is not None:
             vs = "no uniform format meets it"
         speed = f" {r['tokens_per_s']:.0f} |" if meta.get("speed") else ""
@@ -103,7 +99,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines += ["", "Per-layer choices (recipe `kv.layers`):", ""]
     for r in rows:
         if r["kind"] == "auto":
-            lines.append(f"- +{r['budget_pct']:g}%: `{json.dumps(r['layers'])}`")
+            steps = [c for c in r["checks"] if c["kind"] == "descent"]
+            lines.append(f"- +{r['budget_pct']:g}%: from uniform `{r['start']}`, {sum(c['kept'] for c in steps)} of "
+                         f"{len(steps)} descent checks kept, {r['search_wall_s']:.0f} s: `{json.dumps(r['layers'])}`")
     return "\n".join(lines) + "\n"
 
 
@@ -116,15 +114,15 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(DEFAULT_SEARCH_FORMATS))
     ap.add_argument("--num-samples", type=int, default=8, help="sensitivity windows (calibration data)")
     ap.add_argument("--validation-samples", type=int, default=4,
-                    help="further calibration windows the choice is verified and repaired on (0: none)")
+                    help="further calibration windows the uniform candidates and the descent's steps are checked "
+                         "on (0: the sensitivity windows)")
     ap.add_argument("--margin", type=float, default=VALIDATION_MARGIN,
-                    help="the fraction of the budget the choice must meet on calibration data")
+                    help="the fraction of the budget a choice must meet on the check windows")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--calib-len", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--ood", type=Path, default=None, help="out-of-domain .txt/.jsonl file or directory")
-    ap.add_argument("--max-rounds", type=int, default=3)
     ap.add_argument("--rotation", choices=("none", "hadamard"), default="none",
                     help="K/V rotated before they are stored (every candidate; docs/kv-rotation.md)")
     ap.add_argument("--no-batch-invariant", action="store_true",
@@ -168,26 +166,28 @@ def main() -> None:
     scorer = EngineScorer(model, model_dir, drawn[: args.num_samples], scales, batch_invariant=bi)
     validator = (EngineScorer(model, model_dir, drawn[args.num_samples:], scales, batch_invariant=bi)
                  if args.validation_samples else None)
-    if args.sensitivity_from:  # an earlier run's sensitivities (same model, formats and windows): re-choose only
+    sensitivities: dict = {}  # options' names -> Sensitivity, shared by the budgets (same windows)
+    if args.sensitivity_from:  # an earlier run's sensitivities (same model and windows): re-choose only
         meta = json.loads(args.sensitivity_from.read_text().splitlines()[0])["meta"]
-        sens = Sensitivity.from_dict(meta["sensitivity"], parse_kv_format_name)
-        if set(sens.candidates) != set(candidates):
-            raise SystemExit(f"--sensitivity-from measured {[f.name for f in sens.candidates]}, not --formats")
-    else:
-        sens = measure_sensitivity(scorer, candidates)
-    print(f"sensitivity: {scorer.passes} engine runs, {time.perf_counter() - t0:.0f} s", flush=True)
+        for d in meta["sensitivities"]:
+            sens = Sensitivity.from_dict(d, parse_kv_format_name)
+            sensitivities[tuple(f.name for f in sens.candidates)] = sens
     ood = args.ood or default_ood()
     texts = {"builtin": ("builtin", "the built-in corpus's evaluation split"), "out_of_domain": (str(ood), ood.name)}
     scorers = {n: EngineScorer(model, model_dir, eval_windows(tok, args.eval_tokens, 1024, src), scales,
                                batch_invariant=bi) for n, (src, _) in texts.items()}
-    configs = {f.name: (f,) * cfg.num_layers for f in sens.candidates}
+    uniform = ladder(candidates, cfg)
+    configs = {f.name: (f,) * cfg.num_layers for f in uniform}
     budgets = [float(b) for b in args.budgets.split(",")]
-    choices = {}
+    found, search_s = {}, {}
     for b in budgets:
-        choice, rounds = search(scorer, sens, max_pct=b, max_rounds=args.max_rounds, validator=validator,
-                                margin=args.margin)
-        choices[b] = (sens.formats(choice), rounds)
-        configs[f"auto@{b:g}"] = sens.formats(choice)
+        t = time.perf_counter()
+        found[b] = search(scorer, candidates, max_pct=b, validator=validator, margin=args.margin,
+                          sensitivities=sensitivities)
+        search_s[b] = round(time.perf_counter() - t, 1)
+        configs[f"auto@{b:g}"] = found[b].formats
+        print(f"+{b:g}%: {formats_name(found[b].formats)} ({search_s[b]:.0f} s; engine runs so far: "
+              f"{scorer.passes + (validator.passes if validator else 0)})", flush=True)
     held = {n: heldout_change(s, configs) for n, s in scorers.items()}
 
     def meets(name: str, budget: float) -> bool:
@@ -205,26 +205,26 @@ def main() -> None:
                                              args.new_tokens)
         return r
 
-    rows = [row("uniform", f.name, (f,) * cfg.num_layers, None) for f in sens.candidates]
+    rows = [row("uniform", f.name, (f,) * cfg.num_layers, None) for f in uniform]
     for b in budgets:
-        formats, rounds = choices[b]
+        formats = found[b].formats
         r = row("auto", f"auto@{b:g}", formats, b)
-        fitting = [u for u in rows[: len(sens.candidates)] if meets(u["kv_format"], b)]
+        fitting = [u for u in rows[: len(uniform)] if meets(u["kv_format"], b)]
         best = min(fitting, key=lambda u: u["bytes_per_token"]) if fitting else None
         r.update(layers=layer_ranges(formats), best_uniform=best and best["kv_format"],
                  best_uniform_bytes_per_token=best and best["bytes_per_token"],
                  saving_pct=None if best is None else 100 * (1 - r["bytes_per_token"] / best["bytes_per_token"]),
-                 rounds=[{"predicted_pct": nll_to_pct(x.predicted_nll), "measured_pct": nll_to_pct(x.measured_nll),
-                          "data": x.data} for x in rounds])
+                 start=found[b].start.name, search_wall_s=search_s[b],
+                 checks=checks_to_json(found[b].checks, cfg))
         rows.append(r)
     meta = {"model": "SmolLM2-135M-Instruct" if args.model_dir is None else args.model_dir.name, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or
             "cpu", "torch": torch.__version__, "python": sys.version.split()[0], "formats": [f.name for f in
-            sens.candidates], "num_samples": args.num_samples, "seq_len": args.seq_len,
+            uniform], "num_samples": args.num_samples, "seq_len": args.seq_len,
             "engine_runs": scorer.passes + (validator.passes if validator else 0), "speed": args.speed,
             "batch_invariant": bi, "validation_samples": args.validation_samples, "margin": args.margin,
             "rotation": args.rotation,
             "texts": {n: {"source": d, "tokens": int(scorers[n].windows.numel())} for n, (_, d) in texts.items()},
-            "sensitivity": sens.to_dict(), "wall_s": round(time.perf_counter() - t0, 1)}
+            "sensitivities": [s.to_dict() for s in sensitivities.values()], "wall_s": round(time.perf_counter() - t0, 1)}
     if args.speed:
         meta.update(concurrency=args.concurrency, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)

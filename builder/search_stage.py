@@ -5,11 +5,11 @@ recipe's budget (accuracy.max_perplexity_increase_pct) or size (kv.target_bits_p
 the choice and every candidate as a uniform format scored on held-out text (accuracy.eval_data).
 A choice that misses its perplexity budget on held-out text is recorded as a violation, which
 stops kvq-build (AccuracyBudgetError) unless --allow-accuracy-regression.
-calibration/layer_search.py holds the method; this file wires it to the recipe and writes:
+calibration/budget_search.py holds the method; this file wires it to the recipe and writes:
 
     kv_format.json      the chosen per-layer formats (what the build stage copies into the engine)
     recipe_kv.yaml      the same choice as a recipe's `kv:` section, to pin it
-    search.json         sensitivities, rounds, held-out results, the chosen formats
+    search.json         the uniform checks, sensitivities, descent checks, held-out results, the chosen formats
     search.md, search.png   the report: layer x format table, accuracy vs bytes against every uniform format
 """
 
@@ -44,8 +44,9 @@ def _rotation_kwargs(recipe) -> dict[str, Any]:
 
 
 def run_search(ctx: Context, out: Path) -> dict[str, Any]:
+    from calibration.budget_search import checks_to_json, search
     from calibration.calibrate import calibration_windows
-    from calibration.layer_search import EngineScorer, best_uniform, heldout_change, measure_sensitivity, search
+    from calibration.layer_search import EngineScorer, best_uniform, heldout_change, ladder
     from calibration.loading import is_synthetic, load_model, load_tokenizer
     from calibration.perplexity import EVAL_SEED, eval_windows
     from calibration.progress import work_progress
@@ -63,13 +64,12 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     model = load_model(model_dir, device=ctx.device, **_rotation_kwargs(r))
     scorer = EngineScorer(model, model_dir, windows, scales)
     validator = EngineScorer(model, model_dir, validation, scales) if nv else None
-    with work_progress(ctx.spinner) as bars:
-        sens = measure_sensitivity(scorer, candidates,
-                                   bars.task("layer sensitivity", cfg.num_layers * (len(candidates) - 1), "runs"))
     max_pct = None if r.kv.target_bits_per_element else r.accuracy.max_perplexity_increase_pct
-    choice, rounds = search(scorer, sens, max_pct=max_pct, target_bits=r.kv.target_bits_per_element,
-                            max_rounds=r.search.max_rounds, validator=validator, margin=r.search.margin)
-    formats = sens.formats(choice)
+    with work_progress(ctx.spinner) as bars:
+        found = search(scorer, candidates, max_pct=max_pct, target_bits=r.kv.target_bits_per_element,
+                       validator=validator, margin=r.search.margin,
+                       progress=lambda total: bars.task("layer sensitivity", total, "runs"))
+    formats, sens = found.formats, found.sensitivity
 
     acc = r.accuracy
     window = min(acc.perplexity_tokens, 1024)
@@ -79,7 +79,7 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     else:
         held_windows = eval_windows(load_tokenizer(model_dir), acc.perplexity_tokens, window, acc.eval_data)
     held = EngineScorer(model, model_dir, held_windows, scales)
-    configs = {CHOICE: formats, **{f.name: (f,) * cfg.num_layers for f in sens.candidates}}
+    configs = {CHOICE: formats, **{f.name: (f,) * cfg.num_layers for f in candidates}}
     heldout = heldout_change(held, configs)
     result = {
         "mode": "size" if max_pct is None else "budget",
@@ -88,10 +88,10 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
         "calibration_data": source, "num_samples": n, "validation_samples": nv, "seq_len": r.search.seq_len,
         "margin": r.search.margin,
         "eval_data": acc.eval_data, "eval_tokens": int(held_windows.numel()),
+        "candidates": [f.name for f in ladder(candidates, cfg)],
         "sensitivity": sens.to_dict(),
-        "rounds": [{"formats": formats_name(sens.formats(x.choice)), "predicted_pct": _pct(x.predicted_nll),
-                    "measured_pct": _pct(x.measured_nll), "budget_pct": _pct(x.budget_nll), "data": x.data}
-                   for x in rounds],
+        "start": found.start and found.start.name,
+        "checks": checks_to_json(found.checks, cfg),
         "layer_formats": [f.name for f in formats],
         "kv_format": formats_name(formats),
         "bytes_per_token": heldout[CHOICE]["bytes_per_token"],
@@ -99,8 +99,7 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
         "heldout": heldout,
         "engine_runs": scorer.passes + held.passes + (validator.passes if validator else 0),
     }
-    result["uniform"] = {} if max_pct is None else best_uniform(heldout, [f.name for f in sens.candidates], max_pct,
-                                                                 CHOICE)
+    result["uniform"] = {} if max_pct is None else best_uniform(heldout, [f.name for f in candidates], max_pct, CHOICE)
     (out / "kv_format.json").write_text(json.dumps(formats_to_json(formats), indent=2))
     (out / "recipe_kv.yaml").write_text(yaml.safe_dump({"kv": {"layers": layer_ranges_of(formats)}},
                                                        sort_keys=False))
@@ -110,11 +109,12 @@ def run_search(ctx: Context, out: Path) -> dict[str, Any]:
     write_report(result, cfg, out)
     change = heldout[CHOICE]["ppl_change_pct"]
     violations = []
+    kept = [c for c in result["checks"] if c["kept"]][-1]
     if max_pct is not None and change > max_pct:
         violations.append(
             f"the per-layer KV formats chosen for {r.name} ({result['kv_format']}) raise held-out perplexity by "
-            f"{change:+.2f}%, over accuracy.max_perplexity_increase_pct={max_pct:g}% (on {result['rounds'][-1]['data']} "
-            f"data {result['rounds'][-1]['measured_pct']:+.2f}%). Raise search.num_samples / search.seq_len / "
+            f"{change:+.2f}%, over accuracy.max_perplexity_increase_pct={max_pct:g}% (on {kept['data']} data "
+            f"{kept['measured_pct']:+.2f}%). Raise search.num_samples / search.seq_len / "
             "search.validation_samples, lower search.margin so the "
             "sensitivities describe your text, set calibration.dataset to data like accuracy.eval_data, or "
             "loosen the budget.")
@@ -131,9 +131,3 @@ def layer_ranges_of(formats) -> dict[str, str]:
     from recipes.kv_section import layer_ranges
 
     return layer_ranges(formats)
-
-
-def _pct(nll: float) -> float | None:
-    from calibration.layer_search import nll_to_pct
-
-    return None if nll != nll else nll_to_pct(nll)  # NaN: no budget in size mode

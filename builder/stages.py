@@ -115,8 +115,12 @@ def _search_run(ctx: Context, tmp: Path) -> dict[str, Any]:
 
 def _describe_search(ctx: Context) -> str:
     r = ctx.recipe
-    return (f"converted weights + calibrated scales; {r.kv_label()} from {', '.join(r.search.formats)}: "
-            "every layer x format scored "
+    checks = (f"{r.search.validation_samples} x {r.search.seq_len} more" if r.search.validation_samples
+              else "the same")
+    how = ("every layer x format scored" if r.kv.target_bits_per_element else
+           f"every format as a uniform cache checked on {checks} tokens, then a descent from the smallest that fits, "
+           "every step checked there; every layer x option below it scored")
+    return (f"converted weights + calibrated scales; {r.kv_label()} from {', '.join(r.search.formats)}: {how} "
             f"through the engine on {r.search.num_samples} x {r.search.seq_len} {r.calibration.dataset} tokens, "
             f"verified on {r.accuracy.perplexity_tokens} held-out tokens ({r.accuracy.eval_data})")
 

@@ -1,26 +1,19 @@
-"""Per-layer KV precision under an accuracy budget: measure, choose, verify.
+"""Per-layer KV precision: what the search measures and how it chooses by size.
 
-1. Sensitivity, through the engine (Engine.score, the same numerics as serving): on calibration
-   windows, the mean negative log-likelihood per token with every layer in the ladder's top
-   format (the candidate with the most bytes), then with exactly one layer i in candidate f:
-   sens[i][f] = NLL(i in f) - NLL(top). Perplexity is exp(NLL), so a perplexity budget of
-   +p% is a NLL budget of log(1 + p/100), and per-layer NLL increases add up to first order.
-2. Choice, a multiple-choice knapsack solved greedily: every layer starts at the top format and
-   walks down the lower convex hull of its (bytes, sensitivity) options; the step taken next is
-   the one that costs the least NLL per byte saved, anywhere in the model (ties: lowest layer).
-   Budget mode stops a layer when its next step no longer fits the predicted budget; size mode
-   (target bits per element) walks until the cache fits. Negative measured sensitivities (noise)
-   count as zero.
-3. The combination is measured on the same calibration windows; when it misses the budget that
-   its parts predicted (interactions between layers), the choice is remade with the predicted
-   budget scaled down by the miss, up to `max_rounds` times. The aim is a margin under the budget
-   (VALIDATION_MARGIN): the summed sensitivities under-predict the combined loss, and the
-   held-out text differs from the calibration data.
-4. Verify and repair on calibration validation windows (not the sensitivities' windows, not the
-   held-out text): while the choice misses margin x budget there, the layers with the most NLL per
-   byte saved move back up their ladder, in proportion to the miss, and it is measured again.
-5. The final choice, and every candidate as a uniform format, are scored on held-out text against
-   unquantized KV (`heldout_change`); the caller stops when the choice misses its budget.
+- Scoring, through the engine (Engine.score, the same numerics as serving): the mean negative
+  log-likelihood per token of fixed windows with a KV format per layer (EngineScorer). Perplexity is
+  exp(NLL), so a perplexity budget of +p% is a NLL budget of log(1 + p/100).
+- Sensitivity: with every layer in a reference format (the ladder's top, the option with the most
+  bytes), then with exactly one layer i in option f: sens[i][f] = NLL(i in f) - NLL(top). Per-layer NLL
+  increases add up to first order.
+- Choice by size (kv.target_bits_per_element), a multiple-choice knapsack solved greedily: every layer
+  starts at the top and walks down the lower convex hull of its (bytes, sensitivity) options; the step
+  taken next is the one that costs the least NLL per byte saved, anywhere in the model (ties: lowest
+  layer), until the cache fits. Negative measured sensitivities (noise) count as zero.
+- Held-out check: a choice, and every candidate as a uniform format, scored against unquantized KV.
+
+The choice under a perplexity budget (verified descent from the best uniform format) is in
+calibration/budget_search.py.
 """
 
 from __future__ import annotations
@@ -106,15 +99,23 @@ def layer_scales(formats: LayerFormats, scales: Scales) -> tuple[list | None, li
 
 
 class EngineScorer:
-    """Mean NLL of fixed windows through an engine of the given per-layer formats (one shared model)."""
+    """Mean NLL of fixed windows through an engine of the given per-layer formats (one shared model).
+    The engine is deterministic for fixed windows, so each configuration runs once (`passes` counts runs)."""
 
     def __init__(self, model, model_dir: str | Path, windows: torch.Tensor, scales: Scales,
                  batch_invariant: bool = True, attention: str = "auto"):
         self.model, self.model_dir, self.windows, self.scales = model, model_dir, windows, scales
         self.batch_invariant, self.attention = batch_invariant, attention
         self.passes = 0
+        self._seen: dict[LayerFormats, float] = {}
 
     def nll(self, formats: LayerFormats) -> float:
+        formats = tuple(formats)
+        if formats not in self._seen:
+            self._seen[formats] = self._run(formats)
+        return self._seen[formats]
+
+    def _run(self, formats: LayerFormats) -> float:
         k, v = layer_scales(formats, self.scales)
         eng = evaluation_engine(self.model, self.model_dir, formats, k, v, longest=int(self.windows.shape[1]),
                                 batch=max(1, int(self.windows.shape[0])), batch_invariant=self.batch_invariant,
@@ -168,6 +169,27 @@ def _hull(bytes_: list[float], cost: list[float]) -> list[int]:
     return hull
 
 
+def hulls_of(s: Sensitivity) -> tuple[list[list[float]], list[list[int]]]:
+    """Each layer's costs (negative sensitivities, noise, as zero) and the hull of its options."""
+    costs = [[max(0.0, c) for c in row] for row in s.sens]
+    return costs, [_hull(s.layer_bytes, row) for row in costs]
+
+
+def cheapest_step(layer_bytes: Sequence[float], costs: list[list[float]], hulls: list[list[int]], pos: list[int],
+                  done: list[bool]) -> tuple[float, int, int, int] | None:
+    """(NLL per byte saved, layer, from option, to option) of the cheapest next hull step of a layer not
+    done (ties: the lowest layer); None when every layer is done."""
+    best = None
+    for i, (h, p) in enumerate(zip(hulls, pos)):
+        if done[i]:
+            continue
+        a, b = h[p], h[p + 1]
+        rate = (costs[i][b] - costs[i][a]) / (layer_bytes[a] - layer_bytes[b])
+        if best is None or rate < best[0]:
+            best = (rate, i, a, b)
+    return best
+
+
 def choose(s: Sensitivity, *, max_nll: float | None = None, max_layer_bytes: float | None = None) -> list[int]:
     """A candidate index per layer: the smallest cache within a predicted NLL budget (`max_nll`, the
     increase over unquantized KV), or the most accurate within a size (`max_layer_bytes`, bytes per
@@ -175,8 +197,7 @@ def choose(s: Sensitivity, *, max_nll: float | None = None, max_layer_bytes: flo
     if (max_nll is None) == (max_layer_bytes is None):
         raise ValueError("give exactly one of max_nll and max_layer_bytes")
     n = len(s.sens)
-    costs = [[max(0.0, c) for c in row] for row in s.sens]
-    hulls = [_hull(s.layer_bytes, costs[i]) for i in range(n)]
+    costs, hulls = hulls_of(s)
     pos = [0] * n  # position on each layer's hull
     choice = [h[0] for h in hulls]
     total_cost = s.top_offset + sum(costs[i][choice[i]] for i in range(n))
@@ -185,15 +206,7 @@ def choose(s: Sensitivity, *, max_nll: float | None = None, max_layer_bytes: flo
     while not all(done):
         if max_layer_bytes is not None and total_bytes <= max_layer_bytes:
             break
-        best = None
-        for i in range(n):
-            if done[i]:
-                continue
-            a, b = hulls[i][pos[i]], hulls[i][pos[i] + 1]
-            rate = (costs[i][b] - costs[i][a]) / (s.layer_bytes[a] - s.layer_bytes[b])
-            if best is None or rate < best[0]:
-                best = (rate, i, a, b)
-        _, i, a, b = best
+        _, i, a, b = cheapest_step(s.layer_bytes, costs, hulls, pos, done)
         step = costs[i][b] - costs[i][a]
         if max_nll is not None and total_cost + step > max_nll:
             done[i] = True  # its later steps cost at least as much per byte: the layer stays here
@@ -209,96 +222,6 @@ def choose(s: Sensitivity, *, max_nll: float | None = None, max_layer_bytes: flo
                          f"every layer in {s.candidates[-1].name}, takes {smallest:.0f} bytes per token); raise the "
                          "target or add a smaller format to search.formats.")
     return choice
-
-
-@dataclass
-class Round:
-    choice: list[int]
-    predicted_nll: float
-    measured_nll: float
-    budget_nll: float  # the predicted budget this round chose under
-    data: str = "calibration"  # which windows measured it: "calibration" (the sensitivities') or "validation"
-
-
-# The validated change a choice must stay under, as a fraction of the budget: the held-out text is not the
-# calibration data, and on SmolLM2 a choice that just met its budget on calibration windows missed it on the
-# held-out split by up to 2x (+0.5% -> +1.01%); the margin keeps room for that difference.
-VALIDATION_MARGIN = 0.75
-
-
-def repair(s: Sensitivity, choice: list[int], excess: float, min_steps: int = 1) -> list[int]:
-    """Move the layers whose steps down cost the most NLL per byte saved back up their ladder until the
-    predicted cost removed is at least `excess` and `min_steps` steps were taken: the cheapest bytes to
-    give back. (Layers measured as free still count as steps: noisy sensitivities call many layers free.)"""
-    costs = [[max(0.0, c) for c in row] for row in s.sens]
-    out, removed, taken = list(choice), 0.0, 0
-    while True:
-        steps = []
-        for i, j in enumerate(out):
-            if j == 0:
-                continue
-            up = max((a for a in range(j) if s.layer_bytes[a] > s.layer_bytes[j] and costs[i][a] <= costs[i][j]),
-                     key=lambda a: (-s.layer_bytes[a], a), default=0)  # the next larger option that costs no more
-            saved = costs[i][j] - costs[i][up]
-            steps.append((saved / (s.layer_bytes[up] - s.layer_bytes[j]), saved, i, up))
-        if not steps:
-            return out
-        _, saved, i, up = max(steps)
-        out[i] = up
-        removed += saved
-        taken += 1
-        if removed >= excess and taken >= min_steps:
-            return out
-
-
-def search(scorer: EngineScorer, s: Sensitivity, *, max_pct: float | None = None,
-           target_bits: float | None = None, max_rounds: int = 3, validator: EngineScorer | None = None,
-           margin: float = VALIDATION_MARGIN) -> tuple[list[int], list[Round]]:
-    """Steps 2-3: the choice and every round's prediction and measurement.
-
-    Budget mode: the choice is made under the predicted budget, measured on the sensitivity windows, and
-    remade with the predicted budget scaled by the measured interaction (measured / predicted) up to
-    `max_rounds` times, aiming at margin x budget. With a `validator` (other calibration windows), the
-    choice is then measured there and repaired -- the most sensitive-per-byte layers moved back up, in
-    proportion to the miss -- until it is within margin x budget on those windows too (or every layer is
-    back at the top format)."""
-    cfg = scorer.model.cfg
-    rounds: list[Round] = []
-    if target_bits is not None:
-        max_bytes = target_bits / 8 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-        choice = choose(s, max_layer_bytes=max_bytes)
-        rounds.append(Round(choice, s.predicted(choice), scorer.nll(s.formats(choice)) - s.base_nll, float("nan")))
-        return choice, rounds
-    goal = pct_to_nll(max_pct)
-    target = goal * margin
-    budget = target
-    for _ in range(max_rounds):
-        choice = choose(s, max_nll=budget)
-        if rounds and choice == rounds[-1].choice:
-            break
-        measured = scorer.nll(s.formats(choice)) - s.base_nll
-        rounds.append(Round(choice, s.predicted(choice), measured, budget))
-        if measured <= target:
-            break
-        # the parts under-predicted the whole: shrink the predicted budget by the measured interaction
-        budget *= target / measured if measured > 0 else 0.5
-    fitting = [r for r in rounds if r.measured_nll <= target]
-    best = min(fitting, key=lambda r: sum(s.layer_bytes[j] for j in r.choice)) if fitting else rounds[-1]
-    choice = best.choice
-    if validator is None:
-        return choice, rounds
-    base = validator.nll((baseline_format(validator.model),) * cfg.num_layers)
-    for _ in range(cfg.num_layers * (len(s.candidates) - 1) + 1):
-        measured = validator.nll(s.formats(choice)) - base
-        rounds.append(Round(choice, s.predicted(choice), measured, target, "validation"))
-        if measured <= target or all(j == 0 for j in choice):
-            break
-        # remove the predicted cost in proportion to the miss (the prediction is scaled by the same factor)
-        miss = 1 - target / measured
-        excess = (s.predicted(choice) - s.top_offset) * miss
-        # and at least half the miss's fraction of the quantized-down layers: the prediction may call them free
-        choice = repair(s, choice, excess, max(1, math.ceil(miss * sum(j > 0 for j in choice) / 2)))
-    return choice, rounds
 
 
 # --------------------------------------------------------------- held out

@@ -115,13 +115,11 @@ class SearchSection(Section):
         "is where every layer starts. Static formats (per_tensor/per_head) use the calibrate stage's scales.")
     num_samples: int = Field(8, ge=1, description="Calibration-data windows each sensitivity is measured on.")
     seq_len: int = Field(512, ge=16, description="Tokens per window.")
-    max_rounds: int = Field(3, ge=1, description="Choices re-made on calibration data when the measured "
-                            "combination misses the budget the per-layer sensitivities predicted.")
     validation_samples: int = Field(4, ge=0, description="Further calibration-data windows (not the "
-                                    "sensitivities') the choice is verified on and repaired until it meets "
-                                    "margin x budget there; 0: no verification.")
+                                    "sensitivities') every uniform candidate and every descent step is checked "
+                                    "on; 0: the sensitivities' windows.")
     margin: float = Field(0.75, gt=0, le=1, description="The fraction of accuracy.max_perplexity_increase_pct "
-                          "the choice must meet on calibration data: room for the held-out text to differ.")
+                          "the choice must meet on the check windows: room for the held-out text to differ.")
 
     def candidates(self) -> list[KVFormat]:
         return [parse_kv_format_name(n) for n in self.formats]

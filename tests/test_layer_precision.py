@@ -9,14 +9,15 @@ import torch
 from helpers_runtime import tiny_llama_dir
 from safetensors.torch import save_file
 
-from calibration.layer_search import EngineScorer, Sensitivity, choose, measure_sensitivity, repair, search
+from calibration.budget_search import compose, layer_options, search
+from calibration.layer_search import EngineScorer, Sensitivity, choose
 from calibration.loading import load_model
 from recipes import load_recipe
 from recipes.kv_section import layer_ranges, parse_layer_ranges
 from runtime.config import ModelConfig
 from runtime.engine import Engine
-from runtime.errors import InputError, RecipeError, UnsupportedError
-from runtime.kv_format import KVFormat
+from runtime.errors import AccuracyBudgetError, InputError, RecipeError, UnsupportedError
+from runtime.kv_format import KVFormat, kv_bytes_per_token
 from runtime.layer_formats import formats_name, formats_to_json
 
 INT8_HEAD = KVFormat("int8", "per_head")
@@ -165,77 +166,135 @@ def test_choose_skips_dominated_formats_and_counts_noise_as_zero():
     assert choose(s, max_nll=0.1) == [0, 2]
 
 
-def test_repair_moves_the_most_sensitive_per_byte_layers_up_first():
+def test_sensitivity_round_trips_through_json():
     s = _sens([[0, 0.5, 5.0], [0, 0.01, 0.02], [0, 0.1, 0.3]])
-    # layer 0's int4 step costs 4.5 per byte given back, layer 2's 0.2, layer 1's 0.01
-    assert repair(s, [2, 2, 2], excess=1.0) == [1, 2, 2]
-    assert repair(s, [2, 2, 2], excess=4.6) == [0, 2, 2]  # then layer 0's int8 step (0.25 per byte)
-    assert repair(s, [2, 2, 2], excess=5.1) == [0, 2, 1]
-    assert repair(s, [0, 0, 0], excess=1.0) == [0, 0, 0]  # nothing left to give back
-    assert repair(s, [2, 2, 2], excess=0.0, min_steps=2) == [0, 2, 2]  # steps counted even when free
     assert Sensitivity.from_dict(s.to_dict(), lambda n: {f.name: f for f in s.candidates}[n]) == s
+
+
+# ------------------------------------------------------------ budget search
+K8V4 = KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False)
+K4V8 = KVFormat("int4", "per_token", symmetric=False, v_dtype="int8", v_symmetric=True)
+
+
+def test_layer_options_pair_every_k_side_with_every_v_side_below_the_start():
+    cfg = _Model.cfg
+    # bytes per token-head at head_dim 64, by hand: int8 per_token 64 + 2 (scale), int4 asym 32 + 2 + 2 (scale,
+    # zero); a split format is the mean of its sides; fp32 256
+    assert layer_options([INT8_TOK, INT4], INT8_TOK, cfg) == (INT8_TOK, K4V8, K8V4, INT4)  # 66; 51 = 51 by name; 36
+    assert layer_options([INT8_TOK, INT4, FP32], K8V4, cfg) == (K8V4, INT4)  # K4V8 is as large as the start
+    # a static format pairs with nothing (split formats are dynamic on both sides) but is an option itself
+    assert layer_options([FP32, INT8_HEAD, INT4], FP32, cfg) == (FP32, INT8_HEAD, INT4)
+    assert compose(INT8_HEAD, INT4) is None and compose(INT8_TOK, INT4) == K8V4 and compose(INT4, INT4) == INT4
 
 
 class _Model:
     dtype = torch.float32
 
     class cfg:
-        num_layers, num_kv_heads, head_dim = 3, 1, 1
+        num_layers, num_kv_heads, head_dim = 3, 1, 64
 
 
 class _Scorer:
-    """NLL of a choice: the layers' true costs (sens x interaction), additive: a stand-in for data where
-    the sensitivities under-predict the whole by `interaction`."""
+    """A stand-in for the engine with known answers: the NLL increase of a configuration is the sum of its
+    layers' costs, `cost[layer][format name]` (unquantized fp32: 0), times `interaction`."""
 
-    def __init__(self, s: Sensitivity, interaction: float):
-        self.s, self.interaction, self.model, self.passes = s, interaction, _Model(), 0
+    def __init__(self, cost: list[dict[str, float]], interaction: float = 1.0):
+        self.cost, self.interaction, self.model, self.passes = cost, interaction, _Model(), 0
 
     def nll(self, formats) -> float:
         self.passes += 1
-        if formats[0] == KVFormat("fp32"):
-            return 0.0
-        return self.interaction * sum(self.s.sens[i][self.s.candidates.index(f)] for i, f in enumerate(formats))
+        return self.interaction * sum(c.get(f.name, 0.0) for c, f in zip(self.cost, formats))
 
 
-def test_search_repairs_a_choice_that_misses_on_validation_windows():
-    s = _sens([[0, 0.002, 0.02], [0, 0.0005, 0.001], [0, 0.001, 0.004]])
-    goal = float(torch.log1p(torch.tensor(0.01)))
-    # the sensitivity windows agree with the prediction; the validation windows see 3x the loss
-    choice, rounds = search(_Scorer(s, 1.0), s, max_pct=1.0, validator=_Scorer(s, 3.0), margin=0.75)
-    assert [r.data for r in rounds][0] == "calibration" and rounds[-1].data == "validation"
-    first = next(r for r in rounds if r.data == "validation")
-    assert first.measured_nll > 0.75 * goal  # the unrepaired choice misses on validation data
-    assert rounds[-1].measured_nll <= 0.75 * goal  # the repaired one meets margin x budget there
-    assert 3.0 * sum(s.sens[i][j] for i, j in enumerate(choice)) <= 0.75 * goal
-    assert choice != [0, 0, 0]  # and still saves bytes
-    # without a validator the choice is the calibration windows' one, made against margin x budget
-    plain, plain_rounds = search(_Scorer(s, 1.0), s, max_pct=1.0, margin=0.75)
-    assert plain == first.choice and all(r.data == "calibration" for r in plain_rounds)
-    assert sum(s.sens[i][j] for i, j in enumerate(plain)) <= 0.75 * goal
+def _costs(int8, k8v4, k4v8, int4):
+    return [{INT8_TOK.name: a, K8V4.name: b, K4V8.name: c, INT4.name: d} for a, b, c, d in zip(int8, k8v4, k4v8, int4)]
+
+
+GOAL = float(torch.log1p(torch.tensor(0.01)))  # +1% as NLL
+
+
+def test_search_starts_from_the_smallest_uniform_that_fits_and_descends_verified():
+    # layer 0 is sensitive to 4-bit keys, layers 1-2 to nothing. By hand: uniform int8 costs 0.003 <= 0.75 x GOAL
+    # = 0.00746, uniform int4 0.052: the start is int8. Relative to it, layers 1-2 in int4 are free and layer 0
+    # in K8V4 costs 0.003: one batch, measured 0.004 + 0.001 + 0.001 = 0.006, fits; layer 0 in int4 would add
+    # 0.046: undone, and no step is left
+    cost = _costs([0.001, 0.001, 0.001], [0.004, 0.002, 0.002], [0.05, 0.002, 0.002], [0.05, 0.001, 0.001])
+    found = search(_Scorer(cost), [INT4, INT8_TOK], max_pct=1.0, validator=_Scorer(cost), margin=0.75)
+    assert found.start == INT8_TOK
+    assert found.formats == (K8V4, INT4, INT4)
+    assert [(c.label, c.kept) for c in found.checks if c.kind == "uniform"] == [
+        ("uniform int8-per_token", True), ("uniform int4-per_token-asym", False)]
+    steps = [c for c in found.checks if c.kind == "descent"]
+    assert [(c.formats, c.kept) for c in steps] == [((K8V4, INT4, INT4), True), ((INT4, INT4, INT4), False)]
+    assert steps[0].measured_nll == pytest.approx(0.006)
+    assert all(c.data == "validation" for c in found.checks)
+
+
+def test_search_undoes_a_batch_that_breaks_the_budget():
+    # the sensitivity windows see every layer's int4 as 0.0001; the check windows see 40x that. By hand: the
+    # batch of all three (0.012 > 0.00746) is undone; layer 0 alone (0.004) stays; layers 1-2 (0.012) are
+    # undone, then each alone (0.008): each layer 1 and 2 stays int8
+    cost = _costs([0.0] * 3, [0.00005] * 3, [0.0001] * 3, [0.0001] * 3)
+    found = search(_Scorer(cost), [INT4, INT8_TOK], max_pct=1.0, validator=_Scorer(cost, 40.0), margin=0.75)
+    steps = [(c.formats, c.kept) for c in found.checks if c.kind == "descent"]
+    assert steps == [((INT4,) * 3, False), ((INT4, INT8_TOK, INT8_TOK), True), ((INT4, INT4, INT4), False),
+                     ((INT4, INT4, INT8_TOK), False), ((INT4, INT8_TOK, INT4), False)]
+    assert found.formats == (INT4, INT8_TOK, INT8_TOK)
+    assert found.formats == search(_Scorer(cost), [INT8_TOK, INT4], max_pct=1.0, validator=_Scorer(cost, 40.0),
+                                   margin=0.75).formats  # the candidates' order does not matter
+
+
+def test_search_stops_naming_the_budget_when_no_uniform_fits():
+    cost = _costs([0.01] * 3, [0.02] * 3, [0.02] * 3, [0.05] * 3)
+    with pytest.raises(AccuracyBudgetError, match=r"accuracy.max_perplexity_increase_pct=1%.*int8-per_token"):
+        search(_Scorer(cost), [INT8_TOK, INT4], max_pct=1.0)
 
 
 # -------------------------------------------------------------------- search
-def test_search_on_a_tiny_model_is_deterministic(tiny4):
-    g = torch.Generator().manual_seed(0)
-    windows = torch.randint(3, 500, (2, 32), generator=g)
-    cands = [INT4, FP32, INT8_TOK]  # any order: the ladder sorts them by bytes
+def _own_text(model, model_dir, n: int, length: int) -> torch.Tensor:
+    """n windows the model itself wrote (greedy from random 4-token prompts): text it predicts well, so KV
+    quantization raises its NLL (on random tokens a random model's NLL moves either way)."""
+    from calibration.engine_check import evaluation_engine
 
-    def run():
-        scorer = EngineScorer(load_model(tiny4), tiny4, windows, {}, batch_invariant=True)
-        s = measure_sensitivity(scorer, cands)
-        # a budget between the cheapest and the dearest single int4 layer forces a mixed choice
-        int4 = sorted(row[2] for row in s.sens)
-        assert int4[-1] > 0  # the tiny model feels int4 in some layer, so a budget below it binds
-        pct = (torch.tensor((int4[0] + int4[-1]) / 2).expm1() * 100).item()
-        choice, rounds = search(scorer, s, max_pct=pct)
-        return s, choice, rounds, scorer.passes
+    eng = evaluation_engine(model, model_dir, (FP32,) * model.cfg.num_layers, longest=length, batch=n)
+    try:
+        prompts = torch.randint(3, 500, (n, 4), generator=torch.Generator().manual_seed(0)).tolist()
+        return torch.tensor([p + g.token_ids for p, g in zip(prompts, eng.generate(
+            prompts, max_tokens=length - 4, ignore_eos=True))])
+    finally:
+        eng.shutdown()
 
-    a, b = run(), run()
-    assert a[0].sens == b[0].sens and a[0].base_nll == b[0].base_nll
-    assert a[1] == b[1] and [r.measured_nll for r in a[2]] == [r.measured_nll for r in b[2]]
-    s, choice, rounds, passes = a
-    assert s.candidates == (FP32, INT8_TOK, INT4) and passes == 2 + 4 * 2 + len(rounds)
-    assert len(set(choice)) > 1  # the budget admits some int4 layers, not all
+
+def test_search_on_a_tiny_model_is_deterministic_and_never_above_the_best_uniform(tiny4):
+    model = load_model(tiny4)
+    cfg = model.cfg
+    text = _own_text(model, tiny4, 4, 32)
+    windows, checks = text[:2], text[2:]
+    cands = [INT4, FP32, INT8_TOK]  # any order
+    # the uniform formats on the check windows, scored here through the engine, not by the search
+    judge = EngineScorer(model, tiny4, checks, {})
+    base = judge.nll((FP32,) * 4)
+    change = {f: judge.nll((f,) * 4) - base for f in cands}
+    assert change[INT4] > max(0.0, change[INT8_TOK])  # the tiny model feels int4 most
+    target = change[INT4] / 2  # int4 does not fit; fp32 (0) does, int8 by its measured change
+    pct = float(torch.tensor(target / 0.75, dtype=torch.float64).expm1() * 100)
+    best = min((f for f in cands if change[f] <= target), key=lambda f: kv_bytes_per_token(cfg, (f,) * 4))
+
+    def run(pct):
+        scorer = EngineScorer(model, tiny4, windows, {})
+        found = search(scorer, cands, max_pct=pct, validator=EngineScorer(model, tiny4, checks, {}), margin=0.75)
+        return found, scorer.passes
+
+    (a, passes), (b, _) = run(pct), run(pct)
+    assert a.formats == b.formats and a.sensitivity == b.sensitivity
+    assert [(c.formats, c.measured_nll) for c in a.checks] == [(c.formats, c.measured_nll) for c in b.checks]
+    assert a.start == best
+    assert kv_bytes_per_token(cfg, a.formats) <= kv_bytes_per_token(cfg, (best,) * 4)
+    assert judge.nll(a.formats) - base <= target
+    if best == INT8_TOK:  # sensitivities relative to the start: the options below it (K8V4, K4V8, int4) x 4 layers
+        assert passes == 2 + 4 * 3 and a.sensitivity.candidates == (INT8_TOK, K4V8, K8V4, INT4)
+    # a budget every format meets: every layer ends in the smallest pairing, int4 K and V
+    assert run(1e6)[0].formats == (INT4,) * 4
 
 
 # ------------------------------------------------------------------ pipeline
@@ -266,6 +325,10 @@ def test_search_stage_builds_the_chosen_engine(tmp_path, capsys):
     assert json.loads((engine_dir / "kv_format.json").read_text()) == json.loads((search_dir / "kv_format.json").read_text())
     assert result["heldout"]["auto"]["ppl_change_pct"] <= 1.0
     assert set(result["heldout"]) == {"auto", "_baseline", "fp32", "int8-per_head", "int4-per_token-asym"}
+    # the descent started from a uniform candidate that fit on the check windows and only lowered bytes
+    start = next(c for c in result["checks"] if c["kind"] == "uniform" and c["kept"])
+    assert start["formats"] == result["start"] and start["measured_pct"] <= 0.75 * 1.0
+    assert result["bytes_per_token"] <= result["heldout"][result["start"]]["bytes_per_token"]
     eng = Engine.from_dir(engine_dir, num_blocks=4)
     try:
         assert [f.name for f in eng.formats] == result["layer_formats"]
