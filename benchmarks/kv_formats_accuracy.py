@@ -23,7 +23,7 @@ import torch
 from calibration.evaluate import EngineKV, EvalSettings, run_evaluation
 from calibration.files import write_json_atomic, write_text_atomic
 from calibration.report import markdown_table
-from runtime.kv_format import KVFormat
+from runtime.kv_format import KVFormat, format_from_name
 from runtime.rotation import NO_ROTATION, KVRotation
 
 
@@ -46,8 +46,13 @@ FORMATS = [KVFormat("int8", "per_token"), _k8v4(), _k8v4(k_dtype="fp8_e4m3"), _k
            _int4(64), _int4(32)]
 # the bundled 4-bit recipes' formats (recipes/bundled/smollm2-135m-{k8v4,int4}kv.yaml), rotated as they are
 BUNDLED = [_k8v4(v_group=32), _int4(32)]
-SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS)), "bundled": BUNDLED}
-ROTATED = {"bundled": KVRotation("hadamard", 0)}  # the sets measured with K/V rotated (docs/kv-rotation.md)
+# all-INT4 at 4.5 bits: per-channel keys over each 64-token block (KIVI) beside per-token V, and the per-token
+# INT4 it replaces
+KIVI = [format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym"), _int4()]
+SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS)), "bundled": BUNDLED,
+        "kivi": KIVI, "kivi-hadamard": KIVI}
+# the sets measured with K/V rotated (docs/kv-rotation.md)
+ROTATED = {"bundled": KVRotation("hadamard", 0), "kivi-hadamard": KVRotation("hadamard", 0)}
 
 
 def main() -> None:
