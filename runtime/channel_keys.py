@@ -39,6 +39,9 @@ def write_keys(cache: LayerCache, k: torch.Tensor, blocks: torch.Tensor, offs: t
     this write)."""
     res, kh = cache.residual, k.to(torch.float16)
     res.start_write()
+    for b, (offsets, keys) in list(res.deferred.items()):  # open blocks of the last write that found no slot
+        cache.k_residual[res.take(b), :, offsets] = keys
+        del res.deferred[b]
     tokens: dict[int, list[int]] = {}
     for t, b in enumerate(blocks.tolist()):
         tokens.setdefault(b, []).append(t)
@@ -56,7 +59,10 @@ def write_keys(cache: LayerCache, k: torch.Tensor, blocks: torch.Tensor, offs: t
         if first == 0 and last == BLOCK - 1 and len(idx) == BLOCK:
             done.append((b, None, idx))
             continue
-        slot = res.take(b)
+        slot = res.take(b, required=first > 0 or len(idx) == 1)  # a decode token's query reads its block now
+        if slot is None:  # a new open block of a chunk: its queries read the chunk's keys, later ones the slot
+            res.deferred[b] = (offs[idx], kh[idx].transpose(0, 1))
+            continue
         to_residual += idx
         slot_of_token += [slot] * len(idx)
         if last == BLOCK - 1:

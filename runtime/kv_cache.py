@@ -28,19 +28,25 @@ from .kv_format import PER_CHANNEL_TOKENS, KVFormat
 
 class ResidualSlots:
     """Which fp16 residual block holds the keys of which paged block, for blocks whose keys are still being
-    written (per-channel keys). A block takes a slot when its first token is written and gives it back the write
-    after its last one (that step's queries still read it), or when the block is freed."""
+    written (per-channel keys): one per sequence. A block takes a slot when its first token is written and gives
+    it back at the write after its last one (that step's queries still read it), or when the block is freed. A
+    chunk that completes its sequence's open block and opens the next finds no slot free for the new block: its
+    keys wait (`defer`) until the next write, which first releases the completed block's slot."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self.of_block: dict[int, int] = {}
         self._completed: list[int] = []
+        self.deferred: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (offsets, fp16 keys)
 
-    def take(self, block: int) -> int:
-        if block in self.of_block:  # a freed block taken again before its release reached here
+    def take(self, block: int, required: bool = True) -> int | None:
+        """The block's slot, a free one, or (none free) None where not `required`."""
+        if block in self.of_block:
             return self.of_block[block]
         if not self._free:
+            if not required:
+                return None
             raise UnsupportedError(
                 f"all {self.num_slots} fp16 residual blocks of the per-channel-key cache are in use; "
                 "build the engine with a larger max_batch_size (it sizes the residual blocks)."
@@ -58,6 +64,7 @@ class ResidualSlots:
         self._completed.clear()
 
     def release(self, block: int) -> None:
+        self.deferred.pop(block, None)
         slot = self.of_block.pop(block, None)
         if slot is not None:
             self._free.append(slot)

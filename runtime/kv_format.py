@@ -362,10 +362,9 @@ def kv_bytes_per_token(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], tp:
 
 
 def residual_slots(max_num_seqs: int) -> int:
-    """fp16 blocks a per-channel-key layer keeps for blocks still being written: one per sequence, and a second
-    for a step whose chunk completes a sequence's open block and opens the next (the completed block's fp16
-    keys serve that step's queries inside it)."""
-    return 2 * max_num_seqs
+    """fp16 blocks a per-channel-key layer keeps for blocks still being written: one per sequence (a block opened
+    by a chunk that also completes its sequence's previous block waits for that one's slot: kv_cache.ResidualSlots)."""
+    return max_num_seqs
 
 
 def residual_bytes(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], max_num_seqs: int, tp: int = 1,

@@ -228,7 +228,7 @@ def test_pool_bytes_equal_the_plan(tiny_model):
     try:
         st = eng.stats
         heads_layers = cfg.num_kv_heads * cfg.num_layers
-        assert residual_bytes(cfg, FMT, 4) == 2 * 4 * heads_layers * BLOCK * cfg.head_dim * 2
+        assert residual_bytes(cfg, FMT, 4) == 4 * heads_layers * BLOCK * cfg.head_dim * 2
         assert st.pool_allocated_bytes == st.pool_bytes + residual_bytes(cfg, FMT, 4)
         assert st.pool_bytes == 10 * BLOCK * heads_layers * (cfg.head_dim + cfg.head_dim / 16 + 4)
         assert "batch-invariant" in st.attention
