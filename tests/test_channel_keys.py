@@ -246,6 +246,9 @@ def test_names_fields_and_recipes_round_trip():
     from recipes.kv_section import KVSection
 
     assert KVSection(format=NAME).to_format() == FMT
+    # the fields' spelling (a recipe extending one with kv.dtype set): K's own granularity, V's `granularity`
+    fields = KVSection(dtype="int4", granularity="per_token", k_granularity="per_channel", symmetric=False)
+    assert fields.to_format() == FMT
 
 
 def test_bad_spellings_and_settings_are_refused(tiny_model):
