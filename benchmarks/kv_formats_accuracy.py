@@ -50,9 +50,10 @@ BUNDLED = [_k8v4(v_group=32), _int4(32)]
 # INT4 it replaces
 KIVI = [format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym"), _int4()]
 SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS)), "bundled": BUNDLED,
-        "kivi": KIVI, "kivi-hadamard": KIVI}
-# the sets measured with K/V rotated (docs/kv-rotation.md)
-ROTATED = {"bundled": KVRotation("hadamard", 0), "kivi-hadamard": KVRotation("hadamard", 0)}
+        "kivi": KIVI}
+# the rotations each set is measured with (docs/kv-rotation.md); the others: unrotated only
+HADAMARD = KVRotation("hadamard", 0)
+ROTATIONS = {"bundled": [HADAMARD], "kivi": [NO_ROTATION, HADAMARD]}
 
 
 def main() -> None:
@@ -81,9 +82,9 @@ def main() -> None:
     fmts = SETS[args.set]
     if args.only:
         fmts = [f for f in fmts if f.name in args.only.split(",")]
-    rot = ROTATED.get(args.set, NO_ROTATION)
     specs = [EngineKV(f.name + (f"+{rot.name}" if rot.active else ""), f, rotation=rot,
-                      note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64") for f in fmts]
+                      note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64")
+             for f in fmts for rot in ROTATIONS.get(args.set, [NO_ROTATION])]
     settings = EvalSettings(
         # the batch-invariant mode on the CPU only: on CUDA its prefill reads every token's context (docs/numerics.md)
         batch_invariant=args.device == "cpu",
