@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--passkey-trials", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma-separated format names: a subset")
     ap.add_argument("--ood", default=None, help="also the perplexity on this text (.txt/.jsonl or a directory)")
+    ap.add_argument("--rotations", default=None, help="comma-separated none / hadamard: instead of the set's")
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -82,9 +83,11 @@ def main() -> None:
     fmts = SETS[args.set]
     if args.only:
         fmts = [f for f in fmts if f.name in args.only.split(",")]
+    rotations = ROTATIONS.get(args.set, [NO_ROTATION]) if args.rotations is None else [
+        HADAMARD if r == "hadamard" else NO_ROTATION for r in args.rotations.split(",")]
     specs = [EngineKV(f.name + (f"+{rot.name}" if rot.active else ""), f, rotation=rot,
                       note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64")
-             for f in fmts for rot in ROTATIONS.get(args.set, [NO_ROTATION])]
+             for f in fmts for rot in rotations]
     settings = EvalSettings(
         # the batch-invariant mode on the CPU only: on CUDA its prefill reads every token's context (docs/numerics.md)
         batch_invariant=args.device == "cpu",
