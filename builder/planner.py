@@ -158,5 +158,7 @@ def render_plan(plan: Plan) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if plan.pool_bytes_per_gpu == 0:
         lines.append("\nThe weights do not leave room for a KV pool: add GPUs (--gpus N) or use a larger GPU.")
-    lines.append("\n* = this recipe's KV format. Per-token formats include their scale (and zero-point) bytes.")
+    lines.append("\n* = this recipe's KV format. Per-token formats include their scale (and zero-point) bytes; "
+                 "per-channel keys their blocks' channel scales, and pool tokens leave room for one fp16 key "
+                 "block per sequence (build.max_batch_size).")
     return "\n".join(lines)
