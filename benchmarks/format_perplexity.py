@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--format", required=True)
     ap.add_argument("--rotation", choices=["none", "hadamard"], default="none")
     ap.add_argument("--baseline", required=True, help="a kv_formats_accuracy result (.json)")
+    ap.add_argument("--text", choices=["all", "held_out", "extra"], default="all",
+                    help="score only the held-out text or only the run's extra text (two processes in parallel)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -37,8 +39,10 @@ def main() -> None:
     rot = KVRotation("hadamard", 0) if args.rotation == "hadamard" else NO_ROTATION
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, device="cpu", rotation=rot)
-    texts = {"held_out": eval_windows(tok, s["perplexity_tokens"], s["perplexity_window"], s["eval_data"])}
-    for p in s["extra_eval_data"]:
+    texts = {}
+    if args.text != "extra":
+        texts["held_out"] = eval_windows(tok, s["perplexity_tokens"], s["perplexity_window"], s["eval_data"])
+    for p in s["extra_eval_data"] if args.text != "held_out" else []:
         texts[p] = eval_windows(tok, s["perplexity_tokens"], s["perplexity_window"], p, field="extra_eval_data")
     eng = evaluation_engine(model, model_dir, fmt, longest=s["perplexity_window"], batch=8,
                             batch_invariant=s["batch_invariant"])
@@ -54,7 +58,7 @@ def main() -> None:
     finally:
         eng.shutdown()
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    stem = fmt.name + (f"+{rot.name}" if rot.active else "")
+    stem = fmt.name + (f"+{rot.name}" if rot.active else "") + ("" if args.text == "all" else f"_{args.text}")
     write_json_atomic(Path(args.out) / f"perplexity_{stem}.json", res)
 
 
