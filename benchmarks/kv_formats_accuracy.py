@@ -23,7 +23,7 @@ import torch
 from calibration.evaluate import EngineKV, EvalSettings, run_evaluation
 from calibration.files import write_json_atomic, write_text_atomic
 from calibration.report import markdown_table
-from runtime.kv_format import KVFormat
+from runtime.kv_format import KVFormat, format_from_name
 from runtime.rotation import NO_ROTATION, KVRotation
 
 
@@ -46,8 +46,14 @@ FORMATS = [KVFormat("int8", "per_token"), _k8v4(), _k8v4(k_dtype="fp8_e4m3"), _k
            _int4(64), _int4(32)]
 # the bundled 4-bit recipes' formats (recipes/bundled/smollm2-135m-{k8v4,int4}kv.yaml), rotated as they are
 BUNDLED = [_k8v4(v_group=32), _int4(32)]
-SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS)), "bundled": BUNDLED}
-ROTATED = {"bundled": KVRotation("hadamard", 0)}  # the sets measured with K/V rotated (docs/kv-rotation.md)
+# all-INT4 at 4.5 bits: per-channel keys over each 64-token block (KIVI) beside per-token V, and the per-token
+# INT4 it replaces
+KIVI = [format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym"), _int4()]
+SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS)), "bundled": BUNDLED,
+        "kivi": KIVI}
+# the rotations each set is measured with (docs/kv-rotation.md); the others: unrotated only
+HADAMARD = KVRotation("hadamard", 0)
+ROTATIONS = {"bundled": [HADAMARD], "kivi": [NO_ROTATION, HADAMARD]}
 
 
 def main() -> None:
@@ -63,6 +69,7 @@ def main() -> None:
     ap.add_argument("--passkey-trials", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma-separated format names: a subset")
     ap.add_argument("--ood", default=None, help="also the perplexity on this text (.txt/.jsonl or a directory)")
+    ap.add_argument("--rotations", default=None, help="comma-separated none / hadamard: instead of the set's")
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -76,9 +83,11 @@ def main() -> None:
     fmts = SETS[args.set]
     if args.only:
         fmts = [f for f in fmts if f.name in args.only.split(",")]
-    rot = ROTATED.get(args.set, NO_ROTATION)
+    rotations = ROTATIONS.get(args.set, [NO_ROTATION]) if args.rotations is None else [
+        HADAMARD if r == "hadamard" else NO_ROTATION for r in args.rotations.split(",")]
     specs = [EngineKV(f.name + (f"+{rot.name}" if rot.active else ""), f, rotation=rot,
-                      note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64") for f in fmts]
+                      note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64")
+             for f in fmts for rot in rotations]
     settings = EvalSettings(
         # the batch-invariant mode on the CPU only: on CUDA its prefill reads every token's context (docs/numerics.md)
         batch_invariant=args.device == "cpu",

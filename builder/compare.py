@@ -18,7 +18,7 @@ import torch
 
 from recipes import Recipe, load_recipe
 from runtime.errors import StageError
-from runtime.kv_format import kv_bytes_per_token
+from runtime.kv_format import kv_bytes_per_token, residual_bytes
 from runtime.runner import plan_pool
 
 from .loadgen import random_prompts, run_closed_loop
@@ -71,10 +71,12 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
         blocks = engine.stats.pool_blocks
         # The runtime's own sizing rule (plan_pool, on the planner's bytes/token) predicts the pool;
         # `measured` is what the engine really allocated.
-        planned_blocks = plan_pool(cfg, fmt, block, memory_budget=wl.memory_budget).num_blocks \
+        seqs = engine.scheduler.max_batch_size
+        planned_blocks = plan_pool(cfg, fmt, block, memory_budget=wl.memory_budget, max_num_seqs=seqs).num_blocks \
             if wl.memory_budget else blocks
         measured = engine.stats.pool_allocated_bytes  # summed over the tensors really allocated
-        planned = planned_blocks * block * bpt
+        # per-channel keys' fp16 residual blocks are part of the pool (0 for other formats)
+        planned = planned_blocks * block * bpt + residual_bytes(cfg, fmt, seqs)
         ctx_len = wl.prompt_len + wl.output_len
         per_request_blocks = math.ceil(ctx_len / block)
         max_conc = max(1, min(engine.scheduler.max_batch_size, blocks // per_request_blocks))

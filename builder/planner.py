@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from recipes import Recipe
 from runtime.config import ModelConfig, ceil_div
 from runtime.errors import InputError, RecipeError, UnsupportedError
-from runtime.kv_format import KVFormat, kv_bytes_per_token
+from runtime.kv_format import KVFormat, kv_bytes_per_token, residual_bytes
 from runtime.layer_formats import formats_name, uniform_format
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -123,7 +123,8 @@ def make_plan(
     for f in fmts:
         total = kv_bytes_per_token(cfg, f)
         per_gpu = kv_bytes_per_token(cfg, f, tp, pp)
-        tokens = int(pool // per_gpu)
+        # per-channel keys: the fp16 residual blocks of the sequences being written come out of the pool first
+        tokens = int(max(0, pool - residual_bytes(cfg, f, recipe.build.max_batch_size, tp, pp)) // per_gpu)
         rows.append(FormatPlan(
             format=formats_name(f) if isinstance(f, tuple) else f.name,
             recipe_format=(f == mine),
@@ -157,5 +158,7 @@ def render_plan(plan: Plan) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if plan.pool_bytes_per_gpu == 0:
         lines.append("\nThe weights do not leave room for a KV pool: add GPUs (--gpus N) or use a larger GPU.")
-    lines.append("\n* = this recipe's KV format. Per-token formats include their scale (and zero-point) bytes.")
+    lines.append("\n* = this recipe's KV format. Per-token formats include their scale (and zero-point) bytes; "
+                 "per-channel keys their blocks' channel scales, and pool tokens leave room for one fp16 key "
+                 "block per sequence (build.max_batch_size).")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ import torch
 
 from runtime.engine import Engine
 from runtime.engine_dir import resolve_scales
-from runtime.kv_format import KVFormat
+from runtime.kv_format import PER_CHANNEL_TOKENS, KVFormat
 from runtime.layer_formats import as_layer_formats, scales_to_tensors
 from runtime.runner import plan_pool
 from runtime.sampling import SamplingParams
@@ -54,8 +54,10 @@ def evaluation_engine(model, model_dir: str | Path, fmt: KVFormat | Sequence[KVF
         scales = scales_to_tensors(formats, k_scale, v_scale)
     k, v = resolve_scales(formats, scales, Path(model_dir), model.cfg)
     seq_len = model.cfg.max_position_embeddings
-    blocks = -(-(TOKENS_PER_PASS + 2 * longest) // BLOCK_SIZE)
-    plan = plan_pool(model.cfg, formats, BLOCK_SIZE, num_blocks=blocks)
+    # per-channel keys scale each channel over one block of their PER_CHANNEL_TOKENS positions
+    block_size = PER_CHANNEL_TOKENS if any(f.per_channel_keys for f in formats) else BLOCK_SIZE
+    blocks = -(-(TOKENS_PER_PASS + 2 * longest) // block_size)
+    plan = plan_pool(model.cfg, formats, block_size, num_blocks=blocks)
     return Engine(model, formats, plan, k, v, max_batch_size=batch, max_seq_len=seq_len,
                   max_tokens_per_step=TOKENS_PER_PASS, attention=attention, batch_invariant=batch_invariant)
 

@@ -31,7 +31,7 @@ class Section(BaseModel):
 
 # the fields kv.format replaces (a format name says all of them)
 FORMAT_FIELDS = frozenset({"dtype", "granularity", "symmetric", "scale_dtype", "group_size", "k_dtype", "v_dtype",
-                           "k_symmetric", "v_symmetric", "k_group_size", "v_group_size"})
+                           "k_symmetric", "v_symmetric", "k_group_size", "v_group_size", "k_granularity"})
 
 
 class KVSection(Section):
@@ -49,6 +49,9 @@ class KVSection(Section):
     scale_dtype: ScaleDtype = "float16"
     group_size: GroupSize = Field(0, description="per_token: one scale (and zero) per group of this many "
                                   "channels of a head; 0: one per token-head.")
+    k_granularity: Granularity | None = Field(
+        None, description="K's own granularity: per_channel (KIVI: int4 asym keys with a scale and zero per channel "
+        "over each 64-token block; build.block_size 64), V keeping `granularity` (per_token).")
     k_dtype: KVDtype | None = None
     v_dtype: KVDtype | None = None
     k_symmetric: bool | None = None
@@ -92,9 +95,10 @@ class KVSection(Section):
             return shared if own is None else own
 
         return KVFormat(
-            pick(self.k_dtype, self.dtype), self.granularity, pick(self.k_symmetric, self.symmetric),
-            self.scale_dtype, pick(self.k_group_size, self.group_size), pick(self.v_dtype, self.dtype),
-            pick(self.v_symmetric, self.symmetric), pick(self.v_group_size, self.group_size),
+            pick(self.k_dtype, self.dtype), pick(self.k_granularity, self.granularity),
+            pick(self.k_symmetric, self.symmetric), self.scale_dtype, pick(self.k_group_size, self.group_size),
+            pick(self.v_dtype, self.dtype), pick(self.v_symmetric, self.symmetric),
+            pick(self.v_group_size, self.group_size), self.granularity if self.k_granularity else None,
         )
 
     @property

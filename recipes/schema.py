@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 from runtime.config import PRESETS, ModelConfig
 from runtime.engine_dir import parse_kv_format_name
 from runtime.errors import KvqError, UnsupportedError
-from runtime.kv_format import KVFormat
+from runtime.kv_format import PER_CHANNEL_TOKENS, KVFormat
 from runtime.parallel.sharding import check_parallelism
 
 from .kv_section import KVSection, SearchSection, Section, parse_layer_ranges
@@ -131,6 +131,10 @@ class Recipe(Section):
                 kv.to_format()
         except UnsupportedError as e:
             raise ValueError(f"kv: {e}") from None
+        if not kv.per_layer and kv.to_format().per_channel_keys and b.block_size != PER_CHANNEL_TOKENS:
+            raise ValueError(f"build.block_size: {kv.to_format().name} scales each key channel over one block of "
+                             f"{PER_CHANNEL_TOKENS} positions; set build.block_size: {PER_CHANNEL_TOKENS} "
+                             f"(got {b.block_size}).")
         if self.backend == "tensorrt-llm" and kv.per_layer:
             raise ValueError(
                 "kv.dtype: TensorRT-LLM stores every layer's KV in one format (one kv_cache_quant_algo per "
@@ -261,6 +265,12 @@ class Recipe(Section):
 def _check_trtllm_kv(fmt: KVFormat) -> None:
     """What TensorRT-LLM's engine path cannot store, with what it can (trtllm.md §1.1-1.3)."""
     supported = "fp16, bf16, int8 per_tensor, fp8_e4m3 per_tensor"
+    if fmt.per_channel_keys:
+        raise ValueError(
+            f"kv: TensorRT-LLM has no INT4 KV cache and no per-channel key scales, so {fmt.name} has no TensorRT-LLM "
+            f"form; it supports {supported}. Use backend: torch for {fmt.name}, or kv.format: fp8_e4m3-per_tensor / "
+            "int8-per_tensor with TensorRT-LLM."
+        )
     if fmt.split:
         raise ValueError(
             f"kv: TensorRT-LLM stores K and V in one KV cache dtype, so {fmt.name} (K {fmt.k.dtype}, "

@@ -17,6 +17,9 @@ are tested against. The reference path runs everywhere (CPU included):
   writes a step's K/V first and hands the prefill ops these values instead of
   the ones it just computed ("write, then read"; docs/numerics.md), so every
   attention sees a token's K/V as the cache holds them, whatever the chunking.
+
+Per-channel keys (k.int4-per_channel-asym) have their own write and attention, runtime/channel_keys.py; the
+ops here hand them over, so the signatures stay the same.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import channel_keys
 from .config import ceil_div
 from .kv_cache import LayerCache
 from .kv_format import KVFormat
@@ -57,7 +61,10 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     """k, v [T, kv_heads, head_dim] (k after RoPE) -> pages at slot = block * block_size + offset."""
     slots = slot_mapping.long()
     blocks, offs = slots // cache.block_size, slots % cache.block_size
-    _write_one(cache, "k", k, blocks, offs)
+    if cache.fmt.per_channel_keys:
+        channel_keys.write_keys(cache, k, blocks, offs)
+    else:
+        _write_one(cache, "k", k, blocks, offs)
     _write_one(cache, "v", v, blocks, offs)
 
 
@@ -78,6 +85,9 @@ def read_kv(cache: LayerCache, slot_mapping: torch.Tensor, dtype: torch.dtype) -
     out = []
     for which in ("k", "v"):
         fmt = cache.fmt.side(which)
+        if fmt.per_channel_keys:
+            out.append(channel_keys.read_keys(cache, blocks, offs).to(dtype))
+            continue
         q = getattr(cache, which)[blocks, :, offs]  # [T, kv_heads, stored_head_dim]
         scale = getattr(cache, f"{which}_scale")
         zero = getattr(cache, f"{which}_zero")
@@ -97,6 +107,11 @@ def _static_scale(scale: torch.Tensor) -> torch.Tensor:
 
 def gather_kv(cache: LayerCache, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized fp32 K and V of each sequence: [B, kv_heads, max_len, head_dim]."""
+    if cache.fmt.per_channel_keys:
+        from .errors import UnsupportedError
+
+        raise UnsupportedError(f"{cache.fmt.name}: a query reads its own block's keys in fp16, the others "
+                               "quantized; there is no one K per position to gather (runtime/channel_keys.py).")
     nb = ceil_div(max_len, cache.block_size)
     bt = block_tables[:, :nb].long()
     b = bt.shape[0]
@@ -131,6 +146,8 @@ def decode_attention(
     p_dtype: round the probabilities to it before p . V, as a tensor-core kernel does (to tell
     a kernel's rounding from a kernel bug; benchmarks/e2e_smollm2.py).
     """
+    if cache.fmt.per_channel_keys:
+        return channel_keys.decode_attention(q, cache, block_tables, seq_lens, sm_scale, _sdpa)
     b, nh, d = q.shape
     h = cache.kv_heads
     max_len = int(seq_lens.max().item())
@@ -184,8 +201,12 @@ def prefill_context_attention(
 
     Each chunk's queries attend to that context as decode does -- read back from the cache,
     dequantized -- and causally to the chunk's own k/v as given (the engine passes them as
-    read_kv returns them); with context_lens all 0 this is prefill_attention.
+    read_kv returns them); with context_lens all 0 this is prefill_attention. Per-channel keys take k as
+    computed (runtime/channel_keys.py rounds a block's own keys to fp16 as its residual stores them), and
+    block_tables may be None when every context is empty.
     """
+    if cache.fmt.per_channel_keys:
+        return channel_keys.prefill(q, k, v, cu_seqlens, cache, block_tables, context_lens.tolist(), sm_scale, _sdpa)
     return _prefill(q, k, v, cu_seqlens, sm_scale, (cache, block_tables, context_lens.tolist()))
 
 
@@ -232,6 +253,15 @@ def select_backend(device: torch.device | str, fmt: KVFormat | Sequence[KVFormat
     layer's format from the LayerCache, so one backend serves layers of different formats.
     """
     ref = reference_backend()
+    formats = [fmt] if isinstance(fmt, KVFormat) else list(fmt or [])
+    if prefer != "reference" and torch.device(device).type == "cuda" and any(f.per_channel_keys for f in formats):
+        # no Triton kernel reads per-channel keys yet: the reference ops run them on the GPU (correct, slow)
+        if prefer == "triton":
+            from .errors import UnsupportedError
+
+            raise UnsupportedError("no Triton kernel stores per-channel keys (k.int4-per_channel-asym); use "
+                                   "attention='auto' (the reference ops on the GPU) or another KV format.")
+        return types.SimpleNamespace(**dict(vars(ref), name="reference (per-channel keys: no Triton kernel)"))
     if prefer == "reference" or torch.device(device).type != "cuda":
         if prefer == "triton":
             from .errors import UnsupportedError
@@ -243,7 +273,6 @@ def select_backend(device: torch.device | str, fmt: KVFormat | Sequence[KVFormat
     except ImportError:
         return ref
     supports: Callable[[KVFormat], bool] = getattr(kernels, "supports", lambda f: True)
-    formats = [fmt] if isinstance(fmt, KVFormat) else list(fmt or [])
     if not all(supports(f) for f in formats):
         return ref
     ops = {name: getattr(kernels, name, None) for name in OPS}

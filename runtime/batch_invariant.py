@@ -36,6 +36,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from . import channel_keys
 from .attention import _static_scale, gather_kv, write_kv
 from .config import ceil_div
 from .errors import UnsupportedError
@@ -254,8 +255,35 @@ def _gather(cache: LayerCache, which: str, pages: torch.Tensor) -> torch.Tensor:
     return dequantize(q, fmt, scale, zero, torch.float32)
 
 
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                  visible: torch.Tensor) -> torch.Tensor:
+    """`attend`'s maths under any key mask, with attention._sdpa's operands: q [heads, T, D], k/v [kv_heads, L, D],
+    visible [T, L] bool -> [heads, T, D] fp32. A row's result depends on its query and the keys it sees (and
+    their order), not on T, L or the keys it does not see: masked key blocks add exact zeros to the scan."""
+    nh, t, d = q.shape
+    h = k.shape[0]
+    g = nh // h
+    tile = _attend_tile(q.device.type, d)
+    k, v = _pad_rows(k.float(), KEY_BLOCK, 1), _pad_rows(v.float(), KEY_BLOCK, 1)
+    v1 = torch.cat((v, torch.ones(h, v.shape[1], 1, dtype=v.dtype, device=v.device)), -1)
+    visible = _pad_rows(visible, KEY_BLOCK, 1)
+    outs = []
+    step = max(1, ATTEND_ROWS // g)
+    for a in range(0, t, step):
+        n = min(step, t - a) * g
+        rows = q[:, a:a + step].float().view(h, g, -1, d).transpose(1, 2).reshape(h, n, d)  # (token, group) rows
+        vis = _pad_rows(visible[a:a + step].repeat_interleave(g, 0), tile, 0)
+        vis[n:, 0] = True  # padding rows see one key: finite, and dropped
+        masked = ~vis.view(vis.shape[0], -1, KEY_BLOCK).transpose(0, 1)[None]  # [1, nb, R, KEY_BLOCK]
+        o = _attend_padded(_pad_rows(rows, tile, 1), k, v1, masked, sm_scale)[:, :n]
+        outs.append(o.view(h, -1, g, d).permute(0, 2, 1, 3).reshape(nh, -1, d))
+    return torch.cat(outs, 1)
+
+
 def decode_attention(q, cache: LayerCache, block_tables, seq_lens, sm_scale):
     """The decode op (runtime/attention.py's signature) through `attend`'s maths."""
+    if cache.fmt.per_channel_keys:
+        return channel_keys.decode_attention(q, cache, block_tables, seq_lens, sm_scale, attend_masked)
     b, nh, d = q.shape
     h = cache.kv_heads
     g = nh // h
@@ -300,6 +328,9 @@ def prefill_attention(q, k, v, cu_seqlens, sm_scale):
 
 
 def prefill_context_attention(q, k, v, cu_seqlens, cache, block_tables, context_lens, sm_scale):
+    if cache.fmt.per_channel_keys:
+        return channel_keys.prefill(q, k, v, cu_seqlens, cache, block_tables, context_lens.tolist(), sm_scale,
+                                    attend_masked)
     return _prefill(q, k, v, cu_seqlens, sm_scale, (cache, block_tables, context_lens.tolist()))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -86,6 +87,8 @@ class BlockManager:
         self._key_of: dict[int, bytes] = {}  # registered page -> its key
         self._parked: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest first
         self.cache_stats = PrefixCacheStats()
+        # called with a block whose last owner let go (the KV pool's per-block state: runtime/channel_keys.py)
+        self.on_free: list[Callable[[int], object]] = []
 
     # ------------------------------------------------------------ queries
     @property
@@ -178,6 +181,8 @@ class BlockManager:
         self._ref[b] -= 1
         assert self._ref[b] >= 0, "block released more often than taken"
         if self._ref[b] == 0:
+            for hook in self.on_free:
+                hook(b)
             if b in self._key_of:
                 self._parked[b] = None  # most recently used last
             else:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import parallel, scoring
+from . import channel_keys, parallel, scoring
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
@@ -35,7 +35,7 @@ from .engine_dir import (
 )
 from .engine_ops import engine_backend
 from .errors import InputError, KvqError, RequestError, UnsupportedError
-from .kv_format import KVFormat
+from .kv_format import PER_CHANNEL_TOKENS, KVFormat
 from .layer_formats import as_layer_formats, formats_name, uniform_format
 from .model import LlamaModel
 from .rotation import KVRotation
@@ -71,15 +71,19 @@ class Engine:
         self.max_input_len = max_input_len or self.max_seq_len
         # batch_invariant: a request's output independent of its batch mates (runtime/batch_invariant.py)
         self.batch_invariant = batch_invariant
+        tensor_parallel = isinstance(model, parallel.TPLlamaModel)
+        channel_keys.check_engine(self.formats, plan.block_size, model.device, tensor_parallel=tensor_parallel,
+                                  batch_invariant=batch_invariant, burst_steps=burst_steps)
         self.backend = engine_backend(model, self.formats, attention, batch_invariant, fused_ops)
-        caches = allocate_pool(model.cfg, self.formats, plan, model.device, k_scales, v_scales, model.num_kv_heads)
+        caches = allocate_pool(model.cfg, self.formats, plan, model.device, k_scales, v_scales, model.num_kv_heads,
+                               max_batch_size)
         # the page key's salt: K/V of another format, scales, model or dtype never match
         self.blocks = BlockManager(plan.num_blocks, plan.block_size, prefix_caching=prefix_caching,
                                    salt=_cache_salt(model, self.formats, k_scales, v_scales))
+        channel_keys.release_on_free(self.blocks, caches)
         graphs = None
         if cuda_graphs and model.device.type == "cuda" and can_capture(self.backend):
             graphs = DecodeGraphs(model, caches, self.backend, max_batch_size, self.max_seq_len, plan.block_size)
-        tensor_parallel = isinstance(model, parallel.TPLlamaModel)
         runner = parallel.TPModelRunner if tensor_parallel else ModelRunner
         self.runner = runner(model, caches, self.blocks, self.backend, graphs)
         if not isinstance(burst_steps, int) or burst_steps < 0:
@@ -100,7 +104,8 @@ class Engine:
             kv_bytes_per_token=plan.bytes_per_token, pool_source=plan.source,
             pool_allocated_bytes=sum(
                 t.numel() * t.element_size() for c in caches
-                for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None and t.dim() >= 3
+                for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero, c.k_residual)
+                if t is not None and t.dim() >= 3
             ),
             cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
             burst_steps=burst_steps, fused_ops=fused_ops, kv_rotation=model.rotation.name,
@@ -181,22 +186,24 @@ class Engine:
         batch = max_batch_size or settings.max_batch_size or (8 if dev.type == "cpu" else 64)
         seq_len = min(max_seq_len or settings.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         step_tokens = max_tokens_per_step or max(2048, settings.max_input_len or 0)
-        bsz = block_size or settings.block_size
+        # per-channel keys scale over one block of their PER_CHANNEL_TOKENS positions
+        bsz = block_size or (PER_CHANNEL_TOKENS if any(f.per_channel_keys for f in fmt) else settings.block_size)
         gpu_budget = None
         if dev.type == "cuda" and num_blocks is None and memory_budget is None:
             gpu_budget = gpu_pool_budget(model, step_tokens, settings.gpu_memory_fraction)
             if tp > 1:  # every rank's pool holds the same blocks: the smallest budget
                 gpu_budget = model.group.min_int(gpu_budget)
         plan = plan_pool(cfg, fmt, bsz, num_blocks=num_blocks, memory_budget=memory_budget,
-                         gpu_free_budget=gpu_budget, default_tokens=batch * seq_len, tp=tp)
+                         gpu_free_budget=gpu_budget, default_tokens=batch * seq_len, tp=tp, max_num_seqs=batch)
         invariant = _pick(batch_invariant, settings.batch_invariant, dev.type == "cpu")
         one_gpu = dev.type == "cuda" and tp == 1  # bursts and the fused ops run on one device (docs/decode_step.md)
+        bursts = one_gpu and not any(f.per_channel_keys for f in fmt)  # per-channel keys: no burst kernels
         engine = cls(model, fmt, plan, k_scales, v_scales, tokenizer=load_tokenizer(d), max_batch_size=batch,
                    max_seq_len=seq_len, max_tokens_per_step=step_tokens, attention=attention,
                    max_input_len=settings.max_input_len,
                    cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
                    batch_invariant=invariant, prefix_caching=_pick(prefix_caching, settings.prefix_caching),
-                   burst_steps=_pick(burst_steps, settings.burst_steps, DEFAULT_BURST_STEPS if one_gpu else 0),
+                   burst_steps=_pick(burst_steps, settings.burst_steps, DEFAULT_BURST_STEPS if bursts else 0),
                    fused_ops=_pick(fused_ops, settings.fused_ops, one_gpu and not invariant))
         if isinstance(engine.runner, parallel.TPModelRunner) and not model.group.is_driver:
             engine.runner.serve()  # until rank 0 shuts down

@@ -31,7 +31,11 @@ from .errors import UnsupportedError
 # fp32 is an unquantized reference format (parity tests, calibration baselines);
 # fp16/bf16 are the serving baselines.
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
-GRANULARITIES = ("per_tensor", "per_head", "per_token")
+# per_channel (K only): one scale and zero per channel over a block of PER_CHANNEL_TOKENS positions (KIVI),
+# computed when the block's last token is written; the block before that lives in fp16 (runtime/channel_keys.py)
+GRANULARITIES = ("per_tensor", "per_head", "per_token", "per_channel")
+# positions one per-channel scale covers: one paged block, so the engine's block_size must equal it
+PER_CHANNEL_TOKENS = 64
 # e8m0: a power of two stored as its biased exponent (MX-style), symmetric formats only.
 SCALE_DTYPES = ("float16", "bfloat16", "float32", "e8m0")
 # channels per scale within a head; 0 = one scale per token-head
@@ -53,8 +57,9 @@ FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How one layer's K and V are stored. dtype / symmetric / group_size are K's, and V's unless the
-    v_ fields give V its own (None: same as K); granularity and scale_dtype are shared."""
+    """How one layer's K and V are stored. dtype / granularity / symmetric / group_size are K's, and V's unless
+    the v_ fields give V its own (None: same as K); scale_dtype is shared. V has its own granularity only
+    beside per-channel keys (k.int4-per_channel-asym+v.int4-per_token-asym)."""
 
     dtype: str = "fp16"
     granularity: str = "per_tensor"
@@ -64,22 +69,41 @@ class KVFormat:
     v_dtype: str | None = None
     v_symmetric: bool | None = None
     v_group_size: int | None = None
+    v_granularity: str | None = None
 
     def __post_init__(self) -> None:
         if self.split:
             for side, name in ((self.k, "kv.k"), (self.v, "kv.v")):
-                if not (side.quantized and side.dynamic):
+                if not (side.quantized and (side.dynamic or (name == "kv.k" and side.per_channel_keys))):
                     raise UnsupportedError(
                         f"{name}: a format with different K and V formats needs both quantized with per_token "
-                        f"granularity (dynamic scales), got {side.name}; use one dtype for both otherwise."
+                        f"granularity (dynamic scales; K may be int4-per_channel-asym), got {side.name}; use one "
+                        "dtype for both otherwise."
                     )
             v = self.v  # V's fields spelled out: one spelling of each format
-            for extra, value in (("v_dtype", v.dtype), ("v_symmetric", v.symmetric), ("v_group_size", v.group_size)):
+            for extra, value in (("v_dtype", v.dtype), ("v_symmetric", v.symmetric), ("v_group_size", v.group_size),
+                                 ("v_granularity", v.granularity if v.granularity != self.granularity else None)):
                 object.__setattr__(self, extra, value)
             return
-        for extra in ("v_dtype", "v_symmetric", "v_group_size"):  # V as K's: one spelling of each format
+        for extra in _V_FIELDS:  # V as K's: one spelling of each format
             object.__setattr__(self, extra, None)
         self._check_side()
+        if self.granularity == "per_channel":
+            raise UnsupportedError(
+                "kv.granularity per_channel is a K-side granularity (per-channel scales over a block of keys); "
+                "write the format as k.int4-per_channel-asym+v.int4-per_token-asym."
+            )
+
+    @classmethod
+    def _side_format(cls, dtype: str, granularity: str, symmetric: bool, scale_dtype: str, group_size: int) -> KVFormat:
+        """One side (K or V) of a format, checked as a side: a per-channel K exists only as a side."""
+        f = object.__new__(cls)
+        for name, value in zip(_FIELDS, (dtype, granularity, symmetric, scale_dtype, group_size)):
+            object.__setattr__(f, name, value)
+        for name in _V_FIELDS:
+            object.__setattr__(f, name, None)
+        f._check_side()
+        return f
 
     def _check_side(self) -> None:
         if self.dtype not in KV_DTYPES:
@@ -92,7 +116,13 @@ class KVFormat:
             raise UnsupportedError(
                 f"unknown scale dtype {self.scale_dtype!r}; choose one of {', '.join(SCALE_DTYPES)}."
             )
-        if not self.symmetric and not (self.is_int and self.granularity == "per_token"):
+        if self.granularity == "per_channel" and (self.dtype, self.symmetric, self.group_size, self.scale_dtype) != (
+                "int4", False, 0, "float16"):
+            raise UnsupportedError(
+                "per_channel keys are int4, asymmetric, with fp16 scales and zeros and no group size "
+                "(k.int4-per_channel-asym); use that spelling."
+            )
+        if not self.symmetric and not (self.is_int and self.granularity in ("per_token", "per_channel")):
             raise UnsupportedError(
                 "asymmetric KV quantization needs an integer dtype (int8/int4) with per_token "
                 "granularity (a zero point per token and head); use symmetric: true otherwise."
@@ -117,22 +147,26 @@ class KVFormat:
     @property
     def k(self) -> KVFormat:
         """K's format (one dtype)."""
-        if self.v_dtype is None and self.v_symmetric is None and self.v_group_size is None:
+        if self._uniform:
             return self
-        return KVFormat(self.dtype, self.granularity, self.symmetric, self.scale_dtype, self.group_size)
+        return KVFormat._side_format(self.dtype, self.granularity, self.symmetric, self.scale_dtype, self.group_size)
 
     @property
     def v(self) -> KVFormat:
         """V's format (one dtype)."""
-        if self.v_dtype is None and self.v_symmetric is None and self.v_group_size is None:
+        if self._uniform:
             return self
-        return KVFormat(
+        return KVFormat._side_format(
             self.dtype if self.v_dtype is None else self.v_dtype,
-            self.granularity,
+            self.granularity if self.v_granularity is None else self.v_granularity,
             self.symmetric if self.v_symmetric is None else self.v_symmetric,
             self.scale_dtype,
             self.group_size if self.v_group_size is None else self.v_group_size,
         )
+
+    @property
+    def _uniform(self) -> bool:
+        return all(getattr(self, f) is None for f in _V_FIELDS)
 
     @property
     def split(self) -> bool:
@@ -171,7 +205,12 @@ class KVFormat:
     @property
     def static(self) -> bool:
         """Scales calibrated offline and handed to the engine."""
-        return self.quantized and not self.dynamic
+        return self.quantized and self.granularity in ("per_tensor", "per_head")
+
+    @property
+    def per_channel_keys(self) -> bool:
+        """K stored with per-channel scales over each block (KIVI), the block being written kept in fp16."""
+        return self.granularity == "per_channel"  # K's granularity; only K may be per_channel
 
     @property
     def bits(self) -> int:
@@ -226,8 +265,11 @@ class KVFormat:
         g = self.groups(head_dim)
         return (num_blocks, kv_heads, block_size) + ((g,) if self.group_size else ())
 
-    def metadata_bytes_per_token_head(self, head_dim: int) -> int:
-        """Per-token scale (+ zero point) bytes of one tensor (K or V), 0 for static formats."""
+    def metadata_bytes_per_token_head(self, head_dim: int) -> float:
+        """Per-token scale (+ zero point) bytes of one tensor (K or V), 0 for static formats; per-channel keys:
+        a block's fp16 scale and zero per channel, over the block's positions."""
+        if self.per_channel_keys:
+            return 2 * 2 * head_dim / PER_CHANNEL_TOKENS
         if not self.dynamic:
             return 0
         per = torch.tensor([], dtype=self.scale_torch_dtype).element_size()
@@ -256,6 +298,10 @@ class KVFormat:
         return s + (_SCALE_SHORT[self.scale_dtype] if self.dynamic else "")
 
 
+_FIELDS = ("dtype", "granularity", "symmetric", "scale_dtype", "group_size")
+_V_FIELDS = ("v_dtype", "v_symmetric", "v_group_size", "v_granularity")
+
+
 def format_fields(fmt: KVFormat) -> dict:
     """The fields an engine directory's kv_format.json holds (V's own fields only where they differ)."""
     return {k: v for k, v in dataclasses.asdict(fmt).items() if v is not None}
@@ -268,11 +314,22 @@ def format_from_name(name: str) -> KVFormat:
         k_name, _, v_name = name.partition("+")
         if not (k_name.startswith("k.") and v_name.startswith("v.")):
             raise UnsupportedError(f"KV format name {name!r}: a split format is written k.<K format>+v.<V format>.")
-        k, v = format_from_name(k_name[2:]), format_from_name(v_name[2:])
-        if (k.granularity, k.scale_dtype) != (v.granularity, v.scale_dtype):
-            raise UnsupportedError(f"KV format name {name!r}: K and V share granularity and scale dtype.")
+        k, v = _side_from_name(k_name[2:]), _side_from_name(v_name[2:])
+        if k.scale_dtype != v.scale_dtype or (k.granularity != v.granularity and not k.per_channel_keys):
+            raise UnsupportedError(f"KV format name {name!r}: K and V share granularity (K may be per_channel) and "
+                                   "scale dtype.")
         return KVFormat(k.dtype, k.granularity, k.symmetric, k.scale_dtype, k.group_size, v.dtype, v.symmetric,
-                        v.group_size)
+                        v.group_size, v.granularity if v.granularity != k.granularity else None)
+    return KVFormat(*_side_fields(name))
+
+
+def _side_from_name(name: str) -> KVFormat:
+    """One side's name ("int4-per_channel-asym", "int4-per_token-asym") -> that side's format."""
+    return KVFormat._side_format(*_side_fields(name))
+
+
+def _side_fields(name: str) -> tuple[str, str, bool, str, int]:
+    """(dtype, granularity, symmetric, scale dtype, group size) of a one-sided format name."""
     parts = name.split("-")
     scale = {short[2:]: long for long, short in _SCALE_SHORT.items() if short}.get(parts[-1][1:] if
                                                                                  parts[-1][:1] == "s" else "")
@@ -284,7 +341,7 @@ def format_from_name(name: str) -> KVFormat:
     if len(parts) not in (1, 2):
         raise UnsupportedError(f"KV format name {name!r} is not of the form dtype[-granularity][-asym][-g<group>]"
                                "[-s<scale dtype>], e.g. int8-per_token or int4-per_token-asym-g32.")
-    return KVFormat(parts[0], parts[1] if len(parts) == 2 else "per_tensor", not asym, scale or "float16", group)
+    return parts[0], parts[1] if len(parts) == 2 else "per_tensor", not asym, scale or "float16", group
 
 
 def kv_bytes_per_token(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], tp: int = 1, pp: int = 1) -> float:
@@ -301,8 +358,28 @@ def kv_bytes_per_token(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], tp:
     if len(formats) != cfg.num_layers:
         raise ValueError(f"{len(formats)} per-layer KV formats for {cfg.num_layers} layers")
     heads = ceil_div(cfg.num_kv_heads, tp)
-    per_layer = [2 * heads * f.bytes_per_token_head(cfg.head_dim) for f in formats]
-    base, extra = divmod(cfg.num_layers, pp)
+    return _most_loaded_stage([2 * heads * f.bytes_per_token_head(cfg.head_dim) for f in formats], pp)
+
+
+def residual_slots(max_num_seqs: int) -> int:
+    """fp16 blocks a per-channel-key layer keeps for blocks still being written: one per sequence (a block opened
+    by a chunk that also completes its sequence's previous block waits for that one's slot: kv_cache.ResidualSlots)."""
+    return max_num_seqs
+
+
+def residual_bytes(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], max_num_seqs: int, tp: int = 1,
+                   pp: int = 1) -> int:
+    """Bytes of the fp16 residual blocks of per-channel-key layers on the most loaded rank (0 for other formats):
+    residual_slots(max_num_seqs) x kv_heads x PER_CHANNEL_TOKENS x head_dim x 2 per such layer. The planner and
+    the pool (runtime/kv_cache.py) both call this."""
+    formats = (fmt,) * cfg.num_layers if isinstance(fmt, KVFormat) else tuple(fmt)
+    block = residual_slots(max_num_seqs) * ceil_div(cfg.num_kv_heads, tp) * PER_CHANNEL_TOKENS * cfg.head_dim * 2
+    return int(_most_loaded_stage([block if f.per_channel_keys else 0 for f in formats], pp))
+
+
+def _most_loaded_stage(per_layer: list[float], pp: int) -> float:
+    """The largest sum over a pipeline stage's layers: consecutive layers, the first `layers % pp` stages one more."""
+    base, extra = divmod(len(per_layer), pp)
     stages, start = [], 0
     for s in range(pp):
         size = base + (1 if s < extra else 0)

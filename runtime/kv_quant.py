@@ -165,3 +165,35 @@ def quantize_dynamic(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torc
     """Per-token write: (storage, scale, zero) for x[..., head_dim]."""
     scale, zero = dynamic_scales(x, fmt)
     return quantize(x, fmt, scale, zero), scale, zero
+
+
+# ---------------------------------------------------- per-channel keys
+def per_channel_scales(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per channel of a block of keys x[..., tokens, head_dim] -> two [..., head_dim] in
+    fmt.scale_dtype: zero = min over the block's tokens rounded down, s = (max - zero) / qmax rounded up, so the
+    block's [min, max] fits in [0, qmax] (the per-token rule, along the other axis). NaNs are left out."""
+    if not fmt.per_channel_keys:
+        raise ValueError(f"{fmt.name} has no per-channel scales")
+    xf = x.to(torch.float32)
+    nan = xf.isnan()
+    sd = fmt.scale_torch_dtype
+    big = float(torch.finfo(sd).max)
+    zero = round_down_to(xf.masked_fill(nan, float("inf")).amin(dim=-2).clamp(-big, big), sd)
+    s = (xf.masked_fill(nan, float("-inf")).amax(dim=-2) - zero.to(torch.float32)) / fmt.qmax
+    return round_up_to(s.clamp(_tiny(sd), big), sd), zero
+
+
+def quantize_per_channel(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block of keys x[..., tokens, head_dim] -> (packed [..., tokens, head_dim / 2] uint8, scale, zero
+    [..., head_dim]): q = clamp(round_half_even((x - zero) / s), 0, qmax), two per byte along the channels."""
+    scale, zero = per_channel_scales(x, fmt)
+    y = (x.to(torch.float32) - zero.to(torch.float32).unsqueeze(-2)) / scale.to(torch.float32).unsqueeze(-2)
+    q = torch.round(torch.nan_to_num(y, nan=0.0).clamp(0.0, fmt.qmax))
+    return pack_int4(q), scale, zero
+
+
+def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_per_channel: packed [..., tokens, head_dim / 2] -> [..., tokens, head_dim] in `dtype`."""
+    v = unpack_int4(q).to(torch.float32) * scale.to(torch.float32).unsqueeze(-2)
+    return (v + zero.to(torch.float32).unsqueeze(-2)).to(dtype)

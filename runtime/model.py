@@ -267,12 +267,17 @@ class LlamaModel:
         from_cache = getattr(ops, "prefill_from_cache", None)
         if from_cache is not None:
             return from_cache(q, cache, batch, self.sm_scale)
+        per_channel = cache.fmt.per_channel_keys
         if not stores_exactly(cache.fmt, k.dtype):
-            k, v = read_kv(cache, batch.slot_mapping[batch.num_decode:], k.dtype)
-        if batch.context_lens is None:
+            stored_k, v = read_kv(cache, batch.slot_mapping[batch.num_decode:], k.dtype)
+            # per-channel keys: a query reads its own block's keys in fp16, the attention rounds them itself
+            k = k if per_channel else stored_k
+        if batch.context_lens is None and not per_channel:
             return ops.prefill_attention(q, k, v, batch.cu_seqlens, self.sm_scale)
+        context = batch.context_lens if batch.context_lens is not None else \
+            torch.zeros(batch.cu_seqlens.numel() - 1, dtype=torch.int32)
         return ops.prefill_context_attention(q, k, v, batch.cu_seqlens, cache, batch.prefill_block_tables,
-                                             batch.context_lens, self.sm_scale)
+                                             context, self.sm_scale)
 
     def _attend(self, ops, q, k, v, cache: LayerCache, batch: PagedBatch) -> torch.Tensor:
         """Write the step's K/V, then attend: decode rows through the cache, prefill rows (`_prefill`)."""

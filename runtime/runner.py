@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .errors import InputError, NumericsError
 from .kv_cache import LayerCache, allocate_layer
-from .kv_format import KVFormat, kv_bytes_per_token
+from .kv_format import KVFormat, kv_bytes_per_token, residual_bytes, residual_slots
 from .layer_formats import as_layer_formats
 from .model import LlamaModel, PagedBatch
 from .scheduler import Step
@@ -56,19 +56,22 @@ def plan_pool(
     gpu_free_budget: int | None = None,
     default_tokens: int = 0,
     tp: int = 1,
+    max_num_seqs: int = 1,
 ) -> PoolPlan:
     """Blocks for the pool, from (first given wins) an explicit count, a byte budget,
     the measured free GPU memory, or a default token count capped for the CPU.
     `fmt`: one format, or one per layer (bytes per token are the sum over layers). With tp ranks, bytes
-    are per rank: the most loaded rank's share of the KV heads."""
+    are per rank: the most loaded rank's share of the KV heads. Per-channel-key layers' fp16 residual blocks
+    (kv_format.residual_bytes, for max_num_seqs sequences) come out of a byte budget first."""
     bpt = kv_bytes_per_token(cfg, fmt, tp)
     per_block = block_size * bpt
+    residual = residual_bytes(cfg, fmt, max_num_seqs, tp)
     if num_blocks is not None:
         n, src = int(num_blocks), "num_blocks"
     elif memory_budget is not None:
-        n, src = int(memory_budget // per_block), "memory_budget"
+        n, src = int((memory_budget - residual) // per_block), "memory_budget"
     elif gpu_free_budget is not None:
-        n, src = int(gpu_free_budget // per_block), "gpu_free_memory"
+        n, src = int((gpu_free_budget - residual) // per_block), "gpu_free_memory"
     else:
         tokens = min(default_tokens, int(CPU_DEFAULT_POOL_BYTES // bpt))
         n, src = -(-tokens // block_size), "cpu_default"
@@ -88,17 +91,19 @@ def allocate_pool(
     k_scales: torch.Tensor | Sequence[torch.Tensor | None] | None,
     v_scales: torch.Tensor | Sequence[torch.Tensor | None] | None,
     kv_heads: int | None = None,
+    max_num_seqs: int = 1,
 ) -> list[LayerCache]:
     """One LayerCache per layer, each in its layer's format. Block ids are shared by all layers:
     every layer's pool has plan.num_blocks blocks, each in that layer's bytes per block.
     Static scales: a tensor [layers] / [layers, kv_heads] or one entry per layer (None where dynamic).
-    kv_heads: the heads this process caches (a tensor-parallel rank's share), default all."""
+    kv_heads: the heads this process caches (a tensor-parallel rank's share), default all. max_num_seqs: the
+    sequences run at once, which size per-channel-key layers' fp16 residual blocks (kv_format.residual_slots)."""
     formats = as_layer_formats(fmt, cfg.num_layers)
     return [
         allocate_layer(
             f, plan.num_blocks, plan.block_size, kv_heads or cfg.num_kv_heads, cfg.head_dim, device,
             k_scales[i] if k_scales is not None else None,
-            v_scales[i] if v_scales is not None else None,
+            v_scales[i] if v_scales is not None else None, residual_slots(max_num_seqs),
         )
         for i, f in enumerate(formats)
     ]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .attention import read_kv
 from .errors import NumericsError, RequestError
 from .sampling import SamplingParams
 from .scheduler import Sequence, Step
@@ -119,11 +120,13 @@ def score(engine, sequences: Seq[Seq[int]], start: int | Seq[int] = 1, tokens_pe
     pending = list(range(len(windows)))
     active: list[_Window] = []
     lock = run_lock or threading.Lock()
+    # per-channel keys keep a window's open block in an fp16 residual block, sized by the engine's batch
+    at_once = engine.scheduler.max_batch_size if any(f.per_channel_keys for f in engine.formats) else len(windows)
     try:
         while pending or active:
             ran = 0
             with lock:
-                while pending and blocks.can_allocate(len(windows[pending[0]][0])):
+                while pending and len(active) < at_once and blocks.can_allocate(len(windows[pending[0]][0])):
                     n = pending.pop(0)
                     ids, s = windows[n]
                     w = _Window(Sequence(("score", next(_keys)), ids, SamplingParams(max_tokens=1)), s, n)
@@ -221,6 +224,12 @@ def _read_back(engine, layer: int, q, k, v, exact: torch.Tensor, query_block: in
         engine.backend.write_kv(cache, k, v, slots)
         read = torch.empty_like(exact)
         tables = torch.tensor(table, dtype=torch.int32, device=model.device)
+        if cache.fmt.per_channel_keys:  # the write left only the last block's fp16 keys: attend as a prompt does
+            cu, ctx = torch.tensor([0, t], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            stored_v = read_kv(cache, slots, v.dtype)[1]
+            read[:] = engine.backend.prefill_context_attention(q, k, stored_v, cu, cache, tables[None], ctx,
+                                                               model.sm_scale)
+            return read, exact
         for a in range(0, t, query_block):
             b = min(t, a + query_block)
             lens = torch.arange(a + 1, b + 1, dtype=torch.int32, device=model.device)

@@ -1,0 +1,275 @@
+"""Per-channel keys (KIVI): k.int4-per_channel-asym+v.int4-per_token-asym (runtime/channel_keys.py).
+
+The quantizer against the format's rule computed in fp64; the attention against an fp64 oracle of the
+position semantics (a query reads its own block's keys in fp16, earlier blocks quantized); the engine's
+decode, chunked prefill, whole-prompt prefill and Engine.score against each other, and batched against alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers_runtime import tiny_llama_dir
+
+from runtime import attention, batch_invariant
+from runtime.config import ModelConfig, ceil_div
+from runtime.errors import UnsupportedError
+from runtime.kv_format import PER_CHANNEL_TOKENS, KVFormat, format_fields, format_from_name, residual_bytes
+from runtime.kv_quant import dequantize_per_channel, quantize_per_channel, unpack_int4
+from runtime.model import LlamaModel, PagedBatch
+from runtime.runner import allocate_pool, plan_pool
+from runtime.weights import open_weights
+
+NAME = "k.int4-per_channel-asym+v.int4-per_token-asym"
+FMT = format_from_name(NAME)
+BLOCK = PER_CHANNEL_TOKENS
+
+
+def _fp16_up(x: np.ndarray) -> np.ndarray:
+    """Smallest fp16 >= x, elementwise, in fp64."""
+    r = x.astype(np.float16)
+    r = np.where(r.astype(np.float64) < x, np.nextafter(r, np.float16(np.inf)), r)
+    return r.astype(np.float64)
+
+
+def _fp16_down(x: np.ndarray) -> np.ndarray:
+    r = x.astype(np.float16)
+    r = np.where(r.astype(np.float64) > x, np.nextafter(r, np.float16(-np.inf)), r)
+    return r.astype(np.float64)
+
+
+def _oracle_block(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rule in fp64 for x [..., 64, D]: (codes, scale, zero) with zero = min rounded down to fp16, s = (max -
+    zero) / 15 rounded up to fp16, q = clamp(round half even((x - zero) / s), 0, 15)."""
+    zero = _fp16_down(x.min(-2))
+    s = _fp16_up(np.maximum((x.max(-2) - zero) / 15, 2.0**-14))  # never zero: fp16's smallest normal
+    y = (x - zero[..., None, :]) / s[..., None, :]
+    return np.clip(np.round(y), 0, 15), s, zero, y
+
+
+def _keys(seed: int, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    x[..., 3] *= 30  # an outlier channel, as RoPE'd keys have
+    x[..., 5] = 0.25  # a constant channel: max == min
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_quantize_matches_the_fp64_rule(dtype):
+    """Codes, scales and zeros equal the rule computed in fp64; every element is within s/2 of its value."""
+    x = _keys(0, (2, 3, BLOCK, 64)).to(dtype)
+    packed, scale, zero = quantize_per_channel(x, FMT.k)
+    assert packed.shape == (2, 3, BLOCK, 32) and packed.dtype == torch.uint8
+    assert scale.dtype == zero.dtype == torch.float16 and scale.shape == (2, 3, 64)
+    x64 = x.double().numpy()
+    want_q, want_s, want_zero, y = _oracle_block(x64)
+    np.testing.assert_array_equal(zero.double().numpy(), want_zero)
+    np.testing.assert_array_equal(scale.double().numpy(), want_s)
+    clear = np.abs(y - np.floor(y) - 0.5) > 1e-4  # away from a rounding tie, fp32 and fp64 agree
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(unpack_int4(packed).double().numpy()[clear], want_q[clear])
+    back = dequantize_per_channel(packed, scale, zero).double().numpy()
+    # the error bound of the format: half a step of the stored scale (plus fp32 rounding of q * s + zero)
+    bound = want_s[..., None, :] / 2 + 2.0**-22 * np.abs(x64).max()
+    assert (np.abs(back - x64) <= bound).all()
+
+
+def _oracle_attention(q, k, v, p: int, sm_scale: float) -> np.ndarray:
+    """fp64: query q [heads, D] at position p over keys/values [0, p] [T, kv_heads, D]: its own block's keys in
+    fp16, every earlier block's quantized by the rule; V exact (the test's values are exact in int4 per token)."""
+    k16 = k.to(torch.float16).double().numpy()
+    own = p // BLOCK * BLOCK
+    keys = k16[: p + 1].copy()
+    for b0 in range(0, own, BLOCK):
+        blk = k16[b0:b0 + BLOCK].transpose(1, 0, 2)  # [H, 64, D]
+        codes, s, zero, _ = _oracle_block(blk)
+        keys[b0:b0 + BLOCK] = (codes * s[:, None, :] + zero[:, None, :]).transpose(1, 0, 2)
+    g = q.shape[0] // k.shape[1]
+    qd, vd = q.double().numpy(), v[: p + 1].double().numpy()
+    out = np.empty_like(qd)
+    for head in range(q.shape[0]):
+        s = keys[:, head // g] @ qd[head] * sm_scale
+        w = np.exp(s - s.max())
+        out[head] = (w / w.sum()) @ vd[:, head // g]
+    return out
+
+
+def _exact_int4_values(seed: int, shape) -> torch.Tensor:
+    """V that int4 per-token asym stores exactly: per token-head, zero + q * s with fp16 s and zero, q in 0..15
+    with both ends present."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, shape, generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    s = torch.tensor(0.125) * (1 + torch.randint(0, 4, shape[:-1], generator=g)).float()
+    return q * s[..., None] - 0.5
+
+
+@pytest.mark.parametrize("ops", ["reference", "batch-invariant"])
+def test_attention_reads_own_block_fp16_and_earlier_blocks_quantized(ops):
+    """Keys written in uneven chunks; prefill chunks and decode queries equal the fp64 oracle."""
+    backend = attention.reference_backend() if ops == "reference" else batch_invariant.backend()
+    t, heads, kvh, d = 150, 4, 2, 64
+    k = _keys(1, (t, kvh, d))
+    v = _exact_int4_values(2, (t, kvh, d))
+    q = torch.randn(t, heads, d, generator=torch.Generator().manual_seed(3))
+    cfg = ModelConfig(hidden_size=heads * d, intermediate_size=64, num_layers=1, num_heads=heads, num_kv_heads=kvh,
+                      head_dim=d, vocab_size=16, max_position_embeddings=256)
+    cache = allocate_pool(cfg, FMT, plan_pool(cfg, FMT, BLOCK, num_blocks=4), "cpu", None, None)[0]
+    table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)  # pages anywhere in the pool
+    slots = torch.tensor([int(table[0, p // BLOCK]) * BLOCK + p % BLOCK for p in range(t)])
+    sm = d**-0.5
+    got = torch.empty(t, heads, d)
+    for a, b in [(0, 50), (50, 100), (100, 101), (101, 140), (140, 150)]:
+        backend.write_kv(cache, k[a:b], v[a:b], slots[a:b])
+        if b - a == 1:
+            got[a] = backend.decode_attention(q[a:b], cache, table, torch.tensor([b], dtype=torch.int32), sm)[0]
+            continue
+        _, stored_v = attention.read_kv(cache, slots[a:b], torch.float32)
+        got[a:b] = backend.prefill_context_attention(q[a:b], k[a:b], stored_v, torch.tensor([0, b - a]), cache,
+                                                     table, torch.tensor([a], dtype=torch.int32), sm)
+    for p in range(t):
+        np.testing.assert_allclose(got[p].double().numpy(), _oracle_attention(q[p], k, v, p, sm), atol=2e-5,
+                                   err_msg=f"position {p}")
+
+
+# ----------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> LlamaModel:
+    d = tiny_llama_dir(tmp_path_factory)
+    cfg = ModelConfig.from_dir(d)
+    return LlamaModel(cfg, open_weights(d, cfg), "cpu", torch.float32)
+
+
+PROMPT = [(11 * j) % 500 + 3 for j in range(150)]
+
+
+def _run_chunks(model: LlamaModel, ids: list[int], bounds: list[int]) -> torch.Tensor:
+    """Every token's logits with the prompt run as the chunks [bounds[i], bounds[i+1]) through the engine's CPU
+    ops (batch-invariant); a 1-token chunk after the first is a decode step."""
+    plan = plan_pool(model.cfg, FMT, BLOCK, num_blocks=ceil_div(len(ids), BLOCK))
+    caches = allocate_pool(model.cfg, FMT, plan, "cpu", None, None)
+    table = torch.arange(ceil_div(len(ids), BLOCK), dtype=torch.int32)[None]
+    rows = []
+    for a, b in zip(bounds, bounds[1:]):
+        pos = torch.arange(a, b)
+        decode = b - a == 1 and a > 0
+        batch = PagedBatch(
+            input_ids=torch.tensor(ids[a:b]), positions=pos, slot_mapping=pos.clone(),
+            num_decode=1 if decode else 0, block_tables=table if decode else table[:0],
+            seq_lens=torch.tensor([b] if decode else [], dtype=torch.int32),
+            cu_seqlens=torch.tensor([0] if decode else [0, b - a], dtype=torch.int32),
+            logits_indices=torch.arange(b - a), max_position=b - 1,
+            context_lens=None if a == 0 or decode else torch.tensor([a], dtype=torch.int32),
+            prefill_block_tables=None if a == 0 or decode else table,
+        )
+        rows.append(model.forward_paged(batch, caches, batch_invariant.backend()))
+    return torch.cat(rows)
+
+
+def test_decode_chunked_and_whole_prefill_give_the_same_bits(tiny_model):
+    """Whole prompt, chunks of 7 / 50 / 64 tokens and token-by-token decode after 5 tokens: identical logits."""
+    n = len(PROMPT)
+    whole = _run_chunks(tiny_model, PROMPT, [0, n])
+    for bounds in ([*range(0, n, 7), n], [0, 50, 100, n], [0, 64, 128, n], [0, 5, *range(6, n + 1)]):
+        assert torch.equal(_run_chunks(tiny_model, PROMPT, bounds), whole), bounds[:4]
+    # the check can tell: an fp16 cache gives other logits
+    assert (tiny_model.forward_dense(torch.tensor(PROMPT)) - whole).abs().max() > 1e-2
+
+
+def _engine(model, **kw):
+    from runtime.engine import Engine
+
+    kw = {"max_batch_size": 4, "max_tokens_per_step": 2048, **kw}
+    plan = plan_pool(model.cfg, FMT, BLOCK, num_blocks=kw.pop("num_blocks", 24), max_num_seqs=kw["max_batch_size"])
+    return Engine(model, FMT, plan, None, None, batch_invariant=True, **kw)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + 31 * j * j + 5 * j) % 500 + 3 for j in range(n)]
+
+
+def test_engine_score_equals_decode_and_batched_equals_alone(tiny_model):
+    """Engine.score at 7 / 64 / 100 / 2048 tokens per pass gives the same log-probs, equal to the token-by-token
+    decode's; greedy tokens of requests batched with a small step budget (chunked, 1 residual block each) equal
+    their solo runs'."""
+    eng = _engine(tiny_model)
+    try:
+        seqs = [PROMPT, _prompt(1, 90), _prompt(2, 64)]
+        ref = eng.score(seqs, tokens_per_pass=2048)
+        for per_pass in (7, 64, 100):
+            for got, want in zip(eng.score(seqs, tokens_per_pass=per_pass), ref):
+                assert torch.equal(got.logprobs, want.logprobs), per_pass
+        stepped = _run_chunks(tiny_model, PROMPT, [0, 5, *range(6, len(PROMPT) + 1)])
+        lp = torch.log_softmax(stepped[:-1], -1).gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+        torch.testing.assert_close(ref[0].logprobs, lp, rtol=0, atol=1e-6)
+        prompts = [_prompt(i, n) for i, n in enumerate([3, 70, 129, 64, 10, 100])]
+        solo = [eng.generate([p], max_tokens=70, ignore_eos=True)[0].token_ids for p in prompts]
+    finally:
+        eng.shutdown()
+    eng = _engine(tiny_model, max_tokens_per_step=40, num_blocks=40)
+    try:
+        together = [g.token_ids for g in eng.generate(prompts, max_tokens=70, ignore_eos=True)]
+        assert max(eng.stats.step_batch_sizes) >= 3
+        # every sequence ended inside a block: their residual blocks came back when they were freed
+        assert all(not c.residual.of_block for c in eng.runner.caches)
+    finally:
+        eng.shutdown()
+    assert together == solo
+
+
+def test_pool_bytes_equal_the_plan(tiny_model):
+    """The pool the engine allocates is the plan's blocks x bytes/token plus the residual blocks, both from
+    kv_format (4.5 bits per element: 4-bit codes, 0.5 bit of per-block channel scales / per-token scales)."""
+    cfg = tiny_model.cfg
+    assert FMT.bits_per_element(64) == 4.5
+    eng = _engine(tiny_model, num_blocks=10)
+    try:
+        st = eng.stats
+        heads_layers = cfg.num_kv_heads * cfg.num_layers
+        assert residual_bytes(cfg, FMT, 4) == 4 * heads_layers * BLOCK * cfg.head_dim * 2
+        assert st.pool_allocated_bytes == st.pool_bytes + residual_bytes(cfg, FMT, 4)
+        assert st.pool_bytes == 10 * BLOCK * heads_layers * (cfg.head_dim + cfg.head_dim / 16 + 4)
+        assert "batch-invariant" in st.attention
+    finally:
+        eng.shutdown()
+    # a byte budget pays for the residual blocks first
+    budget = residual_bytes(cfg, FMT, 4) + 3 * BLOCK * st.kv_bytes_per_token
+    assert plan_pool(cfg, FMT, BLOCK, memory_budget=budget, max_num_seqs=4).num_blocks == 3
+
+
+def test_names_fields_and_recipes_round_trip():
+    assert FMT.name == NAME and format_from_name(NAME) == FMT
+    assert KVFormat(**format_fields(FMT)) == FMT  # an engine directory's kv_format.json
+    assert FMT.k.per_channel_keys and not FMT.v.per_channel_keys and not FMT.static and not FMT.dynamic
+    from recipes.kv_section import KVSection
+
+    assert KVSection(format=NAME).to_format() == FMT
+    # the fields' spelling (a recipe extending one with kv.dtype set): K's own granularity, V's `granularity`
+    fields = KVSection(dtype="int4", granularity="per_token", k_granularity="per_channel", symmetric=False)
+    assert fields.to_format() == FMT
+
+
+def test_bad_spellings_and_settings_are_refused(tiny_model):
+    for name in ("int4-per_channel-asym", "k.int4-per_channel+v.int4-per_token-asym",
+                 "k.int8-per_channel-asym+v.int4-per_token-asym", "k.int4-per_token-asym+v.int4-per_channel-asym"):
+        with pytest.raises(UnsupportedError):
+            format_from_name(name)
+    from runtime.engine import Engine
+
+    with pytest.raises(UnsupportedError, match="block_size 64"):
+        Engine(tiny_model, FMT, plan_pool(tiny_model.cfg, FMT, 32, num_blocks=8), None, None)
+    with pytest.raises(UnsupportedError, match="burst"):
+        _engine(tiny_model, burst_steps=4)
+
+
+def test_recipes_refuse_it_for_tensorrt_llm_and_other_block_sizes():
+    from recipes import Recipe
+
+    base = {"name": "r", "model": {"source": "builtin", "preset": "smollm2-135m"}, "kv": {"format": NAME}}
+    with pytest.raises(ValueError, match="block_size: 64"):
+        Recipe.model_validate({**base, "build": {"block_size": 32}})
+    with pytest.raises(ValueError, match="no INT4 KV cache and no per-channel key scales.*fp8_e4m3-per_tensor"):
+        Recipe.model_validate({**base, "backend": "tensorrt-llm", "build": {"block_size": 64}})
+    assert Recipe.model_validate({**base, "build": {"block_size": 64}}).kv.to_format() == FMT
