@@ -21,7 +21,7 @@ convert_source('smollm2-135m', None, Path('$out/model'), 'float32')" || exit 1
 ood=calibration/data/out_of_domain
 fp8=$(python3 -c "from benchmarks.kv_screen import CANDIDATES; print(','.join(k for k in CANDIDATES if 'fp8' in k \
 or k.startswith('int8-per_token')))")
-timeout 240 python3 -m benchmarks.kv_screen --model-dir "$out/model" --device "$device" --ppl-tokens "$tokens" --ood \
+timeout 180 python3 -m benchmarks.kv_screen --model-dir "$out/model" --device "$device" --ppl-tokens "$tokens" --ood \
     --only "$fp8" --out "$out/kv_screen_fp8.json" | grep -v '^ ' || status=1
 for set in fp8 agreement; do
     timeout 150 python3 -m benchmarks.kv_formats_accuracy --set "$set" --device "$device" --model-dir "$out/model" \
