@@ -190,6 +190,15 @@ for _rot in (False, True):
         CANDIDATES[_fmt + ("+rot" if _rot else "")] = (_fmt, _fmt, 0, _rot, _bits)
 
 
+def _earlier_baseline(path: str, ppl_tokens: int, texts: dict) -> dict:
+    """The baseline perplexities of an earlier run on the same windows (same model, --ppl-tokens and texts)."""
+    earlier = json.loads(Path(path).read_text())
+    if earlier.get("ppl_tokens") != ppl_tokens or not texts.keys() <= earlier["baseline"].keys():
+        raise SystemExit(f"--baseline-from {path}: scored {earlier.get('ppl_tokens')} tokens of "
+                         f"{sorted(earlier['baseline'])}; this run needs {ppl_tokens} of {sorted(texts)}.")
+    return {t: earlier["baseline"][t] for t in texts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", required=True)
@@ -199,6 +208,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--baseline-from", default=None,
+                    help="an earlier output of the same model and --ppl-tokens: reuse its unquantized perplexities")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = args.only.split(",") if args.only else list(CANDIDATES)
@@ -207,7 +218,8 @@ def main() -> None:
     if args.ood:
         texts["ood"] = eval_windows(tok, args.ppl_tokens, 1024, OUT_OF_DOMAIN)
     models = {NO_ROTATION: load_model(args.model_dir, device=args.device)}
-    base = {t: perplexity(DenseScorer(models[NO_ROTATION]), w)["perplexity"] for t, w in texts.items()}
+    base = _earlier_baseline(args.baseline_from, args.ppl_tokens, texts) if args.baseline_from else {
+        t: perplexity(DenseScorer(models[NO_ROTATION]), w)["perplexity"] for t, w in texts.items()}
     res = {"baseline": base, "ppl_tokens": args.ppl_tokens, "candidates": {}}
     for name in names:
         k, v, sink, rot, bits = CANDIDATES[name]
