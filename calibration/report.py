@@ -15,10 +15,11 @@ def _fmt_name(r: dict) -> str:
     if "layers" in f:  # a format per layer (runtime/layer_formats.py): its note names the layer runs
         return r.get("note") or "per layer"
     if f.get("v_dtype") is not None or f.get("group_size"):  # split / group formats: their KVFormat name
-        return KVFormat(**f).name
-    name = f.get("dtype", "?")
-    if f.get("dtype") not in ("fp32", "fp16", "bf16"):
-        name += f" {f.get('granularity', '')}" + ("" if f.get("symmetric", True) else " asym")
+        name = KVFormat(**f).name
+    else:
+        name = f.get("dtype", "?")
+        if f.get("dtype") not in ("fp32", "fp16", "bf16"):
+            name += f" {f.get('granularity', '')}" + ("" if f.get("symmetric", True) else " asym")
     rot = r.get("kv_rotation", "none")  # results written before rotations existed lack the key
     return name if rot == "none" else f"{name} + {rot}"
 
