@@ -3,7 +3,9 @@
 Every engine is scored by calibration.evaluate.run_evaluation (Engine.score: teacher-forced perplexity on the
 built-in held-out split, greedy agreement, passkey), against unquantized KV, in one run on one machine. All the
 formats here have dynamic (per-token) scales, so no calibration is needed. The scale-dtype rows decide the default
-(`--set sweep`); the format rows are the accuracy table of docs/kv-formats.md (`--set formats`).
+(`--set sweep`); the format rows are the accuracy table of docs/kv-formats.md (`--set formats`); `--set fp8`: the
+FP8 default beside its candidates; `--set agreement`: the 8-bit-K formats whose top-1 agreement docs/kv-formats.md
+reports.
 Writes <out>/kv_formats_<set>.json and .md.
 
     python -m benchmarks.kv_formats_accuracy --set sweep --out benchmarks/results [--ppl-tokens 8192]
@@ -46,14 +48,31 @@ FORMATS = [KVFormat("int8", "per_token"), _k8v4(), _k8v4(k_dtype="fp8_e4m3"), _k
            _int4(64), _int4(32)]
 # the bundled 4-bit recipes' formats (recipes/bundled/smollm2-135m-{k8v4,int4}kv.yaml), rotated as they are
 BUNDLED = [_k8v4(v_group=32), _int4(32)]
-# all-INT4 at 4.5 bits: per-channel keys over each 64-token block (KIVI) beside per-token V, and the per-token
-# INT4 it replaces
-KIVI = [format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym"), _int4()]
-SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS)), "bundled": BUNDLED,
-        "kivi": KIVI}
-# the rotations each set is measured with (docs/kv-rotation.md); the others: unrotated only
 HADAMARD = KVRotation("hadamard", 0)
-ROTATIONS = {"bundled": [HADAMARD], "kivi": [NO_ROTATION, HADAMARD]}
+# all-INT4 at 4.5 bits: per-channel keys over each 64-token block (KIVI) beside per-token V, and the per-token
+# INT4 it replaces, each unrotated and rotated
+KIVI = [(f, r) for f in (format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym"), _int4())
+        for r in (NO_ROTATION, HADAMARD)]
+FP8 = KVFormat("fp8_e4m3", "per_token")
+# the FP8 default's candidates beside it (docs/kv-formats.md, FP8 section), each with its own rotation
+FP8_SET = [(FP8, NO_ROTATION), (FP8, HADAMARD), (KVFormat("fp8_e4m3", "per_token", group_size=32), HADAMARD),
+           (KVFormat("fp8_e4m3", "per_token", group_size=32), NO_ROTATION)]
+# top-1 agreement of the 8-bit-K formats: K8V4 g32 and INT8 rotated as their recipes are, the FP8 default as is
+AGREEMENT = [(_k8v4(v_group=32), HADAMARD), (KVFormat("int8", "per_token"), HADAMARD), (FP8, NO_ROTATION)]
+SETS = {"sweep": SWEEP, "formats": FORMATS, "all": list(dict.fromkeys(SWEEP + FORMATS)), "bundled": BUNDLED,
+        "kivi": KIVI, "fp8": FP8_SET, "agreement": AGREEMENT}
+ROTATED = {"bundled": HADAMARD}  # sets of bare formats measured with K/V rotated (docs/kv-rotation.md)
+
+
+def set_entries(name: str, rotations: str | None = None) -> list[tuple[KVFormat, KVRotation]]:
+    """A set's (format, rotation) pairs: its own pairs, or its formats under the set's rotation; `rotations`
+    ("none,hadamard") measures each of the set's formats under those instead."""
+    rot = ROTATED.get(name, NO_ROTATION)
+    entries = [e if isinstance(e, tuple) else (e, rot) for e in SETS[name]]
+    if rotations is None:
+        return entries
+    chosen = [HADAMARD if r == "hadamard" else NO_ROTATION for r in rotations.split(",")]
+    return [(f, r) for f in dict.fromkeys(f for f, _ in entries) for r in chosen]
 
 
 def main() -> None:
@@ -80,14 +99,12 @@ def main() -> None:
 
         model_dir.mkdir()
         convert_source("smollm2-135m", None, model_dir, "float32")
-    fmts = SETS[args.set]
+    entries = set_entries(args.set, args.rotations)
     if args.only:
-        fmts = [f for f in fmts if f.name in args.only.split(",")]
-    rotations = ROTATIONS.get(args.set, [NO_ROTATION]) if args.rotations is None else [
-        HADAMARD if r == "hadamard" else NO_ROTATION for r in args.rotations.split(",")]
-    specs = [EngineKV(f.name + (f"+{rot.name}" if rot.active else ""), f, rotation=rot,
-                      note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64")
-             for f in fmts for rot in rotations]
+        entries = [(f, r) for f, r in entries if f.name in args.only.split(",")]
+    fmts = list(dict.fromkeys(f for f, _ in entries))
+    specs = [EngineKV(f.name + (f"+{r.name}" if r.active else ""), f, rotation=r,
+                      note=f"{f.bits_per_element(64):.3f} bits/element at head_dim 64") for f, r in entries]
     settings = EvalSettings(
         # the batch-invariant mode on the CPU only: on CUDA its prefill reads every token's context (docs/numerics.md)
         batch_invariant=args.device == "cpu",

@@ -6,7 +6,9 @@ Rules: any runtime.kv_format per-token format; `clip`: symmetric INT4 groups who
 alpha chosen per group from a few candidates by the smallest squared error (computed at write time);
 `nf4`: the 16 NormalFloat levels (QLoRA) times the group's fp16 absmax; `kivi`: keys quantized per channel over
 groups of 32 tokens (asymmetric INT4, fp16 scale and zero), the last incomplete group kept in full precision,
-as KIVI's residual window does. Perplexity on the built-in held-out split (and --ood: the out-of-domain text)
+as KIVI's residual window does; `mse:<format>`: a per-token or group-scaled format whose scale is
+alpha * amax / qmax with alpha, per token-head (or group), the one of MSE_ALPHAS that gives the smallest squared
+error (alpha < 1 clips the largest values, alpha > 1 moves FP8's grid within an octave). Perplexity on the built-in held-out split (and --ood: the out-of-domain text)
 through calibration.kvsim.DenseScorer, the same windows as the evaluate stage.
 
     python -m benchmarks.kv_screen --model-dir DIR --ppl-tokens 4096 [--only a,b] [--ood] [--device cuda] --out FILE.json
@@ -26,7 +28,7 @@ from calibration.kvsim import DenseScorer
 from calibration.loading import load_model, load_tokenizer
 from calibration.perplexity import eval_windows, perplexity
 from runtime.kv_format import KVFormat, format_from_name
-from runtime.kv_quant import dequantize, quantize_dynamic, round_down_to, round_up_to
+from runtime.kv_quant import dequantize, dynamic_scales, quantize, quantize_dynamic, round_down_to, round_up_to
 from runtime.rotation import NO_ROTATION, KVRotation
 
 HADAMARD = KVRotation("hadamard", 0)
@@ -37,12 +39,35 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
                     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                     0.7229568362236023, 1.0])
 CLIP_ALPHAS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+MSE_ALPHAS = (0.8, 0.85, 0.9, 0.95, 1.0) + tuple(2 ** (k / 8) for k in range(1, 8))
 
 
 def format_rule(fmt: KVFormat):
     def rule(x: torch.Tensor) -> torch.Tensor:
         q, s, z = quantize_dynamic(x, fmt)
         return dequantize(q, fmt, s, z)
+    return rule
+
+
+def mse_scale_rule(fmt: KVFormat, alphas=MSE_ALPHAS):
+    """fmt's dynamic scale times the alpha of `alphas` with the smallest squared error, per token-head or group."""
+    sd = fmt.scale_torch_dtype
+
+    def rule(x: torch.Tensor) -> torch.Tensor:
+        s0, _ = dynamic_scales(x, fmt)
+        best, best_err = None, None
+        for a in alphas:
+            s = round_up_to(s0.float() * a, sd)
+            y = dequantize(quantize(x, fmt, s), fmt, s)
+            d, g = (y - x).pow(2), fmt.group_size
+            # each element carries its token-head's (or group's) squared error, so where() picks whole groups
+            err = _groups(d, g).sum(-1).repeat_interleave(g, -1) if g else d.sum(-1, keepdim=True)
+            if best is None:
+                best, best_err = y, err
+            else:
+                take = err < best_err
+                best, best_err = torch.where(take, y, best), torch.minimum(err, best_err)
+        return best
     return rule
 
 
@@ -101,7 +126,9 @@ def kivi_rule(tokens: int = 32, symmetric: bool = False):
 
 
 def rule_for(spec: str):
-    """'clip-g32', 'nf4-g32', 'kivi[-t<tokens>][-sym]', or a KV format name (one side)."""
+    """'clip-g32', 'nf4-g32', 'kivi[-t<tokens>][-sym]', 'mse:<format name>', or a KV format name (one side)."""
+    if spec.startswith("mse:"):
+        return mse_scale_rule(format_from_name(spec[4:]))
     if spec.startswith("clip-g"):
         return clip_rule(int(spec[6:]))
     if spec.startswith("nf4-g"):
@@ -153,6 +180,23 @@ CANDIDATES = {
     "k8v4-g32": ("int8-per_token", "int4-per_token-asym-g32", 0, False, 6.62),
     "sink4:k8v4-g32+rot": ("int8-per_token", "int4-per_token-asym-g32", 4, True, 6.62),
 }
+# FP8 variants: scale granularity (per token-head or per 32 channels), scale dtype, rotation, scale choice, e5m2
+for _rot in (False, True):
+    for _fmt, _bits in (("fp8_e4m3-per_token", 8.25), ("fp8_e4m3-per_token-sfp32", 8.5),
+                        ("fp8_e4m3-per_token-sbf16", 8.25), ("fp8_e4m3-per_token-g32", 8.5),
+                        ("fp8_e4m3-per_token-g32-sfp32", 9.0), ("mse:fp8_e4m3-per_token", 8.25),
+                        ("mse:fp8_e4m3-per_token-g32", 8.5), ("fp8_e5m2-per_token", 8.25),
+                        ("fp8_e5m2-per_token-g32", 8.5), ("int8-per_token", 8.25)):
+        CANDIDATES[_fmt + ("+rot" if _rot else "")] = (_fmt, _fmt, 0, _rot, _bits)
+
+
+def _earlier_baseline(path: str, ppl_tokens: int, texts: dict) -> dict:
+    """The baseline perplexities of an earlier run on the same windows (same model, --ppl-tokens and texts)."""
+    earlier = json.loads(Path(path).read_text())
+    if earlier.get("ppl_tokens") != ppl_tokens or not texts.keys() <= earlier["baseline"].keys():
+        raise SystemExit(f"--baseline-from {path}: scored {earlier.get('ppl_tokens')} tokens of "
+                         f"{sorted(earlier['baseline'])}; this run needs {ppl_tokens} of {sorted(texts)}.")
+    return {t: earlier["baseline"][t] for t in texts}
 
 
 def main() -> None:
@@ -164,6 +208,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--baseline-from", default=None,
+                    help="an earlier output of the same model and --ppl-tokens: reuse its unquantized perplexities")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = args.only.split(",") if args.only else list(CANDIDATES)
@@ -172,7 +218,8 @@ def main() -> None:
     if args.ood:
         texts["ood"] = eval_windows(tok, args.ppl_tokens, 1024, OUT_OF_DOMAIN)
     models = {NO_ROTATION: load_model(args.model_dir, device=args.device)}
-    base = {t: perplexity(DenseScorer(models[NO_ROTATION]), w)["perplexity"] for t, w in texts.items()}
+    base = _earlier_baseline(args.baseline_from, args.ppl_tokens, texts) if args.baseline_from else {
+        t: perplexity(DenseScorer(models[NO_ROTATION]), w)["perplexity"] for t, w in texts.items()}
     res = {"baseline": base, "ppl_tokens": args.ppl_tokens, "candidates": {}}
     for name in names:
         k, v, sink, rot, bits = CANDIDATES[name]

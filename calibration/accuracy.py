@@ -11,6 +11,14 @@ equals the baseline's token. Unlike comparing two free-running generations,
 one early flip does not zero the rest of the sequence, so the number measures
 how often quantized KV changes the next-token decision.
 
+Top-1 agreement is the same question asked at every scored position of the
+perplexity text (thousands of positions instead of prompts x tokens, from the
+scoring pass itself): the fraction of positions where the quantized engine's
+most likely next token is the baseline's, with its Wilson 95% interval. The
+text is not the model's own continuation, so positions where the baseline
+itself is unsure (near-ties of its top two tokens) weigh more than in greedy
+agreement, where the baseline chose every token.
+
 Attention error isolates each layer: the layer gets the baseline's input
 hidden states, its queries attend once to the exact K/V and once to the K/V
 the engine stored in its pool (read back by its decode op), and we report
@@ -18,6 +26,8 @@ the engine stored in its pool (read back by its decode op), and we report
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -56,6 +66,26 @@ def greedy_agreement(scorer, prompts: list[torch.Tensor], continuations: list[to
         total += c.numel()
         first_div.append(int(c.numel() if bool(same.all()) else int((~same).nonzero()[0])))
     return {"agreement": match / max(total, 1), "tokens": total, "first_divergence": first_div}
+
+
+def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion k / n (95% at z = 1.96); (0, 1) for n = 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def top1_agreement(baseline_top1: torch.Tensor, top1: torch.Tensor) -> dict:
+    """Positions where `top1` (an engine's most likely tokens, perplexity.scored_perplexity) equals the
+    baseline's on the same positions, with the Wilson 95% interval of the rate."""
+    if baseline_top1.shape != top1.shape:
+        raise ValueError(f"top-1 tokens of {top1.numel()} positions against a baseline of {baseline_top1.numel()}")
+    n, k = int(top1.numel()), int((top1 == baseline_top1).sum())
+    lo, hi = wilson_interval(k, n)
+    return {"agreement": k / max(n, 1), "positions": n, "ci95": [lo, hi]}
 
 
 class _AttentionRecorder:

@@ -1,7 +1,8 @@
 """The `evaluate` stage: every engine's KV format against the same model with unquantized KV.
 
 Metrics (see perplexity.py, passkey.py, accuracy.py): perplexity on held-out
-text and its relative change, teacher-forced greedy-token agreement, passkey
+text and its relative change, teacher-forced greedy-token agreement, top-1
+agreement at every scored position of the held-out text, passkey
 retrieval rate and mean digit log-probability per context length, per-layer
 attention-output relative error. All engines of a model share its weights, so
 the model is loaded once and each engine contributes only its KV format and
@@ -26,7 +27,14 @@ from runtime.layer_formats import formats_name, formats_to_json, uniform_format
 from runtime.rotation import NO_ROTATION, KVRotation
 
 from . import corpus
-from .accuracy import PROMPTS, baseline_layer_inputs, chat_prompt_ids, engine_attention_error, greedy_agreement
+from .accuracy import (
+    PROMPTS,
+    baseline_layer_inputs,
+    chat_prompt_ids,
+    engine_attention_error,
+    greedy_agreement,
+    top1_agreement,
+)
 from .budget import check_budget
 from .engine_check import (
     baseline_format,
@@ -37,7 +45,7 @@ from .engine_check import (
 from .files import write_json_atomic, write_text_atomic
 from .loading import load_model, load_tokenizer
 from .passkey import make_trials, passkey
-from .perplexity import eval_windows, perplexity
+from .perplexity import eval_windows, perplexity, scored_perplexity
 from .progress import work_progress
 from .report import markdown_table
 
@@ -171,7 +179,8 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
         t = time.perf_counter()
         base = engine(baseline_format(model))
         try:
-            base_ppl = perplexity(base, windows, bars.task("baseline perplexity", int(windows.numel())))
+            base_ppl, base_top1 = scored_perplexity(base, windows, bars.task("baseline perplexity",
+                                                                            int(windows.numel())))
             base_extra = {p: perplexity(base, w) for p, w in extra.items()}
             conts = greedy_continuations(base, prompts, s.greedy_tokens)
             base_passkey = passkey(base, trials, bars.task("baseline passkey", _sequences_tokens(flat_trials)))
@@ -194,12 +203,13 @@ def run_evaluation(model_dir: str | Path, engines: list[EngineKV | str | Path], 
             eng = engine(e.fmt, e.k_scale, e.v_scale, e.rotation)
             try:
                 advance = bars.task(e.name, scored + greedy_tokens)
-                ppl = perplexity(eng, windows, advance)
+                ppl, top1 = scored_perplexity(eng, windows, advance)
                 pk = passkey(eng, trials, advance)
                 r = {
                     "kv_format": e.describe(), "kv_rotation": e.rotation.name, "note": e.note,
                     "perplexity": {**ppl, "change_pct": _pct(ppl["perplexity"], base_ppl["perplexity"])},
                     "greedy": greedy_agreement(eng, prompts, conts, advance),
+                    "top1": top1_agreement(base_top1, top1),
                     "passkey": {**pk, "rate_relative": pk["rate"] / base_passkey["rate"] if base_passkey["rate"]
                                 else None},
                     "attention_error": engine_attention_error(eng, inputs),

@@ -6,7 +6,7 @@ from typing import Any
 
 from runtime.kv_format import KVFormat
 
-HEADER = ("engine", "KV format", "perplexity", "Δ ppl", "greedy agree", "engine greedy", "passkey",
+HEADER = ("engine", "KV format", "perplexity", "Δ ppl", "greedy agree", "top-1 agree [95% CI]", "engine greedy", "passkey",
           "passkey vs base", "digit logp", "attn err (max)", "budget")
 
 
@@ -15,10 +15,11 @@ def _fmt_name(r: dict) -> str:
     if "layers" in f:  # a format per layer (runtime/layer_formats.py): its note names the layer runs
         return r.get("note") or "per layer"
     if f.get("v_dtype") is not None or f.get("group_size"):  # split / group formats: their KVFormat name
-        return KVFormat(**f).name
-    name = f.get("dtype", "?")
-    if f.get("dtype") not in ("fp32", "fp16", "bf16"):
-        name += f" {f.get('granularity', '')}" + ("" if f.get("symmetric", True) else " asym")
+        name = KVFormat(**f).name
+    else:
+        name = f.get("dtype", "?")
+        if f.get("dtype") not in ("fp32", "fp16", "bf16"):
+            name += f" {f.get('granularity', '')}" + ("" if f.get("symmetric", True) else " asym")
     rot = r.get("kv_rotation", "none")  # results written before rotations existed lack the key
     return name if rot == "none" else f"{name} + {rot}"
 
@@ -29,7 +30,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     for v in results.get("violations", []):
         bad.setdefault(v["engine"], []).append(v["metric"])
     bp = base["passkey"]
-    out = [("baseline", base["kv"], f"{base['perplexity']['perplexity']:.4f}", "—", "100%", "—",
+    out = [("baseline", base["kv"], f"{base['perplexity']['perplexity']:.4f}", "—", "100%", "100%", "—",
             f"{bp['found']}/{bp['trials']}", "1.00x", f"{_mean_logp(bp):.3f}", "—", "—")]
     for name, r in results["engines"].items():
         if "perplexity" not in r:
@@ -40,11 +41,16 @@ def rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
         verdict = "—" if "violations" not in results else ("FAIL: " + ", ".join(bad[name]) if name in bad else "pass")
         out.append((
             name, _fmt_name(r), f"{r['perplexity']['perplexity']:.4f}", f"{r['perplexity']['change_pct']:+.2f}%",
-            f"{r['greedy']['agreement']:.1%}", _engine_greedy(r), f"{p['found']}/{p['trials']}", rel,
+            f"{r['greedy']['agreement']:.1%}", _top1(r), _engine_greedy(r), f"{p['found']}/{p['trials']}", rel,
             f"{_mean_logp(p):.3f}",
             f"{r['attention_error']['max']:.4f} (L{r['attention_error']['worst_layer']})", verdict,
         ))
     return out
+
+
+def _top1(r: dict) -> str:
+    t = r.get("top1")  # results written before the metric existed lack the key
+    return "—" if t is None else f"{t['agreement']:.1%} [{t['ci95'][0]:.1%}, {t['ci95'][1]:.1%}]"
 
 
 def _engine_greedy(r: dict) -> str:
@@ -68,7 +74,9 @@ def markdown_table(results: dict[str, Any]) -> str:
         f"{results.get('attention', '?')}, batch-invariant mode {'on' if results.get('batch_invariant') else 'off'}). "
         f"Perplexity: {results['baseline']['perplexity']['tokens_scored']} held-out tokens in windows of "
         f"{results['baseline']['perplexity']['window_len']}. Greedy: {s['greedy_prompts']} prompts x "
-        f"{s['greedy_tokens']} tokens, teacher-forced on the baseline's tokens; engine greedy: free-running "
+        f"{s['greedy_tokens']} tokens, teacher-forced on the baseline's tokens; top-1 agree: the engine's most likely "
+        f"token equals the baseline's, at every scored position of the held-out text (Wilson 95% interval); "
+        f"engine greedy: free-running "
         f"generation through the paged engine, positions equal to the baseline. Passkey: {s['passkey_trials']} "
         f"trials at each of {s['passkey_lengths']} tokens; digit logp = mean log-probability of the true digits.",
     ]

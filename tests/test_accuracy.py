@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import helpers_calibration as H  # noqa: E402
 
+from calibration.accuracy import top1_agreement, wilson_interval  # noqa: E402
 from calibration.budget import check_budget, enforce_budget  # noqa: E402
 from calibration.calibrate import run_calibration, scales_for  # noqa: E402
 from calibration.engine_check import baseline_format, evaluation_engine, greedy_continuations  # noqa: E402
@@ -113,12 +114,39 @@ def test_evaluation_writes_results_and_flags_budget(tiny_results):
     g8 = on_disk["engines"]["int8-tok"]["engine_greedy"]  # the real paged engine with int8 per-token KV
     assert g8["prompts"] == 2 and 0.0 <= g8["position_match"] <= 1.0
     assert "| int4-tensor | int4 per_tensor |" in (out / "accuracy.md").read_text()
+    for r in on_disk["engines"].values():  # top-1 agreement: every scored position of the perplexity text
+        t = r["top1"]
+        assert t["positions"] == on_disk["baseline"]["perplexity"]["tokens_scored"]
+        assert t["ci95"][0] <= t["agreement"] <= t["ci95"][1]
+    assert "top-1 agree [95% CI]" in (out / "accuracy.md").read_text()
     bad = {(v["engine"], v["metric"]) for v in on_disk["violations"]}
     assert ("int4-tensor", "perplexity_change_pct") in bad
     with pytest.raises(AccuracyBudgetError, match="int4-tensor: perplexity .* exceeds the budget"):
         enforce_budget(res, budget)
     assert enforce_budget(res, budget, allow_regression=True)
     assert check_budget(res, {"max_perplexity_increase_pct": 1e9, "min_greedy_agreement": 0.0}) == []
+
+
+@pytest.mark.parametrize("k,n", [(0, 10), (3, 10), (10, 10), (7900, 8184), (250, 256)])
+def test_wilson_interval_bounds_solve_the_score_equation(k, n):
+    # the Wilson bounds are the p with (k/n - p)^2 = z^2 p (1 - p) / n; at k = 0 the upper one is z^2 / (n + z^2)
+    lo, hi = wilson_interval(k, n)
+    z, phat = 1.96, k / n
+    for p in (lo, hi):
+        assert (phat - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, abs=1e-12)
+    assert lo <= phat <= hi and 0.0 <= lo and hi <= 1.0
+    if k == 0:
+        assert (lo, hi) == (0.0, pytest.approx(z * z / (n + z * z), rel=1e-12))
+
+
+def test_top1_agreement_counts_matching_positions():
+    base = torch.arange(200)
+    other = base.clone()
+    other[::8] = -1  # 25 of 200 positions flip
+    t = top1_agreement(base, other)
+    assert t["agreement"] == 175 / 200 and t["positions"] == 200 and t["ci95"] == list(wilson_interval(175, 200))
+    with pytest.raises(ValueError, match="199 positions against a baseline of 200"):
+        top1_agreement(base, other[:-1])
 
 
 def test_budget_messages_say_by_how_much():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.kv_screen import NF4, ScreenRoundTrip, rule_for
+from benchmarks.kv_screen import MSE_ALPHAS, NF4, ScreenRoundTrip, rule_for
 from runtime.kv_format import KVFormat
-from runtime.kv_quant import dequantize, quantize_dynamic
+from runtime.kv_quant import dequantize, quantize, quantize_dynamic, round_up_to
 
 
 def _x(seed: int = 0) -> torch.Tensor:
@@ -54,3 +54,23 @@ def test_sink_tokens_are_kept_at_int8():
     fmt = KVFormat("int4", "per_token", False)
     q, s, z = quantize_dynamic(x[4:], fmt)
     assert torch.equal(v[4:], dequantize(q, fmt, s, z))
+
+
+def test_error_minimising_fp8_scale_is_never_worse_and_stays_on_the_fp8_grid():
+    x = _x(4)
+    for g in (0, 32):
+        fmt = KVFormat("fp8_e4m3", "per_token", True, "float16", g)
+        q, s, _ = quantize_dynamic(x, fmt)
+        shape = (-1, g) if g else (-1, 64)
+        plain = (dequantize(q, fmt, s).double() - x.double()).pow(2).reshape(*x.shape[:-1], *shape).sum(-1)
+        y = rule_for(f"mse:{fmt.name}")(x)
+        best = (y.double() - x.double()).pow(2).reshape(*x.shape[:-1], *shape).sum(-1)
+        assert bool((best <= plain + 1e-12).all()) and float(best.sum()) < float(plain.sum())
+        # each token-head (group) holds one candidate scale's round trip, whole
+        yg = y.reshape(*x.shape[:-1], *shape)
+        hit = torch.zeros(yg.shape[:-1], dtype=torch.bool)
+        for a in MSE_ALPHAS:
+            sa = round_up_to(s.float() * a, torch.float16)
+            ca = dequantize(quantize(x, fmt, sa), fmt, sa).reshape(yg.shape)
+            hit |= (ca == yg).all(-1)
+        assert bool(hit.all())

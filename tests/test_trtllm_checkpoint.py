@@ -335,7 +335,8 @@ def _recipe_ctx(tmp_path, *sets):
     from builder.pipeline import Context
     from recipes import load_recipe
 
-    r = load_recipe("smollm2-135m-fp8kv", ["backend=tensorrt-llm", "kv.granularity=per_tensor", *sets])
+    r = load_recipe("smollm2-135m-fp8kv", ["backend=tensorrt-llm", "kv.granularity=per_tensor", "kv.rotation=none",
+                                           *sets])
     return Context(r, tmp_path)
 
 
