@@ -90,3 +90,28 @@ def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     msgs = [{"role": "user", "content": question}]
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def run_chunks(model, caches, ids: list[int], bounds: list[int], block_size: int, backend=None) -> torch.Tensor:
+    """Every token's logits [T, vocab] with the prompt run through model.forward_paged as the chunks
+    [bounds[i], bounds[i+1]) of one sequence whose token p sits in slot p (pages 0, 1, ... in order); a 1-token
+    chunk after the first runs as a decode step."""
+    from runtime.config import ceil_div
+    from runtime.model import PagedBatch
+
+    table = torch.arange(ceil_div(len(ids), block_size), dtype=torch.int32)[None]
+    rows = []
+    for a, b in zip(bounds, bounds[1:]):
+        pos = torch.arange(a, b)
+        decode = b - a == 1 and a > 0
+        batch = PagedBatch(
+            input_ids=torch.tensor(ids[a:b]), positions=pos, slot_mapping=pos.clone(),
+            num_decode=1 if decode else 0, block_tables=table if decode else table[:0],
+            seq_lens=torch.tensor([b] if decode else [], dtype=torch.int32),
+            cu_seqlens=torch.tensor([0] if decode else [0, b - a], dtype=torch.int32),
+            logits_indices=torch.arange(b - a), max_position=b - 1,
+            context_lens=None if a == 0 or decode else torch.tensor([a], dtype=torch.int32),
+            prefill_block_tables=None if a == 0 or decode else table,
+        )
+        rows.append(model.forward_paged(batch, caches, backend))
+    return torch.cat(rows)

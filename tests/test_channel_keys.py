@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers_runtime import tiny_llama_dir
+from helpers_runtime import run_chunks, tiny_llama_dir
 
 from runtime import attention, batch_invariant
 from runtime.config import ModelConfig, ceil_div
 from runtime.errors import UnsupportedError
 from runtime.kv_format import PER_CHANNEL_TOKENS, KVFormat, format_fields, format_from_name, residual_bytes
 from runtime.kv_quant import dequantize_per_channel, quantize_per_channel, unpack_int4
-from runtime.model import LlamaModel, PagedBatch
+from runtime.model import LlamaModel
 from runtime.runner import allocate_pool, plan_pool
 from runtime.weights import open_weights
 
@@ -150,22 +150,7 @@ def _run_chunks(model: LlamaModel, ids: list[int], bounds: list[int]) -> torch.T
     ops (batch-invariant); a 1-token chunk after the first is a decode step."""
     plan = plan_pool(model.cfg, FMT, BLOCK, num_blocks=ceil_div(len(ids), BLOCK))
     caches = allocate_pool(model.cfg, FMT, plan, "cpu", None, None)
-    table = torch.arange(ceil_div(len(ids), BLOCK), dtype=torch.int32)[None]
-    rows = []
-    for a, b in zip(bounds, bounds[1:]):
-        pos = torch.arange(a, b)
-        decode = b - a == 1 and a > 0
-        batch = PagedBatch(
-            input_ids=torch.tensor(ids[a:b]), positions=pos, slot_mapping=pos.clone(),
-            num_decode=1 if decode else 0, block_tables=table if decode else table[:0],
-            seq_lens=torch.tensor([b] if decode else [], dtype=torch.int32),
-            cu_seqlens=torch.tensor([0] if decode else [0, b - a], dtype=torch.int32),
-            logits_indices=torch.arange(b - a), max_position=b - 1,
-            context_lens=None if a == 0 or decode else torch.tensor([a], dtype=torch.int32),
-            prefill_block_tables=None if a == 0 or decode else table,
-        )
-        rows.append(model.forward_paged(batch, caches, batch_invariant.backend()))
-    return torch.cat(rows)
+    return run_chunks(model, caches, ids, bounds, BLOCK, batch_invariant.backend())
 
 
 def test_decode_chunked_and_whole_prefill_give_the_same_bits(tiny_model):

@@ -244,9 +244,8 @@ def _stream(url: str, ids: list[int], max_tokens: int, timeout_s: float = 60) ->
     return got
 
 
-@pytest.mark.slow
-def test_a_dead_engine_process_fails_its_requests_and_the_server_stops_clean(engine_dir, tmp_path, monkeypatch):
-    from triton_repo import client, shm_regions
+def _start_server(engine_dir, tmp_path, monkeypatch):
+    """A real tritonserver serving engine_dir on the CPU, its shm records under tmp_path."""
     from triton_repo.repo_torch import write_repository
     from triton_repo.server import start_server
 
@@ -254,7 +253,14 @@ def test_a_dead_engine_process_fails_its_requests_and_the_server_stops_clean(eng
     repo = tmp_path / "repo"
     repo.mkdir()
     write_repository(engine_dir, repo, {"device": "cpu"})
-    server = start_server(repo, ready_timeout_s=180, log_dir=tmp_path)
+    return start_server(repo, ready_timeout_s=180, log_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_dead_engine_process_fails_its_requests_and_the_server_stops_clean(engine_dir, tmp_path, monkeypatch):
+    from triton_repo import client, shm_regions
+
+    server = _start_server(engine_dir, tmp_path, monkeypatch)
     try:
         pgid = server.process.pid
         (worker,) = _group_pids(pgid, "triton_repo.engine_worker")
@@ -285,14 +291,7 @@ def test_a_dead_engine_process_fails_its_requests_and_the_server_stops_clean(eng
 
 @pytest.mark.slow
 def test_stopping_the_server_stops_the_engine_process_through_finalize(engine_dir, tmp_path, monkeypatch):
-    from triton_repo.repo_torch import write_repository
-    from triton_repo.server import start_server
-
-    monkeypatch.setenv("KVQ_STATE_DIR", str(tmp_path / "state"))
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    write_repository(engine_dir, repo, {"device": "cpu"})
-    server = start_server(repo, ready_timeout_s=180, log_dir=tmp_path)
+    server = _start_server(engine_dir, tmp_path, monkeypatch)
     try:
         (worker,) = _group_pids(server.process.pid, "triton_repo.engine_worker")
         assert all(e is None for _, e in _stream(server.grpc_url, PROMPTS[0], MAX_TOKENS))

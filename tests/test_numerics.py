@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_runtime import tiny_llama_dir
+from helpers_runtime import run_chunks, tiny_llama_dir
 
 from runtime.config import ModelConfig, ceil_div
 from runtime.kv_format import KVFormat
 from runtime.kv_quant import dequantize, quantize, quantize_dynamic, static_scale_from_amax
-from runtime.model import LlamaModel, PagedBatch
+from runtime.model import LlamaModel
 from runtime.runner import allocate_pool, plan_pool
 from runtime.weights import open_weights
 
@@ -56,24 +56,8 @@ def _caches(model: LlamaModel, fmt: KVFormat, scales):
 
 
 def _run_chunks(model: LlamaModel, caches, ids: list[int], bounds: list[int]) -> torch.Tensor:
-    """Every token's logits [T, vocab] with the prompt run as the chunks [bounds[i], bounds[i+1]);
-    a 1-token chunk after the first runs as a decode step. Slots: token p in slot p."""
-    table = torch.arange(ceil_div(len(ids), BLOCK), dtype=torch.int32)[None]
-    rows = []
-    for a, b in zip(bounds, bounds[1:]):
-        pos = torch.arange(a, b)
-        decode = b - a == 1 and a > 0
-        batch = PagedBatch(
-            input_ids=torch.tensor(ids[a:b]), positions=pos, slot_mapping=pos.clone(),
-            num_decode=1 if decode else 0, block_tables=table if decode else table[:0],
-            seq_lens=torch.tensor([b] if decode else [], dtype=torch.int32),
-            cu_seqlens=torch.tensor([0] if decode else [0, b - a], dtype=torch.int32),
-            logits_indices=torch.arange(b - a), max_position=b - 1,
-            context_lens=None if a == 0 or decode else torch.tensor([a], dtype=torch.int32),
-            prefill_block_tables=None if a == 0 or decode else table,
-        )
-        rows.append(model.forward_paged(batch, caches))
-    return torch.cat(rows)
+    """Every token's logits [T, vocab] with the prompt run as the chunks [bounds[i], bounds[i+1])."""
+    return run_chunks(model, caches, ids, bounds, BLOCK)
 
 
 def _round_trip_observer(fmt: KVFormat, scales):
