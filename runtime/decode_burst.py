@@ -43,31 +43,27 @@ DEFAULT_BURST_STEPS = 8
 class _Buffers:
     batch: PagedBatch  # the step's inputs; each step writes the next one's
     active: torch.Tensor  # [size] int64: 1 for a real row, 0 for padding (which writes nowhere)
-    ring_tokens: torch.Tensor  # [2 * steps, size] int64: the pick of every step, two bursts' halves
-    ring_finite: torch.Tensor  # [2 * steps, size] bool: whether its logit was finite
+    ring_tokens: torch.Tensor  # [steps, size] int64: the pick of every step
+    ring_finite: torch.Tensor  # [steps, size] bool: whether its logit was finite
     counter: torch.Tensor  # [1] int64: the ring row the next step writes
-    host: tuple[torch.Tensor, torch.Tensor]  # [2, steps, size] the halves' copies on the host (pinned on CUDA)
+    host: tuple[torch.Tensor, torch.Tensor]  # [steps, size] the ring's copies on the host (pinned on CUDA)
     graph: torch.cuda.CUDAGraph | None = None
-    half: int = 0  # the ring half the next burst writes
 
 
 @dataclass(eq=False)
 class PendingBurst:
     """A burst launched on the device, its picks on their way to the host (`read`)."""
 
-    burst: DecodeBurst
     buf: _Buffers
     n: int  # its sequences, the buffer's first rows
     steps: int
-    positions: list[int]  # each sequence's position at the burst's first step
-    half: int
     event: torch.cuda.Event | None
 
     def read(self) -> tuple[list[list[int]], list[list[bool]]]:
         """Greedy tokens [steps][n] and whether each was finite; waits for this burst only."""
         if self.event is not None:
             self.event.synchronize()
-        tokens, finite = (h[self.half, : self.steps, : self.n] for h in self.buf.host)
+        tokens, finite = (h[: self.steps, : self.n] for h in self.buf.host)
         return tokens.tolist(), finite.tolist()
 
 
@@ -162,10 +158,10 @@ class DecodeBurst:
             logits_indices=torch.arange(size, device=dev), max_position=self.max_position,
         )
         pin = dev.type == "cuda"
-        host = (torch.zeros(2, self.steps, size, dtype=torch.int64, pin_memory=pin),
-                torch.zeros(2, self.steps, size, dtype=torch.bool, pin_memory=pin))
-        return _Buffers(batch, zeros(size), zeros(2 * self.steps, size),
-                        zeros(2 * self.steps, size, dtype=torch.bool), zeros(1), host)
+        host = (torch.zeros(self.steps, size, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(self.steps, size, dtype=torch.bool, pin_memory=pin))
+        return _Buffers(batch, zeros(size), zeros(self.steps, size), zeros(self.steps, size, dtype=torch.bool),
+                        zeros(1), host)
 
     def _step(self, buf: _Buffers) -> None:
         """One decode step, its pick, and the next step's inputs, all on the device."""
@@ -236,13 +232,12 @@ class DecodeBurst:
         b.seq_lens.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
         b.slot_mapping.copy_(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [-1] * pad))
         buf.active.copy_(torch.tensor([1] * n + [0] * pad))
-        buf.counter.zero_()
         if self.use_graphs and self.failure is None and buf.graph is None:
             try:
                 self._capture(buf)
             except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why
                 self.failure = f"{type(e).__name__}: {e}"
-        return self._replay(buf, n, steps, positions)
+        return self._replay(buf, n, steps)
 
     def _load_tables(self, buf: _Buffers, tables: list[list[int]]) -> None:
         size, width = buf.batch.block_tables.shape
@@ -252,21 +247,19 @@ class DecodeBurst:
             host_tables[i, : min(len(t), width)] = t[:width]
         buf.batch.block_tables.copy_(torch.from_numpy(host_tables).to(self.model.device, non_blocking=True))
 
-    def _replay(self, buf: _Buffers, n: int, steps: int, positions: list[int]) -> PendingBurst:
-        """`steps` steps into the buffer's next ring half, whose rows then start for the host."""
-        half, buf.half = buf.half, 1 - buf.half
-        buf.counter.fill_(half * self.steps)
+    def _replay(self, buf: _Buffers, n: int, steps: int) -> PendingBurst:
+        """`steps` steps into the buffer's ring from its first row, whose rows then start for the host."""
+        buf.counter.zero_()
         for _ in range(steps):
             if buf.graph is not None:
                 buf.graph.replay()
             else:
                 self._step(buf)
         self.steps_run += steps
-        rows = slice(half * self.steps, half * self.steps + steps)
         event = None
         for host, ring in zip(buf.host, (buf.ring_tokens, buf.ring_finite)):
-            host[half, :steps].copy_(ring[rows], non_blocking=ring.is_cuda)
+            host[:steps].copy_(ring[:steps], non_blocking=ring.is_cuda)
         if self.model.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return PendingBurst(self, buf, n, steps, positions, half, event)
+        return PendingBurst(buf, n, steps, event)
