@@ -63,7 +63,9 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine.from_dir(eut.engine_dir, device=device, memory_budget=wl.memory_budget)
+    ctx_len = wl.prompt_len + wl.output_len
+    # seq_tokens: per-channel keys keep fp16 residual blocks for the requests of this length that fit, not more
+    engine = Engine.from_dir(eut.engine_dir, device=device, memory_budget=wl.memory_budget, seq_tokens=ctx_len)
     cfg, fmt = engine.cfg, engine.formats  # one KVFormat per layer
     try:
         bpt = kv_bytes_per_token(cfg, fmt)
@@ -72,12 +74,12 @@ def measure_engine(eut: EngineUnderTest, wl: Workload, device: str) -> dict[str,
         # The runtime's own sizing rule (plan_pool, on the planner's bytes/token) predicts the pool;
         # `measured` is what the engine really allocated.
         seqs = engine.scheduler.max_batch_size
-        planned_blocks = plan_pool(cfg, fmt, block, memory_budget=wl.memory_budget, max_num_seqs=seqs).num_blocks \
-            if wl.memory_budget else blocks
+        pplan = plan_pool(cfg, fmt, block, memory_budget=wl.memory_budget, max_num_seqs=seqs,
+                          seq_tokens=ctx_len) if wl.memory_budget else None
+        planned_blocks = pplan.num_blocks if pplan else blocks
         measured = engine.stats.pool_allocated_bytes  # summed over the tensors really allocated
         # per-channel keys' fp16 residual blocks are part of the pool (0 for other formats)
-        planned = planned_blocks * block * bpt + residual_bytes(cfg, fmt, seqs)
-        ctx_len = wl.prompt_len + wl.output_len
+        planned = planned_blocks * block * bpt + residual_bytes(cfg, fmt, pplan.residual_slots if pplan else seqs)
         per_request_blocks = math.ceil(ctx_len / block)
         max_conc = max(1, min(engine.scheduler.max_batch_size, blocks // per_request_blocks))
         vocab = cfg.vocab_size

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from recipes import Recipe
 from runtime.config import ModelConfig, ceil_div
 from runtime.errors import InputError, RecipeError, UnsupportedError
-from runtime.kv_format import KVFormat, kv_bytes_per_token, residual_bytes
+from runtime.kv_format import KVFormat, kv_bytes_per_token, residual_bytes, resident_seqs
 from runtime.layer_formats import formats_name, uniform_format
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -123,8 +123,13 @@ def make_plan(
     for f in fmts:
         total = kv_bytes_per_token(cfg, f)
         per_gpu = kv_bytes_per_token(cfg, f, tp, pp)
-        # per-channel keys: the fp16 residual blocks of the sequences being written come out of the pool first
-        tokens = int(max(0, pool - residual_bytes(cfg, f, recipe.build.max_batch_size, tp, pp)) // per_gpu)
+        # per-channel keys: one fp16 residual block per resident sequence comes out of the pool, for at most
+        # max_batch_size sequences and no more than fit (kv_format.resident_seqs), as the engine allocates them
+        batch, one = recipe.build.max_batch_size, residual_bytes(cfg, f, 1, tp, pp)
+        conc = {c: resident_seqs(pool, c * per_gpu, one, batch) for c in contexts}
+        tokens = int(max(0, pool - residual_bytes(cfg, f, min(batch, conc[min(contexts)]), tp, pp)) // per_gpu)
+        if not one:
+            conc = {c: tokens // c for c in contexts}
         rows.append(FormatPlan(
             format=formats_name(f) if isinstance(f, tuple) else f.name,
             recipe_format=(f == mine),
@@ -132,7 +137,7 @@ def make_plan(
             bytes_per_token_per_gpu=per_gpu,
             kv_per_request_gib={c: total * c / GIB for c in contexts},
             pool_tokens=tokens,
-            max_concurrency={c: tokens // c for c in contexts},
+            max_concurrency=conc,
             capacity_vs_baseline=base_bpt / per_gpu,
         ))
     return Plan(recipe.name, recipe.model.preset or recipe.model.path or "?", tp, pp, mem,
@@ -159,6 +164,7 @@ def render_plan(plan: Plan) -> str:
     if plan.pool_bytes_per_gpu == 0:
         lines.append("\nThe weights do not leave room for a KV pool: add GPUs (--gpus N) or use a larger GPU.")
     lines.append("\n* = this recipe's KV format. Per-token formats include their scale (and zero-point) bytes; "
-                 "per-channel keys their blocks' channel scales, and pool tokens leave room for one fp16 key "
-                 "block per sequence (build.max_batch_size).")
+                 "per-channel keys their blocks' channel scales and one fp16 key block per resident sequence "
+                 "(at most build.max_batch_size): pool tokens are what is left beside the residual of the "
+                 "shortest context's requests.")
     return "\n".join(lines)

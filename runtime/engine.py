@@ -140,14 +140,16 @@ class Engine:
         max_tokens_per_step: int | None = None, cuda_graphs: bool | None = None,
         batch_invariant: bool | None = None, prefix_caching: bool | None = None, tp: int | None = None,
         tp_invariant: bool | None = None, burst_steps: int | None = None, fused_ops: bool | None = None,
-        kv_rotation: KVRotation | str | None = None,
+        kv_rotation: KVRotation | str | None = None, seq_tokens: int | None = None,
     ) -> Engine:
         """tp > 1: this process is rank 0 of a tensor-parallel engine and starts the other ranks
         (or, under torchrun, every rank calls this; ranks other than 0 serve until rank 0 shuts
         down, then return their stopped engine). tp_invariant: the same bits for every tp
         (docs/tensor_parallel.md). runtime/parallel/ has the details.
         kv_rotation: None reads the engine's own (kv_format.json "rotation"); 'none' / 'hadamard' /
-        a KVRotation override it (the weights are folded at load time, so any rotation is exact)."""
+        a KVRotation override it (the weights are folded at load time, so any rotation is exact).
+        seq_tokens: the tokens a request is sized for; per-channel keys then keep fp16 residual blocks only for the
+        requests of that length the pool holds (runner.plan_pool), and run at most that many at once."""
         rank_args = {k: v for k, v in locals().items() if k not in ("cls", "path")}  # every rank's from_dir
         d = Path(path)
         if not d.is_dir():
@@ -180,7 +182,7 @@ class Engine:
     def _from_model(cls, model: LlamaModel, d: Path, settings, fmt: tuple[KVFormat, ...], k_scales, v_scales, *,
                     max_batch_size, num_blocks, memory_budget, attention, block_size, max_seq_len,
                     max_tokens_per_step, cuda_graphs, batch_invariant, prefix_caching, tp, tp_invariant, burst_steps,
-                    fused_ops, **_) -> Engine:
+                    fused_ops, seq_tokens=None, **_) -> Engine:
         cfg, dev = model.cfg, model.device
         model.exact_row_sums = _pick(tp_invariant, settings.tp_invariant)
         batch = max_batch_size or settings.max_batch_size or (8 if dev.type == "cpu" else 64)
@@ -194,7 +196,10 @@ class Engine:
             if tp > 1:  # every rank's pool holds the same blocks: the smallest budget
                 gpu_budget = model.group.min_int(gpu_budget)
         plan = plan_pool(cfg, fmt, bsz, num_blocks=num_blocks, memory_budget=memory_budget,
-                         gpu_free_budget=gpu_budget, default_tokens=batch * seq_len, tp=tp, max_num_seqs=batch)
+                         gpu_free_budget=gpu_budget, default_tokens=batch * seq_len, tp=tp, max_num_seqs=batch,
+                         seq_tokens=seq_tokens)
+        if any(f.per_channel_keys for f in fmt):  # one residual slot per running sequence: admit no more
+            batch = min(batch, plan.residual_slots)
         invariant = _pick(batch_invariant, settings.batch_invariant, dev.type == "cpu")
         one_gpu = dev.type == "cuda" and tp == 1  # bursts and the fused ops run on one device (docs/decode_step.md)
         bursts = one_gpu and not any(f.per_channel_keys for f in fmt)  # per-channel keys: no burst kernels

@@ -377,6 +377,17 @@ def residual_bytes(cfg: ModelConfig, fmt: KVFormat | Sequence[KVFormat], max_num
     return int(_most_loaded_stage([block if f.per_channel_keys else 0 for f in formats], pp))
 
 
+def resident_seqs(pool: float, seq_bytes: float, residual_seq: float, max_num_seqs: int) -> int:
+    """Sequences of `seq_bytes` pool bytes each that `pool` holds at once, where (per-channel keys) each resident
+    sequence, up to max_num_seqs of them, also takes `residual_seq` bytes of fp16 residual blocks: the largest n
+    with n * seq_bytes + min(n, max_num_seqs) * residual_seq <= pool. Beyond max_num_seqs the residual is fixed,
+    so tokens alone limit n (the planner counts full-length requests past the batch size too)."""
+    n = int(max(0.0, pool) // (seq_bytes + residual_seq))
+    if n < max_num_seqs:
+        return n
+    return int(max(0.0, pool - max_num_seqs * residual_seq) // seq_bytes)
+
+
 def _most_loaded_stage(per_layer: list[float], pp: int) -> float:
     """The largest sum over a pipeline stage's layers: consecutive layers, the first `layers % pp` stages one more."""
     base, extra = divmod(len(per_layer), pp)

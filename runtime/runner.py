@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .errors import InputError, NumericsError
 from .kv_cache import LayerCache, allocate_layer
-from .kv_format import KVFormat, kv_bytes_per_token, residual_bytes, residual_slots
+from .kv_format import KVFormat, kv_bytes_per_token, residual_bytes, resident_seqs, residual_slots
 from .layer_formats import as_layer_formats
 from .model import LlamaModel, PagedBatch
 from .scheduler import Step
@@ -36,6 +36,7 @@ class PoolPlan:
     block_size: int
     bytes_per_token: float
     source: str  # how the size was chosen: num_blocks / memory_budget / gpu_free_memory / cpu_default
+    residual_slots: int = 1  # per-channel keys: fp16 residual blocks per layer, one per resident sequence
 
     @property
     def tokens(self) -> int:
@@ -57,15 +58,24 @@ def plan_pool(
     default_tokens: int = 0,
     tp: int = 1,
     max_num_seqs: int = 1,
+    seq_tokens: int | None = None,
 ) -> PoolPlan:
     """Blocks for the pool, from (first given wins) an explicit count, a byte budget,
     the measured free GPU memory, or a default token count capped for the CPU.
     `fmt`: one format, or one per layer (bytes per token are the sum over layers). With tp ranks, bytes
     are per rank: the most loaded rank's share of the KV heads. Per-channel-key layers' fp16 residual blocks
-    (kv_format.residual_bytes, for max_num_seqs sequences) come out of a byte budget first."""
+    (kv_format.residual_bytes) come out of a byte budget first: one per sequence that can be resident, i.e.
+    max_num_seqs, or, given `seq_tokens` (the tokens a sequence is sized for), at most the sequences of that
+    length the budget holds with their residual (kv_format.resident_seqs), so the residual does not eat the pool."""
     bpt = kv_bytes_per_token(cfg, fmt, tp)
     per_block = block_size * bpt
-    residual = residual_bytes(cfg, fmt, max_num_seqs, tp)
+    budget = memory_budget if memory_budget is not None else gpu_free_budget
+    slots = max_num_seqs
+    one = residual_bytes(cfg, fmt, 1, tp)
+    if num_blocks is None and budget is not None and seq_tokens and one:
+        fit = resident_seqs(budget, -(-seq_tokens // block_size) * per_block, one, max_num_seqs)
+        slots = max(1, min(max_num_seqs, fit))
+    residual = residual_bytes(cfg, fmt, slots, tp)
     if num_blocks is not None:
         n, src = int(num_blocks), "num_blocks"
     elif memory_budget is not None:
@@ -80,7 +90,7 @@ def plan_pool(
             f"the KV pool would hold no block ({src}: {block_size} tokens x {bpt:.0f} bytes/token per block); "
             "raise memory_budget / num_blocks / gpu_memory_fraction, or use a smaller KV format."
         )
-    return PoolPlan(n, block_size, bpt, src)
+    return PoolPlan(n, block_size, bpt, src, slots)
 
 
 def allocate_pool(

@@ -14,8 +14,9 @@ from helpers_runtime import run_chunks, tiny_llama_dir
 
 from runtime import attention, batch_invariant
 from runtime.config import ModelConfig, ceil_div
-from runtime.errors import UnsupportedError
-from runtime.kv_format import PER_CHANNEL_TOKENS, KVFormat, format_fields, format_from_name, residual_bytes
+from runtime.errors import InputError, UnsupportedError
+from runtime.kv_format import (PER_CHANNEL_TOKENS, KVFormat, format_fields, format_from_name, kv_bytes_per_token,
+                               residual_bytes, resident_seqs)
 from runtime.kv_quant import dequantize_per_channel, quantize_per_channel, unpack_int4
 from runtime.model import LlamaModel
 from runtime.runner import allocate_pool, plan_pool
@@ -135,6 +136,11 @@ def test_attention_reads_own_block_fp16_and_earlier_blocks_quantized(ops):
 
 
 # ----------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> LlamaModel:
     d = tiny_llama_dir(tmp_path_factory)
@@ -258,3 +264,75 @@ def test_recipes_refuse_it_for_tensorrt_llm_and_other_block_sizes():
     with pytest.raises(ValueError, match="no INT4 KV cache and no per-channel key scales.*fp8_e4m3-per_tensor"):
         Recipe.model_validate({**base, "backend": "tensorrt-llm", "build": {"block_size": 64}})
     assert Recipe.model_validate({**base, "build": {"block_size": 64}}).kv.to_format() == FMT
+
+
+def _most_resident(pool: int, seq: int, one: int, cap: int) -> int:
+    """Brute force: the largest n with n * seq + min(n, cap) * one <= pool."""
+    n = 0
+    while (n + 1) * seq + min(n + 1, cap) * one <= pool:
+        n += 1
+    return n
+
+
+def test_resident_seqs_solves_the_pool_for_n():
+    for pool in (0, 1, 99, 100, 101, 999, 4096):
+        for seq, one, cap in ((7, 3, 4), (10, 0, 2), (1, 50, 8), (33, 64, 1)):
+            assert resident_seqs(pool, seq, one, cap) == _most_resident(pool, seq, one, cap), (pool, seq, one, cap)
+
+
+def test_budget_keeps_residual_blocks_only_for_the_sequences_that_fit(tiny_model):
+    """Given the tokens a request is sized for, the residual blocks are min(max_num_seqs, what fits) and the
+    rest of the budget is blocks: n requests of 3 blocks each and their residual fit, n + 1 do not."""
+    cfg = tiny_model.cfg
+    one, per_block = residual_bytes(cfg, FMT, 1), BLOCK * kv_bytes_per_token(cfg, FMT)
+    seq = 3 * per_block  # 160 tokens: 3 blocks of 64
+    budget = int(2 * (seq + one) + per_block)  # 2 requests with their residual, and a spare block
+    plan = plan_pool(cfg, FMT, BLOCK, memory_budget=budget, max_num_seqs=8, seq_tokens=160)
+    assert plan.residual_slots == 2
+    assert plan.num_blocks == (budget - 2 * one) // per_block == 7
+    # without a request length every one of max_num_seqs sequences gets a residual block: here none is left
+    with pytest.raises(InputError, match="no block"):
+        plan_pool(cfg, FMT, BLOCK, memory_budget=budget, max_num_seqs=8)
+    # a budget past max_num_seqs' requests keeps max_num_seqs residual blocks
+    assert plan_pool(cfg, FMT, BLOCK, memory_budget=10 * (seq + one), max_num_seqs=8, seq_tokens=160).residual_slots == 8
+    # other formats have no residual: the sizing is as before
+    fp16 = KVFormat("fp16")
+    assert plan_pool(cfg, fp16, BLOCK, memory_budget=budget, max_num_seqs=8, seq_tokens=160).num_blocks == \
+        budget // (BLOCK * kv_bytes_per_token(cfg, fp16))
+
+
+def test_engine_runs_no_more_sequences_than_residual_blocks(tiny_dir):
+    """A budget for 2 requests of 160 tokens: the engine allocates the plan's bytes exactly (blocks + 2 residual
+    blocks), admits 2 sequences at a time and serves 5 requests to the end (the rest wait, nothing raises)."""
+    from runtime.engine import Engine
+
+    cfg = ModelConfig.from_dir(tiny_dir)
+    one, per_block = residual_bytes(cfg, FMT, 1), BLOCK * kv_bytes_per_token(cfg, FMT)
+    budget = int(2 * (3 * per_block + one) + per_block)
+    eng = Engine.from_dir(tiny_dir, kv_format=NAME, memory_budget=budget, max_batch_size=8, seq_tokens=160)
+    try:
+        st = eng.stats
+        assert eng.scheduler.max_batch_size == 2 and all(c.residual.num_slots == 2 for c in eng.runner.caches)
+        assert st.pool_blocks == 7
+        assert st.pool_allocated_bytes == st.pool_bytes + residual_bytes(cfg, FMT, 2) <= budget
+        out = eng.generate([_prompt(i, 100) for i in range(5)], max_tokens=60, ignore_eos=True)
+        assert [len(g.token_ids) for g in out] == [60] * 5
+        assert max(st.step_batch_sizes) == 2
+        assert all(not c.residual.of_block for c in eng.runner.caches)
+    finally:
+        eng.shutdown()
+
+
+def test_residual_slots_refuse_a_block_when_all_are_taken():
+    """ResidualSlots: a block past the last slot is refused (None) where optional, an UnsupportedError naming
+    the cause where required; a released slot serves the next block."""
+    from runtime.kv_cache import ResidualSlots
+
+    res = ResidualSlots(2)
+    assert {res.take(10), res.take(11)} == {0, 1} and res.take(10) == res.of_block[10]
+    assert res.take(12, required=False) is None
+    with pytest.raises(UnsupportedError, match="residual"):
+        res.take(12)
+    slot = res.of_block[10]
+    res.release(10)
+    assert res.take(12) == slot

@@ -67,6 +67,30 @@ def test_compare_reports_memory_throughput_and_plots(engines, tmp_path):
     assert res["baseline"] == "fp16"
 
 
+def test_per_channel_keys_run_as_many_requests_as_fit_with_their_residual(engines, tmp_path):
+    """Per-channel keys under the same budget: each request of 32 tokens takes one 64-token block and one fp16 key
+    block per layer (8 KiB here), so 2 fit (32 KiB // 13.25 KiB); residual blocks for all 16 sequences of
+    max_batch_size would not even fit the budget. The allocated pool equals the plan."""
+    from runtime.kv_format import format_fields, format_from_name, residual_bytes
+
+    fmt = format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym")
+    d = tmp_path / "kivi"
+    d.mkdir()
+    for f in engines[0].engine_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / "kv_format.json").write_text(json.dumps(format_fields(fmt)))
+    one, per_block = residual_bytes(CFG, fmt, 1), 64 * kv_bytes_per_token(CFG, fmt)
+    assert BUDGET < 16 * one
+    wl = Workload(prompt_len=24, output_len=8, concurrency=[1], num_requests=3, seed=0, memory_budget=BUDGET)
+    compare_engines([EngineUnderTest("kivi", d, None)], wl, "cpu", tmp_path / "out", "test")
+    r = json.loads((tmp_path / "out" / "report.json").read_text())["engines"][0]
+    n = BUDGET // (per_block + one)
+    assert n == 2 and r["max_concurrency"] == n
+    assert r["pool_blocks"] == (BUDGET - n * one) // per_block
+    assert r["measured_pool_bytes"] == r["planned_pool_bytes"] <= BUDGET and r["planner_error_pct"] == 0
+    assert all(run["errors"] == 0 and run["max_batch"] <= run["concurrency"] for run in r["runs"])
+
+
 def test_compare_stage_builds_its_variants_through_the_pipeline(tmp_path):
     """kvq-build's compare stage builds every variant with the pipeline runner its context carries."""
     from builder.run import build_pipeline

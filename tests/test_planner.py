@@ -53,6 +53,29 @@ def test_plan_concurrency_follows_from_pool_and_bytes():
     assert int4.capacity_vs_baseline == pytest.approx(512 / 136)
 
 
+def test_per_channel_keys_residual_takes_one_block_per_resident_request():
+    """smollm2-135m-int4kv on a pool of a few thousand tokens: each request costs its tokens and one fp16 key
+    block per layer (30 x 3 heads x 64 x 64 x 2 bytes), for at most max_batch_size (8) requests: the largest n
+    with n * (c * bytes/token) + min(n, 8) * residual <= pool, computed here from the geometry."""
+    r = load_recipe("smollm2-135m-int4kv")
+    plan = make_plan(r, contexts=[160, 2048], gpu_memory=parse_bytes("0.61GB"), reserve=0)
+    rows = {f.format: f for f in plan.formats}
+    mine, fp16 = next(f for f in plan.formats if f.recipe_format), rows["fp16"]
+    cfg = PRESETS["smollm2-135m"]
+    one = cfg.num_layers * cfg.num_kv_heads * 64 * cfg.head_dim * 2
+    bpt = cfg.num_layers * cfg.num_kv_heads * 2 * (cfg.head_dim / 2 + 4)  # 4-bit codes + 4 bytes of scales
+    assert mine.bytes_per_token_per_gpu == bpt
+    pool = plan.pool_bytes_per_gpu
+    for c in (160, 2048):
+        n = max(k for k in range(0, 10**5) if k * c * bpt + min(k, 8) * one <= pool)
+        assert mine.max_concurrency[c] == n, c
+    n160 = mine.max_concurrency[160]
+    assert 0 < n160 < 8 and fp16.max_concurrency[160] < n160
+    assert mine.pool_tokens == int((pool - n160 * one) // bpt)
+    # sizing the residual for all 8 sequences would leave room for fewer requests
+    assert n160 > int((pool - 8 * one) // bpt) // 160
+
+
 def test_parse_bytes_units():
     assert parse_bytes("141GB") == 141 * 10**9
     assert parse_bytes("80GiB") == 80 * GiB
