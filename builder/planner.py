@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from recipes import Recipe
 from runtime.config import ModelConfig, ceil_div
 from runtime.errors import InputError, RecipeError, UnsupportedError
-from runtime.kv_format import KVFormat, kv_bytes_per_token, residual_bytes, resident_seqs
+from runtime.kv_format import KVFormat, kv_bytes_per_token, resident_seqs, residual_bytes
 from runtime.layer_formats import formats_name, uniform_format
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .errors import InputError, NumericsError
 from .kv_cache import LayerCache, allocate_layer
-from .kv_format import KVFormat, kv_bytes_per_token, residual_bytes, resident_seqs, residual_slots
+from .kv_format import KVFormat, kv_bytes_per_token, resident_seqs, residual_bytes, residual_slots
 from .layer_formats import as_layer_formats
 from .model import LlamaModel, PagedBatch
 from .scheduler import Step

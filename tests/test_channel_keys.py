@@ -15,8 +15,15 @@ from helpers_runtime import run_chunks, tiny_llama_dir
 from runtime import attention, batch_invariant
 from runtime.config import ModelConfig, ceil_div
 from runtime.errors import InputError, UnsupportedError
-from runtime.kv_format import (PER_CHANNEL_TOKENS, KVFormat, format_fields, format_from_name, kv_bytes_per_token,
-                               residual_bytes, resident_seqs)
+from runtime.kv_format import (
+    PER_CHANNEL_TOKENS,
+    KVFormat,
+    format_fields,
+    format_from_name,
+    kv_bytes_per_token,
+    resident_seqs,
+    residual_bytes,
+)
 from runtime.kv_quant import dequantize_per_channel, quantize_per_channel, unpack_int4
 from runtime.model import LlamaModel
 from runtime.runner import allocate_pool, plan_pool
