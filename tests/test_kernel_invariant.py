@@ -34,7 +34,10 @@ def test_gemm_rows_do_not_depend_on_the_row_count(dtype, n, k):
     full = invariant_gemm.linear(x, w)
     for m in (1, 7, 64, 300):
         assert torch.equal(invariant_gemm.linear(x[:m], w), full[:m]), f"rows of an M={m} product differ"
-    for i in (5, 64, 130, 299):  # a row alone sits at row 0 of its tile: the position in the tile is no input
+    # A row alone sits at row 0 of its tile: on the GPU the position in the tile is no input. Under the
+    # interpreter a tile's dot is numpy's matmul, whose BLAS may round a row by its position in the tile
+    # (OpenBLAS on AMD EPYC does), so there the rows-of-a-prefix checks above carry the property.
+    for i in (5, 64, 130, 299) if CUDA else ():
         assert torch.equal(invariant_gemm.linear(x[i:i + 1], w)[0], full[i]), f"row {i} alone differs"
     # the values: fp64 oracle, within 4x torch's own error at this precision plus an ulp of the result. The
     # kernel sums K in one fixed order (its error grows like sqrt(K)); cuBLAS splits K into more partial sums
