@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BlockManager
-from .config import ModelConfig
+from .config import ModelConfig, ceil_div
 from .cuda_graphs import DecodeGraphs
 from .errors import InputError, NumericsError
 from .kv_cache import LayerCache, allocate_layer
@@ -73,7 +73,7 @@ def plan_pool(
     slots = max_num_seqs
     one = residual_bytes(cfg, fmt, 1, tp)
     if num_blocks is None and budget is not None and seq_tokens and one:
-        fit = resident_seqs(budget, -(-seq_tokens // block_size) * per_block, one, max_num_seqs)
+        fit = resident_seqs(budget, ceil_div(seq_tokens, block_size) * per_block, one, max_num_seqs)
         slots = max(1, min(max_num_seqs, fit))
     residual = residual_bytes(cfg, fmt, slots, tp)
     if num_blocks is not None:
