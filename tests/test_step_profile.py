@@ -43,9 +43,6 @@ def test_every_scenario_has_each_mode_with_its_components(profile):
         assert step["components_ms"] == pytest.approx(total)
         assert step["unattributed_ms"] == pytest.approx(step["gpu_step_ms"] - total)
         assert step["host_ms"] >= 0 and step["gpu_step_ms"] + step["host_ms"] >= step["step_ms"] * (1 - 1e-9)
-        # the components are the step's own ops: alone (medians) they take no longer than the step, which runs
-        # them all; 2x leaves room for a shared CPU's stalls
-        assert total <= 2 * step["step_ms"]
         assert step["tok_s"] == pytest.approx(step["batch"] / step["step_ms"] * 1e3)
         assert step["tokens_match"] is True
         bursts = step["mode"] != "legacy"  # the invariant mode's engine runs bursts too
