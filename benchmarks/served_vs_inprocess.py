@@ -170,7 +170,8 @@ def run_inprocess(engine_dir: Path, ids: list[list[int]], warm: list[list[int]],
         steps = {b: sizes.count(b) for b in set(sizes)}
         row = summarize("inprocess", res["traces"], wall, cpu, steps)
         row.update(cuda_graphs=engine.stats.cuda_graphs, attention=engine.stats.attention,
-                   kv_bytes_per_token=engine.stats.kv_bytes_per_token)
+                   kv_bytes_per_token=engine.stats.kv_bytes_per_token, warm_up_s=engine.stats.warm_up_s,
+                   serving_compiles=engine.stats.serving_compiles)
         return row
     finally:
         engine.shutdown()
@@ -315,7 +316,7 @@ def markdown(rows: list[dict], args, machine: str) -> str:
 def engines_to_serve(args) -> list[tuple[str, str, LayerFormats, str, list[str]]]:
     """(part, engine name, formats, preset, served paths) for every engine, checked before a server starts."""
     plan = [("deployment", n, (parse_kv_format_name(n),) * PRESETS[args.preset].num_layers, args.preset,
-             ["engine", "ensemble"] + (["openai"] if args.openai else []))
+             [p for p in args.paths.split(",") if p != "openai" or args.openai])
             for n in filter(None, args.formats.split(","))]
     if args.kv_layers != "none":
         num_layers = PRESETS[args.layer_preset].num_layers
@@ -349,10 +350,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=64, help="the synthetic-8b recipes' block_size")
+    ap.add_argument("--paths", default="engine,ensemble,openai", help="served paths of the deployment")
     ap.add_argument("--no-openai", dest="openai", action="store_false", help="skip the OpenAI frontend path")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.requests = args.requests or args.concurrency
+    if not args.paths or set(args.paths.split(",")) - {"engine", "ensemble", "openai"}:
+        raise SystemExit(f"--paths {args.paths!r}: give one or more of engine, ensemble, openai.")
     if args.openai:
         try:
             import fastapi  # noqa: F401

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import channel_keys, parallel, scoring
+from . import channel_keys, parallel, scoring, warmup
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
@@ -63,6 +63,7 @@ class Engine:
         max_batch_size: int = 8, max_seq_len: int | None = None, max_tokens_per_step: int = 2048,
         attention: str = "auto", max_input_len: int | None = None, cuda_graphs: bool = True,
         batch_invariant: bool = False, prefix_caching: bool = True, burst_steps: int = 0, fused_ops: bool = False,
+        warm_up: bool = True,
     ):
         self.model, self.cfg, self.tokenizer = model, model.cfg, tokenizer
         # one KVFormat per layer (runtime/layer_formats.py); a uniform engine repeats one
@@ -110,6 +111,17 @@ class Engine:
             cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
             burst_steps=burst_steps, fused_ops=fused_ops, kv_rotation=model.rotation.name,
         )
+        # compile, at load, the kernels the shapes of a step can need (runtime/warmup.py). Not where the synthetic
+        # steps would not be inert: per-channel keys keep per-request state, the batch-invariant prefill reads the
+        # step's K/V back from its slots, a tensor-parallel step needs every rank
+        if model.device.type == "cuda":
+            warmup.count_compiles()
+        if warm_up and model.device.type == "cuda" and can_capture(self.backend) and not tensor_parallel and \
+                not batch_invariant and not any(f.per_channel_keys for f in self.formats):
+            self.stats.warm_up_s = warmup.warm_up(
+                model, caches, self.backend, max_batch=max_batch_size, max_seq_len=self.max_seq_len,
+                max_tokens_per_step=max_tokens_per_step, pool_tokens=plan.tokens)
+        self._compiles_at_load = warmup.compiles()
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
@@ -340,6 +352,7 @@ class Engine:
 
     def _step(self) -> None:
         self.steps.step()
+        self.stats.serving_compiles = warmup.compiles() - self._compiles_at_load
 
     def _fail(self, seqs: list[Sequence], e: Exception) -> None:
         self.steps.fail(seqs, e)

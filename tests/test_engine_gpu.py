@@ -118,3 +118,26 @@ def test_per_channel_keys_run_the_reference_ops_on_cuda(tmp_path_factory):
     assert agree >= 0.95, agree
     with pytest.raises(UnsupportedError, match="no Triton kernel"):
         Engine.from_dir(d, device="cuda", dtype="float32", kv_format=fmt, num_blocks=32, attention="triton")
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("bf16"), KVFormat("fp8_e4m3", "per_token"), KVFormat("int4", "per_token", False)],
+                         ids=lambda f: f.name)
+def test_serving_compiles_no_kernel_after_the_warm_up(tmp_path_factory, fmt):
+    """The load's warm-up (runtime/warmup.py) compiled every kernel a varied workload meets: waves of 1 to the
+    engine's limit of prompts of 1 to 700 tokens (chunked by the step budget), decoding past a split."""
+    import random
+
+    from runtime import warmup
+
+    d = tiny_llama_dir(tmp_path_factory)
+    eng = Engine.from_dir(d, device="cuda", dtype="bfloat16", kv_format=fmt, num_blocks=1500, block_size=16,
+                          max_batch_size=24, max_tokens_per_step=256)
+    try:
+        assert eng.stats.warm_up_s > 0 and eng.stats.cuda_graphs
+        rng = random.Random(0)
+        for n in (1, 5, 24, 17, 3, 24):
+            prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 700))] for _ in range(n)]
+            eng.generate(prompts, max_tokens=rng.randrange(2, 40), ignore_eos=True)
+            assert eng.stats.serving_compiles == 0, (n, warmup.recent_compiles())
+    finally:
+        eng.shutdown()

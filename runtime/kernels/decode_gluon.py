@@ -131,7 +131,8 @@ if gluon is not None:
         _tile_words,
     )
 
-    @gluon.jit
+    # ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+    @gluon.jit(do_not_specialize=["num_splits", "stride_btb"])
     def _decode_kernel_gluon(
         Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
         qk_scale, tokens_per_split, num_splits,

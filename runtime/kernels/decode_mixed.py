@@ -100,7 +100,8 @@ def _q_columns(Q, q_row, hmask, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, K
     return qa, qb
 
 
-@triton.jit
+# ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_mixed_kernel(
     Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
     qk_scale, tokens_per_split, num_splits,

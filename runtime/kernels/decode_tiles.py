@@ -19,7 +19,8 @@ from .dequant import _dot, _operand
 from .group_io import _group_q, _program_tokens, _static_folds, _store_group, _tile_pages
 
 
-@triton.jit
+# ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_kernel(
     Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
     qk_scale, tokens_per_split, num_splits,

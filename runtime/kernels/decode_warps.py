@@ -97,7 +97,8 @@ def _pv(p, v, HEADS_N: tl.constexpr, DOT: tl.constexpr):
     return o
 
 
-@triton.jit
+# ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_kernel_warps(
     Q, K, V, KS, VS, KZ, VZ, BT, SEQ, OUT, PM, PL, PACC,
     qk_scale, tokens_per_split, num_splits,

@@ -36,7 +36,8 @@ from .dequant import _dequant_v, _dot, _operand, _unpack
 from .group_io import _softmax_step, _static_folds, _stored_columns, _tile_pages
 
 
-@triton.jit
+# ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+@triton.jit(do_not_specialize=["max_ctx", "num_chunks", "stride_btb"])
 def _prefill_context_kernel(
     Q, KN, VN, K, V, KS, VS, KZ, VZ, BT, CU, CTX, OUT,
     qk_scale, max_ctx, num_chunks,

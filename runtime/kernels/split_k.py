@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     PM, PL, PACC, OUT, num_splits, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,

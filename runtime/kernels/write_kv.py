@@ -174,7 +174,8 @@ def _encode(xa, xb, s, y, k, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.con
     return out
 
 
-@triton.jit
+# ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     K, V, KC, VC, KS, VS, KZ, VZ, SLOTS,
     num_tokens,

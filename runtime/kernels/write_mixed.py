@@ -135,7 +135,8 @@ def _side_write(
                  mask=mask_t[:, None] & (half < HEAD_DIM // 2)[None, :])
 
 
-@triton.jit
+# ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_mixed_kernel(
     K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
