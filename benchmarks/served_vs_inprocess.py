@@ -51,6 +51,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -211,7 +212,8 @@ def measure_served(name, server, ids, warm, args, frontend_url=None, first=False
             return asyncio.run(_engine_streams(server.grpc_url, ps, max_tokens, args.concurrency))
         url, kw = (frontend_url, {"openai": True, "model": "synthetic"}) if name == "openai" else (server.grpc_url, {})
         res = run_bench(url, args.concurrency, len(ps), max_tokens=max_tokens, prompts=[as_text(p) for p in ps],
-                        apply_chat_template=False, temperature=0.0, keep_token_times=keep, timeout_s=600, **kw)
+                        apply_chat_template=False, temperature=0.0, keep_token_times=keep, timeout_s=600,
+                        processes=args.client_processes, **kw)
         if res["summary"]["errors"]:
             raise SystemExit(f"{name}: {res['summary']['error_messages']}")
         return [(r["start"], r["token_times"]) for r in res["requests"]] if keep else None
@@ -220,12 +222,20 @@ def measure_served(name, server, ids, warm, args, frontend_url=None, first=False
     if first:
         go(ids, 4, False)  # the measured prompts' prefill shapes, once per server
     before = client.engine_metrics(server.metrics_url)
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, t0 = client_cpu_s(), time.perf_counter()
     runs = go(ids, args.output_len, True)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wall, cpu = time.perf_counter() - t0, client_cpu_s() - cpu0
+    # the load's span, from the first send to the last token: not the client processes' start-up
+    wall = max((t[-1] for _, t in runs if t), default=t0 + wall) - min((s for s, _ in runs), default=t0)
     time.sleep(1.2)  # kvq_engine publishes its step counters every 0.1 s
     steps = _step_delta(before, client.engine_metrics(server.metrics_url))
     return summarize(name, runs, wall, cpu if name != "openai" else None, steps)
+
+
+def client_cpu_s() -> float:
+    """CPU seconds of this process and of the client processes it has reaped (run_bench's --client-processes)."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
 
 
 def start_frontend(grpc_url: str, port: int) -> subprocess.Popen:
@@ -352,6 +362,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64, help="the synthetic-8b recipes' block_size")
     ap.add_argument("--paths", default="engine,ensemble,openai", help="served paths of the deployment")
     ap.add_argument("--no-openai", dest="openai", action="store_false", help="skip the OpenAI frontend path")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="client processes of the ensemble and openai paths (run_bench's processes)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.requests = args.requests or args.concurrency

@@ -308,6 +308,20 @@ def test_bench_reports_throughput_and_latency(served, tmp_path):
     assert "TTFT p50" in r.output
 
 
+def test_bench_spreads_its_streams_over_client_processes(served):
+    """Two client processes, 3 streams in all, 7 requests: every request answered once, as one process answers
+    it (greedy), and every token of the request timed."""
+    kw = dict(concurrency=3, num_requests=7, max_tokens=6, keep_token_times=True, apply_chat_template=False)
+    one = run_bench(served["grpc"], **kw)
+    two = run_bench(served["grpc"], processes=2, **kw)
+    assert two["summary"]["completed"] == 7 and two["summary"]["errors"] == 0
+    assert [r["index"] for r in two["requests"]] == list(range(7))
+    assert [r["text"] for r in two["requests"]] == [r["text"] for r in one["requests"]]
+    assert all(r["num_tokens"] == len(r["token_times"]) > 0 and r["start"] <= r["token_times"][0]
+               for r in two["requests"])
+    assert two["summary"]["output_tokens"] == sum(r["num_tokens"] for r in two["requests"])
+
+
 def test_bench_counts_errors_when_the_server_is_gone():
     port = free_port()
     result = run_bench(f"127.0.0.1:{port}", concurrency=2, num_requests=2, max_tokens=2, timeout_s=5)

@@ -150,33 +150,19 @@ def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> 
     }
 
 
-def run_bench(
-    url: str,
-    concurrency: int,
-    num_requests: int,
-    max_tokens: int = 16,
-    prompts: tuple[str, ...] | list[str] = DEFAULT_PROMPTS,
-    model: str = ENSEMBLE,
-    timeout_s: float = 300.0,
-    openai: bool = False,
-    keep_token_times: bool = False,
-    **request_fields: Any,
-) -> dict[str, Any]:
-    """Returns {"summary": {...}, "requests": [per-request dicts]}. With `openai`, `url` is the
-    endpoint's base URL (http://HOST:PORT/v1) and `model` the served model name."""
-    if concurrency < 1 or num_requests < 1 or max_tokens < 1:
-        raise InputError("concurrency, requests and max_tokens must each be at least 1.")
-    if not prompts:
-        raise InputError("no prompts to send; pass --prompt at least once.")
-    results: list[RequestResult | None] = [None] * num_requests
-    next_index = iter(range(num_requests))
+def _share(url: str, indices: list[int], workers: int, max_tokens: int, prompts, model: str, timeout_s: float,
+           openai: bool, request_fields: dict[str, Any], barrier=None) -> dict[int, RequestResult]:
+    """Requests `indices` over `workers` threads, each with its own client, sending one request after another.
+    With a `barrier` (another process's share), the threads start when every share is ready."""
+    results: dict[int, RequestResult] = {}
+    todo = iter(indices)
     lock = threading.Lock()
 
     def worker(api) -> None:
         try:
             while True:
                 with lock:
-                    i = next(next_index, None)
+                    i = next(todo, None)
                 if i is None:
                     return
                 req = GenerateRequest(prompts[i % len(prompts)], max_tokens=max_tokens, **request_fields)
@@ -188,16 +174,92 @@ def run_bench(
             if api is not None:
                 api.close()
 
-    n = min(concurrency, num_requests)
+    n = min(workers, len(indices))
     apis = [openai_client(url, timeout_s) if openai else None for _ in range(n)]
     threads = [threading.Thread(target=worker, args=(apis[k],), name=f"kvq-bench-{k}") for k in range(n)]
-    t0 = time.perf_counter()
+    if barrier is not None:
+        barrier.wait()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    done = [r for r in results if r is not None]
+    return results
+
+
+def _share_process(queue, barrier, *args) -> None:
+    try:
+        queue.put(_share(*args, barrier=barrier))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it; never leave the others at the barrier
+        barrier.abort()
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def _run_processes(processes: int, n: int, num_requests: int, args: tuple, timeout_s: float
+                   ) -> tuple[dict[int, RequestResult], float]:
+    """The requests in `processes` shares (every processes-th request), n workers in all; the clock starts when
+    every share's clients are built."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # not fork: the parent may hold gRPC threads
+    barrier, queue = ctx.Barrier(processes + 1), ctx.Queue()
+    procs = [ctx.Process(target=_share_process, daemon=True,
+                         args=(queue, barrier, args[0], list(range(k, num_requests, processes)),
+                               n // processes + (k < n % processes), *args[1:]))
+             for k in range(processes)]
+    for p in procs:
+        p.start()
+    results: dict[int, RequestResult] = {}
+    try:
+        barrier.wait(timeout=120)
+        t0 = time.perf_counter()
+        for _ in procs:
+            got = queue.get(timeout=timeout_s + 60)
+            if isinstance(got, str):
+                raise ServerError(f"a bench process failed: {got}")
+            results.update(got)
+        wall = time.perf_counter() - t0
+    except threading.BrokenBarrierError:
+        raise ServerError("a bench process failed before its requests started: "
+                          f"{queue.get(timeout=10) if not queue.empty() else 'no message'}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results, wall
+
+
+def run_bench(
+    url: str,
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int = 16,
+    prompts: tuple[str, ...] | list[str] = DEFAULT_PROMPTS,
+    model: str = ENSEMBLE,
+    timeout_s: float = 300.0,
+    openai: bool = False,
+    keep_token_times: bool = False,
+    processes: int = 1,
+    **request_fields: Any,
+) -> dict[str, Any]:
+    """Returns {"summary": {...}, "requests": [per-request dicts]}. With `openai`, `url` is the
+    endpoint's base URL (http://HOST:PORT/v1) and `model` the served model name. `processes` > 1 spreads
+    the workers over that many client processes: one Python client process saturates a core (the GIL) at
+    a few thousand streamed responses a second, below what a GPU server sends at hundreds of streams."""
+    if concurrency < 1 or num_requests < 1 or max_tokens < 1 or processes < 1:
+        raise InputError("concurrency, requests, max_tokens and processes must each be at least 1.")
+    if not prompts:
+        raise InputError("no prompts to send; pass --prompt at least once.")
+    n = min(concurrency, num_requests)
+    args = (url, max_tokens, tuple(prompts), model, timeout_s, openai, request_fields)
+    processes = min(processes, n)
+    if processes == 1:
+        t0 = time.perf_counter()
+        results = _share(url, list(range(num_requests)), n, *args[1:])
+        wall = time.perf_counter() - t0
+    else:
+        results, wall = _run_processes(processes, n, num_requests, args, timeout_s)
+    done = [results[i] for i in sorted(results)]
     rows = [{**asdict(r), "ttft_s": r.ttft_s, "num_tokens": len(r.token_times)} for r in done]
     if not keep_token_times:
         for row in rows:

@@ -53,6 +53,14 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template.")
 @click.option("--model", default=None, help="Default: ensemble (gRPC), the served model (--openai).")
 @click.option(
+    "--processes",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Client processes the streams are spread over (one Python client saturates a core at a few "
+    "thousand responses a second).",
+)
+@click.option(
     "--json",
     "json_out",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -68,6 +76,7 @@ def command(
     prompts: tuple[str, ...],
     chat: bool,
     model: str | None,
+    processes: int,
     json_out: Path | None,
 ) -> None:
     """Throughput, time to first token and inter-token latency under N concurrent streams.
@@ -89,6 +98,7 @@ def command(
         model=model,
         apply_chat_template=chat,
         openai=openai_url is not None,
+        processes=processes,
     )
     s = result["summary"]
     table = Table(title=f"kvq bench: {url} ({model})")
