@@ -252,6 +252,28 @@ def test_incremental_detokenization_with_multibyte_characters(reference):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_incremental_detokenization_of_a_long_stream_decodes_a_window(reference):
+    """Token by token over ~1,000 tokens of mixed text (accents, emoji, CJK, code, spaces before punctuation): the
+    pieces add up to the whole decode, none shows a half character, and each response decodes a bounded window
+    (tokens decoded grow linearly with the stream, not quadratically)."""
+    tok = reference["tokenizer"]
+    text = "".join(f"Line {i}: crème brûlée 😀 costs {i}€ — 日本語の文章 , ok ? def f(x): return x ** {i}\n"
+                   for i in range(40))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 900
+    decoded = []
+
+    class Counting:
+        def decode(self, part, **kw):
+            decoded.append(len(part))
+            return tok.decode(part, **kw)
+
+    pieces = [protocol.text_delta(Counting(), ids[: n + 1], n, final=n == len(ids) - 1) for n in range(len(ids))]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)
+    assert sum(decoded) <= 2 * (4 * protocol.DELTA_CONTEXT + 1) * len(ids)
+
+
 def test_stop_words_end_generation(served, reference):
     full = reference["texts"][PROMPTS[0]]  # "The capital of France is Paris..."
     text = client.generate(served["http"], _chat(PROMPTS[0], stop_words=[" France"]))

@@ -266,11 +266,22 @@ def _settled_text(tokenizer, ids: list[int], final: bool) -> str:
     return text if final else text.rstrip("\ufffd")
 
 
+DELTA_CONTEXT = 8  # tokens decoded before the new ones: enough for any character split across tokens
+
+
 def text_delta(tokenizer, ids: list[int], prev_len: int, final: bool) -> str:
     """Text that tokens ids[prev_len:] add to what ids[:prev_len] already showed (stateless, so each
-    streamed response can be detokenized on its own given the cumulative ids)."""
-    shown = _settled_text(tokenizer, ids[:prev_len], final=False)
-    now = _settled_text(tokenizer, ids, final)
+    streamed response can be detokenized on its own given the cumulative ids).
+
+    Only a window is decoded: the new tokens and DELTA_CONTEXT before them (moved back while it would start
+    inside a character), both decodes from the same token, so whatever a decode does to its first token
+    cancels. A stream of n tokens then costs O(n) decoding instead of O(n^2)."""
+    start = max(0, prev_len - DELTA_CONTEXT)
+    shown = _settled_text(tokenizer, ids[start:prev_len], final=False)
+    while start > 0 and (not shown or shown.startswith("\ufffd")) and prev_len - start < 4 * DELTA_CONTEXT:
+        start -= 1
+        shown = _settled_text(tokenizer, ids[start:prev_len], final=False)
+    now = _settled_text(tokenizer, ids[start:], final)
     if now.startswith(shown):
         return now[len(shown) :]
     common = 0  # tokenizers may rewrite the tail (e.g. space clean-up); resend from the divergence
