@@ -51,7 +51,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -208,34 +207,30 @@ def measure_served(name, server, ids, warm, args, frontend_url=None, first=False
     from triton_repo.bench import run_bench
 
     def go(ps, max_tokens, keep):
+        """The requests' (send time, token times) and the client's CPU seconds while they ran."""
         if name == "engine":
-            return asyncio.run(_engine_streams(server.grpc_url, ps, max_tokens, args.concurrency))
+            cpu0 = time.process_time()
+            runs = asyncio.run(_engine_streams(server.grpc_url, ps, max_tokens, args.concurrency))
+            return runs, time.process_time() - cpu0
         url, kw = (frontend_url, {"openai": True, "model": "synthetic"}) if name == "openai" else (server.grpc_url, {})
         res = run_bench(url, args.concurrency, len(ps), max_tokens=max_tokens, prompts=[as_text(p) for p in ps],
                         apply_chat_template=False, temperature=0.0, keep_token_times=keep, timeout_s=600,
                         processes=args.client_processes, **kw)
         if res["summary"]["errors"]:
             raise SystemExit(f"{name}: {res['summary']['error_messages']}")
-        return [(r["start"], r["token_times"]) for r in res["requests"]] if keep else None
+        runs = [(r["start"], r["token_times"]) for r in res["requests"]] if keep else None
+        return runs, res["summary"]["client_cpu_s"]
 
     go(warm, 4, False)  # this path's client and the engine's batch shapes
     if first:
         go(ids, 4, False)  # the measured prompts' prefill shapes, once per server
     before = client.engine_metrics(server.metrics_url)
-    cpu0, t0 = client_cpu_s(), time.perf_counter()
-    runs = go(ids, args.output_len, True)
-    wall, cpu = time.perf_counter() - t0, client_cpu_s() - cpu0
+    runs, cpu = go(ids, args.output_len, True)
     # the load's span, from the first send to the last token: not the client processes' start-up
-    wall = max((t[-1] for _, t in runs if t), default=t0 + wall) - min((s for s, _ in runs), default=t0)
+    wall = max((t[-1] for _, t in runs if t), default=0.0) - min((s for s, _ in runs), default=0.0)
     time.sleep(1.2)  # kvq_engine publishes its step counters every 0.1 s
     steps = _step_delta(before, client.engine_metrics(server.metrics_url))
     return summarize(name, runs, wall, cpu if name != "openai" else None, steps)
-
-
-def client_cpu_s() -> float:
-    """CPU seconds of this process and of the client processes it has reaped (run_bench's --client-processes)."""
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + kids.ru_utime + kids.ru_stime
 
 
 def start_frontend(grpc_url: str, port: int) -> subprocess.Popen:

@@ -111,13 +111,11 @@ class Engine:
             cuda_graphs=graphs is not None, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
             burst_steps=burst_steps, fused_ops=fused_ops, kv_rotation=model.rotation.name,
         )
-        # compile, at load, the kernels the shapes of a step can need (runtime/warmup.py). Not where the synthetic
-        # steps would not be inert: per-channel keys keep per-request state, the batch-invariant prefill reads the
-        # step's K/V back from its slots, a tensor-parallel step needs every rank
+        # compile, at load, the kernels the shapes of a step can need (runtime/warmup.py)
         if model.device.type == "cuda":
             warmup.count_compiles()
-        if warm_up and model.device.type == "cuda" and can_capture(self.backend) and not tensor_parallel and \
-                not batch_invariant and not any(f.per_channel_keys for f in self.formats):
+        if warm_up and warmup.applies(model, self.backend, self.formats, tensor_parallel=tensor_parallel,
+                                      batch_invariant=batch_invariant):
             self.stats.warm_up_s = warmup.warm_up(
                 model, caches, self.backend, max_batch=max_batch_size, max_seq_len=self.max_seq_len,
                 max_tokens_per_step=max_tokens_per_step, pool_tokens=plan.tokens)

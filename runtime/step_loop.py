@@ -54,7 +54,7 @@ class EngineStats:
     kv_rotation: str = "none"  # K/V rotated before they are stored (runtime/rotation.py)
     burst_steps: int = 0  # greedy decode steps per host read-back (runtime/decode_burst.py); 0: every step
     fused_ops: bool = False  # norms, RoPE and SwiGLU as fused Triton kernels (runtime/kernels/small_ops.py)
-    warm_up_s: float = 0.0  # the load's synthetic steps and graph captures (runtime/warmup.py)
+    warm_up_s: float = 0.0  # the load's synthetic steps (runtime/warmup.py)
     serving_compiles: int = 0  # kernels this process compiled after the warm-up, while serving: 0 is the goal
 
     def as_dict(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ choose (tile, split count, ring stages), a bucket (the prefill's chunk lanes, th
 tokens a program), or an integer argument's class (1, a multiple of 16, other). On the H200 each compile takes
 about a second, and the step loop, with every request in flight, waits for it: served from a cold kernel cache,
 the first wave of 256 requests got its first tokens after 2.8-6.5 s instead of 0.6 s
-(benchmarks/results/served_vs_inprocess.md). So a single-GPU engine, once loaded, runs eager steps of synthetic
+(benchmarks/results/served_ttft_kernel_cache.md). So a single-GPU engine, once loaded, runs eager steps of synthetic
 batches over the shapes a step can take:
 
   * one prompt of T tokens, T over the token counts that change a plan or an integer's class;
@@ -32,6 +32,7 @@ from collections import deque
 import torch
 
 from .config import ceil_div
+from .cuda_graphs import can_capture  # whether the write and decode ops are Triton's
 from .kv_cache import LayerCache
 from .model import LlamaModel, PagedBatch
 
@@ -129,6 +130,14 @@ def _batch(dev, ids: int, *, decode: int = 0, context: int = 1, chunks: int = 0,
 
 
 @torch.inference_mode()
+def applies(model: LlamaModel, backend, formats, *, tensor_parallel: bool, batch_invariant: bool) -> bool:
+    """Whether an engine warms up: a single CUDA device on the Triton ops, where the synthetic steps are inert.
+    Not with per-channel keys (per-request residual state), the batch-invariant prefill (it reads the step's
+    K/V back from its slots) or tensor parallelism (a step needs every rank)."""
+    return (model.device.type == "cuda" and can_capture(backend) and not tensor_parallel and not batch_invariant
+            and not any(f.per_channel_keys for f in formats))
+
+
 def warm_up(model: LlamaModel, caches: list[LayerCache], backend, *, max_batch: int, max_seq_len: int,
             max_tokens_per_step: int, pool_tokens: int) -> float:
     """Run the synthetic steps; returns the seconds they took."""

@@ -150,10 +150,11 @@ def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> 
     }
 
 
-def _share(url: str, indices: list[int], workers: int, max_tokens: int, prompts, model: str, timeout_s: float,
-           openai: bool, request_fields: dict[str, Any], barrier=None) -> dict[int, RequestResult]:
-    """Requests `indices` over `workers` threads, each with its own client, sending one request after another.
-    With a `barrier` (another process's share), the threads start when every share is ready."""
+def _share(indices: list[int], workers: int, url: str, max_tokens: int, prompts, model: str, timeout_s: float,
+           openai: bool, request_fields: dict[str, Any], barrier=None) -> tuple[dict[int, RequestResult], float]:
+    """Requests `indices` over `workers` threads, each with its own client, sending one request after another;
+    and the CPU seconds this process spent while they ran. With a `barrier` (another process's share), the
+    threads start when every share is ready."""
     results: dict[int, RequestResult] = {}
     todo = iter(indices)
     lock = threading.Lock()
@@ -179,11 +180,12 @@ def _share(url: str, indices: list[int], workers: int, max_tokens: int, prompts,
     threads = [threading.Thread(target=worker, args=(apis[k],), name=f"kvq-bench-{k}") for k in range(n)]
     if barrier is not None:
         barrier.wait()
+    cpu0 = time.process_time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return results
+    return results, time.process_time() - cpu0
 
 
 def _share_process(queue, barrier, *args) -> None:
@@ -195,20 +197,21 @@ def _share_process(queue, barrier, *args) -> None:
 
 
 def _run_processes(processes: int, n: int, num_requests: int, args: tuple, timeout_s: float
-                   ) -> tuple[dict[int, RequestResult], float]:
+                   ) -> tuple[dict[int, RequestResult], float, float]:
     """The requests in `processes` shares (every processes-th request), n workers in all; the clock starts when
-    every share's clients are built."""
+    every share's clients are built. Returns the results, the wall time and the shares' CPU seconds."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # not fork: the parent may hold gRPC threads
     barrier, queue = ctx.Barrier(processes + 1), ctx.Queue()
     procs = [ctx.Process(target=_share_process, daemon=True,
-                         args=(queue, barrier, args[0], list(range(k, num_requests, processes)),
-                               n // processes + (k < n % processes), *args[1:]))
+                         args=(queue, barrier, list(range(k, num_requests, processes)),
+                               n // processes + (k < n % processes), *args))
              for k in range(processes)]
     for p in procs:
         p.start()
     results: dict[int, RequestResult] = {}
+    cpu = 0.0
     try:
         barrier.wait(timeout=120)
         t0 = time.perf_counter()
@@ -216,7 +219,8 @@ def _run_processes(processes: int, n: int, num_requests: int, args: tuple, timeo
             got = queue.get(timeout=timeout_s + 60)
             if isinstance(got, str):
                 raise ServerError(f"a bench process failed: {got}")
-            results.update(got)
+            results.update(got[0])
+            cpu += got[1]
         wall = time.perf_counter() - t0
     except threading.BrokenBarrierError:
         raise ServerError("a bench process failed before its requests started: "
@@ -226,7 +230,7 @@ def _run_processes(processes: int, n: int, num_requests: int, args: tuple, timeo
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return results, wall
+    return results, wall, cpu
 
 
 def run_bench(
@@ -255,13 +259,13 @@ def run_bench(
     processes = min(processes, n)
     if processes == 1:
         t0 = time.perf_counter()
-        results = _share(url, list(range(num_requests)), n, *args[1:])
+        results, cpu = _share(list(range(num_requests)), n, *args)
         wall = time.perf_counter() - t0
     else:
-        results, wall = _run_processes(processes, n, num_requests, args, timeout_s)
+        results, wall, cpu = _run_processes(processes, n, num_requests, args, timeout_s)
     done = [results[i] for i in sorted(results)]
     rows = [{**asdict(r), "ttft_s": r.ttft_s, "num_tokens": len(r.token_times)} for r in done]
     if not keep_token_times:
         for row in rows:
             del row["token_times"]
-    return {"summary": summarize(done, wall, concurrency), "requests": rows}
+    return {"summary": {**summarize(done, wall, concurrency), "client_cpu_s": cpu}, "requests": rows}
