@@ -218,19 +218,24 @@ def measure_served(name, server, ids, warm, args, frontend_url=None, first=False
                         processes=args.client_processes, **kw)
         if res["summary"]["errors"]:
             raise SystemExit(f"{name}: {res['summary']['error_messages']}")
-        runs = [(r["start"], r["token_times"]) for r in res["requests"]] if keep else None
+        # a response may carry several tokens; this tokenizer's tokens are its words, so count them exactly
+        runs = [(r["start"], [t for t, text in zip(r["token_times"], r["token_texts"]) for _ in text.split()])
+                for r in res["requests"]] if keep else None
         return runs, res["summary"]["client_cpu_s"]
 
     go(warm, 4, False)  # this path's client and the engine's batch shapes
     if first:
         go(ids, 4, False)  # the measured prompts' prefill shapes, once per server
+    time.sleep(1.2)  # kvq_engine publishes its counters every 0.1 s: let them count the warm-up's last steps
     before = client.engine_metrics(server.metrics_url)
     runs, cpu = go(ids, args.output_len, True)
     # the load's span, from the first send to the last token: not the client processes' start-up
     wall = max((t[-1] for _, t in runs if t), default=0.0) - min((s for s, _ in runs), default=0.0)
-    time.sleep(1.2)  # kvq_engine publishes its step counters every 0.1 s
-    steps = _step_delta(before, client.engine_metrics(server.metrics_url))
-    return summarize(name, runs, wall, cpu if name != "openai" else None, steps)
+    time.sleep(1.2)
+    after = client.engine_metrics(server.metrics_url)
+    row = summarize(name, runs, wall, cpu if name != "openai" else None, _step_delta(before, after))
+    row["engine_tokens"] = after["generated_tokens"] - before["generated_tokens"]  # the server's own count
+    return row
 
 
 def start_frontend(grpc_url: str, port: int) -> subprocess.Popen:
@@ -298,7 +303,8 @@ def run_format(name: str, formats: LayerFormats, preset: str, paths: list[str], 
         r.update(engine=name, kv_format=formats_name(formats), preset=preset, device=args.device,
                  concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len,
                  attention=inproc["attention"], kv_bytes_per_token=inproc["kv_bytes_per_token"],
-                 decode_vs_inprocess=r["decode_tokens_per_s"] / base if base else float("nan"))
+                 decode_vs_inprocess=r["decode_tokens_per_s"] / base if base else float("nan"),
+                 all_vs_inprocess=r["tokens_per_s"] / inproc["tokens_per_s"] if inproc["tokens_per_s"] else float("nan"))
     return rows
 
 
@@ -307,12 +313,14 @@ def markdown(rows: list[dict], args, machine: str) -> str:
         return ""
     head = (f"## Served vs in-process: {args.preset} geometry (synthetic weights), {args.concurrency} concurrent "
             f"requests, {args.prompt_len} prompt + {args.output_len} output tokens, greedy\n\n{machine}\n\n"
-            "| KV | path | decode tok/s | vs in-process | tok/s (all) | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-            "| mean batch | client CPU/s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| KV | path | decode tok/s | vs in-process | tok/s (all) | vs in-process | tokens: client / server "
+            "| TTFT p50 / p99 ms | ITL p50 / p99 ms | mean batch | client CPU/s |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     f = lambda v, p=1: "-" if v is None or v != v else f"{v:,.{p}f}"  # noqa: E731
     body = "".join(
         f"| {r['kv_format']} | {r['path']} | {f(r['decode_tokens_per_s'])} | {f(100 * r['decode_vs_inprocess'])}% "
-        f"| {f(r['tokens_per_s'])} | {f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} "
+        f"| {f(r['tokens_per_s'])} | {f(100 * r['all_vs_inprocess'])}% | {r['tokens']:,} / {f(r.get('engine_tokens'), 0)} "
+        f"| {f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} "
         f"| {f(r['itl_ms_p50'], 2)} / {f(r['itl_ms_p99'], 2)} | {f(r.get('mean_batch'))} "
         f"| {f(r['client_cpu_per_wall'], 2)} |\n" for r in rows)
     return head + body

@@ -258,7 +258,9 @@ def test_client_disconnect_cancels_the_engine_request(served):
 
 # --------------------------------------------------------------------- bench
 def test_kvq_bench_drives_the_openai_endpoint(served, tmp_path):
+    """It counts generated tokens as the engine does (the stream's `usage`), not streamed chunks."""
     out = tmp_path / "bench.json"
+    before = wait_idle(served["metrics"])
     r = CliRunner().invoke(
         cli,
         ["bench", "--openai", served["base"], "--concurrency", "2", "--requests", "4", "--max-tokens", "6",
@@ -267,6 +269,8 @@ def test_kvq_bench_drives_the_openai_endpoint(served, tmp_path):
     assert r.exit_code == 0, r.output
     s = json.loads(out.read_text())["summary"]
     assert s["completed"] == 4 and s["errors"] == 0 and s["output_tokens"] > 4
+    assert s["output_tokens"] == wait_idle(served["metrics"])["generated_tokens"] - before["generated_tokens"]
+    assert 0 < s["responses"] <= s["output_tokens"]
     assert 0 < s["ttft_ms_p50"] <= s["ttft_ms_p99"] and 0 < s["itl_ms_p50"]
 
 

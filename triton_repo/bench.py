@@ -44,7 +44,15 @@ class RequestResult:
     text: str = ""
     start: float = 0.0
     end: float = 0.0
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # arrival of every response that carried text
+    token_texts: list[str] = field(default_factory=list)  # that response's text
+    usage_tokens: int | None = None  # the server's own count of generated tokens, where it reports one
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens: the server's count (OpenAI `usage`), else one per response. A server under load
+        may put several tokens in one response, so the gRPC count is a lower bound there."""
+        return self.usage_tokens if self.usage_tokens is not None else len(self.token_times)
 
     @property
     def ttft_s(self) -> float | None:
@@ -63,6 +71,7 @@ def one_request(
         for ev in stream(grpc_url, request, model=model, timeout_s=timeout_s):
             if ev.has_output:
                 res.token_times.append(ev.t)
+                res.token_texts.append(ev.text)
                 res.text += ev.text
         res.ok = True
     except KvqError as e:
@@ -85,7 +94,7 @@ def one_openai_request(api, index: int, request: GenerateRequest, model: str) ->
     import openai
 
     res = RequestResult(index, request.prompt, ok=False, start=time.perf_counter())
-    kw = {"model": model, "max_tokens": request.max_tokens, "stream": True,
+    kw = {"model": model, "max_tokens": request.max_tokens, "stream": True, "stream_options": {"include_usage": True},
           "temperature": 0.0 if request.temperature is None else request.temperature}
     if request.top_p is not None:
         kw["top_p"] = request.top_p
@@ -102,7 +111,10 @@ def one_openai_request(api, index: int, request: GenerateRequest, model: str) ->
             text = text_of(chunk)
             if text:
                 res.token_times.append(time.perf_counter())
+                res.token_texts.append(text)
                 res.text += text
+            if getattr(chunk, "usage", None) is not None:  # the last chunk, with stream_options include_usage
+                res.usage_tokens = chunk.usage.completion_tokens
         res.ok = True
     except openai.APIError as e:
         res.error = f"{type(e).__name__}: {e}"
@@ -130,7 +142,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
-    tokens = sum(len(r.token_times) for r in ok)
+    tokens = sum(r.num_tokens for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [x for r in ok for x in r.itls_s]
     return {
@@ -140,6 +152,7 @@ def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> 
         "concurrency": concurrency,
         "wall_s": wall_s,
         "output_tokens": tokens,
+        "responses": sum(len(r.token_times) for r in ok),
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "ttft_ms_p50": _pct(ttfts, 50),
@@ -264,8 +277,8 @@ def run_bench(
     else:
         results, wall, cpu = _run_processes(processes, n, num_requests, args, timeout_s)
     done = [results[i] for i in sorted(results)]
-    rows = [{**asdict(r), "ttft_s": r.ttft_s, "num_tokens": len(r.token_times)} for r in done]
+    rows = [{**asdict(r), "ttft_s": r.ttft_s, "num_tokens": r.num_tokens} for r in done]
     if not keep_token_times:
         for row in rows:
-            del row["token_times"]
+            del row["token_times"], row["token_texts"]
     return {"summary": {**summarize(done, wall, concurrency), "client_cpu_s": cpu}, "requests": rows}
