@@ -69,11 +69,13 @@ def test_pool_sized_from_free_gpu_memory_with_synthetic_weights(tmp_path):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("fmt", [KVFormat("fp32"), KVFormat("fp8_e4m3", "per_token")], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [KVFormat("fp32"), KVFormat("fp8_e4m3", "per_token"),
+                                 KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False)],
+                         ids=lambda f: f.name)
 def test_chunked_prefill_on_cuda(tmp_path_factory, fmt):
     """Prompts prefilled in steps of at most 16 tokens through the Triton write kernel and the
-    context attention. fp32 cache: the greedy output equals a whole prefill's. fp8 per-token: the
-    chunks read their context quantized (a whole prefill does not), so the comparison is with
+    context attention. fp32 cache: the greedy output equals a whole prefill's. fp8 per-token, K8V4 (a mixed
+    format: its context pages are read back unquantized for the same kernel): the chunks read their context quantized (a whole prefill does not), so the comparison is with
     the reference path chunked the same way, as closely as the two paths agree above."""
     d = tiny_llama_dir(tmp_path_factory)
     runs = [(None, "auto"), (16, "auto")] if fmt.dtype == "fp32" else [(16, "reference"), (16, "auto")]

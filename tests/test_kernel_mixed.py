@@ -245,22 +245,6 @@ def test_decode_plan_of_another_kernel_is_refused():
         K.decode_attention(q, cache, block_tables, lens, 0.25, plan=warps)
 
 
-def test_prefill_context_equals_reference():
-    from runtime import attention as ref
-
-    fmt = MIXED[0]
-    gen = torch.Generator().manual_seed(3)
-    cache, block_tables, lens = fill_cache(fmt, 2, 3, 16, 5, [12, 7], gen)
-    chunk = 4
-    q = torch.randn(2 * chunk, 9, 16, generator=gen).to(torch.bfloat16).to(DEV)
-    k, v = kv(2 * chunk, 3, 16, torch.bfloat16, gen)
-    cu = torch.tensor([0, chunk, 2 * chunk], dtype=torch.int32, device=DEV)
-    ctx = (lens - chunk).to(torch.int32)
-    got = K.prefill_context_attention(q, k, v, cu, cache, block_tables, ctx, 0.25)
-    want = ref.prefill_context_attention(q, k, v, cu, cache, block_tables, ctx, 0.25)
-    assert torch.equal(got, want)
-
-
 def test_decode_matches_a_per_token_kernel_on_one_group():
     """group_size = head_dim is one scale per token-head: the mixed kernel's output equals what the tuned int4
     kernel computes from the same stored bytes within the oracle's bound (same math, other kernel)."""

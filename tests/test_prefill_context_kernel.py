@@ -114,12 +114,12 @@ def _build(fmt, s, gen, qdtype, v_per_token=False):
 
 def _gather(cache, name, blocks, offs, dtype):
     """Cached tokens [L, kv_heads, head_dim] dequantized by kv_format (in fp32, then `dtype`)."""
-    x = getattr(cache, name)[blocks, :, offs]
-    if cache.fmt.dynamic:
+    x, fmt = getattr(cache, name)[blocks, :, offs], cache.fmt.side(name)
+    if fmt.dynamic:
         z = getattr(cache, f"{name}_zero")
-        return dequantize(x, cache.fmt, getattr(cache, f"{name}_scale")[blocks, :, offs],
+        return dequantize(x, fmt, getattr(cache, f"{name}_scale")[blocks, :, offs],
                           None if z is None else z[blocks, :, offs], dtype)
-    return dequantize(x, cache.fmt, getattr(cache, f"{name}_scale"), dtype=dtype)
+    return dequantize(x, fmt, getattr(cache, f"{name}_scale"), dtype=dtype)
 
 
 def _attention(args, sm_scale, dtype):
@@ -189,6 +189,31 @@ def test_prefill_context_relative_oracle(fmt, shape):
     assert _relerr(out, ref.double()) <= 2 * torch_err + 1e-5
     if CUDA:  # the reference computes in q's dtype there (SDPA): the kernel is no worse
         assert _relerr(out, truth) <= 2 * _relerr(ref, truth) + 1e-5
+
+
+# Mixed formats (K and V stored differently, group scales): their context pages are read back unquantized
+# (launch_mixed.context_pages) and the same kernel runs over them.
+MIXED_FORMATS = [
+    KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
+    KVFormat("fp8_e4m3", "per_token", v_dtype="int4", v_symmetric=False),
+    KVFormat("int4", "per_token", symmetric=False, group_size=16),
+]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("fmt", MIXED_FORMATS, ids=[f.name for f in MIXED_FORMATS])
+def test_mixed_formats_prefill_context_relative_oracle(fmt, shape):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"mixed{shape}{fmt.name}".encode()))
+    qdtype = _qdtype(fmt, shape)
+    args = _build(fmt, SHAPES[shape], gen, qdtype, v_per_token=True)
+    sm_scale = 1.0 / math.sqrt(args[0].shape[-1])
+    out = prefill_context_attention(*args, sm_scale)
+    assert out.dtype == qdtype and out.shape == args[0].shape
+    _check(out, args, sm_scale, qdtype)
+    q, k, v, cu, cache, bt, _ = args  # and with no context at all: the chunks' own keys alone
+    none = torch.zeros(cu.numel() - 1, dtype=torch.int32, device=DEV)
+    _check(prefill_context_attention(q, k, v, cu, cache, bt, none, sm_scale), [q, k, v, cu, cache, bt, none],
+           sm_scale, qdtype)
 
 
 # Per-token formats, V's scales on p (PrefillPlan.p_scale, the default for symmetric formats with bf16 q; the

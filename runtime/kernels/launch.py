@@ -295,8 +295,10 @@ def prefill_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dtypes are checked: values of cu_seqlens / context_lens stay on the device (no host sync); a context longer than
     the block table's width is cut to it, as in decode."""
     if served_by_mixed(cache.fmt):
-        return launch_mixed.prefill_context_attention(q, k, v, cu_seqlens, cache, block_tables, context_lens,
-                                                      sm_scale, plan)
+        check_device(q, k, v, cu_seqlens, context_lens, cache.k, block_tables)
+        launch_mixed.kernel_formats(cache)
+        cache, block_tables = launch_mixed.context_pages(cache, block_tables, context_lens, q.dtype)
+        plan = None  # the caller's plan was for the stored format
     kf = kernel_format(cache)
     check_device(q, k, v, cu_seqlens, context_lens, cache.k, block_tables)
     _, kv_heads, bs, stored = cache.k.shape

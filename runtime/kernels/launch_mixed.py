@@ -1,7 +1,8 @@
 """The public ops for the mixed formats (`formats.served_by_mixed`: K and V stored differently, group scales, e8m0
 scales): `launch.py` hands such caches here (decode: unless the plan runs the Gluon kernel,
-`plan.mixed_gluon_serves`). Same signatures and checks; the kernels are `write_mixed.py` and `decode_mixed.py`. Chunked prefill over such a cache runs runtime/attention.py's reference op on the device (the
-prefill-context kernel reads one format per cache)."""
+`plan.mixed_gluon_serves`). Same signatures and checks; the kernels are `write_mixed.py` and `decode_mixed.py`.
+Chunked prefill reads the chunks' context pages back unquantized (`context_pages`) for the prefill-context kernel,
+which reads one stored format per cache."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import triton
 
 from .. import attention as reference
 from ..kv_cache import LayerCache
+from ..kv_format import KVFormat
 from .decode_mixed import _decode_mixed_kernel
 from .formats import (
     KernelFormat,
@@ -117,8 +119,28 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def prefill_context_attention(q, k, v, cu_seqlens, cache: LayerCache, block_tables, context_lens, sm_scale,
-                              plan=None) -> torch.Tensor:
-    """Chunked prefill over a mixed-format cache: the reference op (gather, dequantize, SDPA) on the device."""
-    kernel_formats(cache)
-    return reference.prefill_context_attention(q, k, v, cu_seqlens, cache, block_tables, context_lens, sm_scale)
+_DENSE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def context_pages(cache: LayerCache, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[LayerCache, torch.Tensor]:
+    """The pages chunked prefill reads, as a transient unquantized cache and its block tables, for the prefill-context
+    kernel (which reads one stored format per cache). Each chunk's context pages are read back with
+    `attention.read_kv` -- the values decode reads, dequantized in fp32 and rounded to `dtype` as the reference op
+    rounds them -- in one gather for the whole step, not one per chunk. One host read of context_lens sizes it."""
+    bs, width = cache.block_size, block_tables.shape[1]
+    pages = [-(-c // bs) for c in context_lens.tolist()]
+    flat = [i * width + j for i, n in enumerate(pages) for j in range(n)]
+    starts = [sum(pages[:i]) for i in range(len(pages))]
+    table = [[s + j for j in range(n)] + [0] * (max(pages, default=0) - n) for s, n in zip(starts, pages)]
+    dev = block_tables.device
+    used = block_tables.flatten()[torch.tensor(flat, dtype=torch.long, device=dev)].long()
+    slots = (used[:, None] * bs + torch.arange(bs, device=dev)).flatten()
+    k, v = reference.read_kv(cache, slots, dtype)  # [pages * bs, kv_heads, head_dim]
+    paged = [x.view(len(flat), bs, *x.shape[1:]).transpose(1, 2).contiguous() for x in (k, v)]
+    if not flat:  # no chunk has a context: one page the kernel never reads
+        paged = [torch.zeros(1, cache.kv_heads, bs, k.shape[-1], dtype=dtype, device=dev) for _ in range(2)]
+    tables = torch.tensor(table, dtype=torch.int32, device=dev).view(len(pages), -1)
+    if tables.shape[1] == 0:
+        tables = torch.zeros(len(pages), 1, dtype=torch.int32, device=dev)
+    return LayerCache(KVFormat(_DENSE[dtype]), *paged), tables
