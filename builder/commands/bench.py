@@ -21,6 +21,7 @@ _ROWS = (
     ("concurrency", "concurrency", "{:d}"),
     ("wall_s", "wall time (s)", "{:.2f}"),
     ("output_tokens", "output tokens", "{:d}"),
+    ("responses", "streamed responses", "{:d}"),
     ("tokens_per_s", "throughput (tok/s)", "{:.1f}"),
     ("requests_per_s", "requests/s", "{:.2f}"),
     ("ttft_ms_p50", "TTFT p50 (ms)", "{:.1f}"),
