@@ -6,6 +6,8 @@ which reads one stored format per cache."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 
@@ -131,7 +133,7 @@ def context_pages(cache: LayerCache, block_tables: torch.Tensor, context_lens: t
     bs, width = cache.block_size, block_tables.shape[1]
     pages = [-(-c // bs) for c in context_lens.tolist()]
     flat = [i * width + j for i, n in enumerate(pages) for j in range(n)]
-    starts = [sum(pages[:i]) for i in range(len(pages))]
+    starts = itertools.accumulate(pages, initial=0)
     table = [[s + j for j in range(n)] + [0] * (max(pages, default=0) - n) for s, n in zip(starts, pages)]
     dev = block_tables.device
     used = block_tables.flatten()[torch.tensor(flat, dtype=torch.long, device=dev)].long()
