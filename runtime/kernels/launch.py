@@ -292,15 +292,15 @@ def prefill_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cache: LayerCache, block_tables: torch.Tensor, context_lens: torch.Tensor,
                               sm_scale: float, plan: PrefillPlan | None = None) -> torch.Tensor:
     """runtime/attention.py's prefill_context_attention, reading the context from the pages in place. Only shapes and
-    dtypes are checked: values of cu_seqlens / context_lens stay on the device (no host sync); a context longer than
-    the block table's width is cut to it, as in decode."""
+    dtypes are checked: values of cu_seqlens / context_lens stay on the device (no host sync; a mixed-format cache
+    reads context_lens once to size its pages read back, `launch_mixed.context_pages`); a context longer than the
+    block table's width is cut to it, as in decode."""
+    check_device(q, k, v, cu_seqlens, context_lens, cache.k, block_tables)
     if served_by_mixed(cache.fmt):
-        check_device(q, k, v, cu_seqlens, context_lens, cache.k, block_tables)
-        launch_mixed.kernel_formats(cache)
+        kernel_formats(cache)  # the stored formats are ones the mixed kernels serve
         cache, block_tables = launch_mixed.context_pages(cache, block_tables, context_lens, q.dtype)
         plan = None  # the caller's plan was for the stored format
     kf = kernel_format(cache)
-    check_device(q, k, v, cu_seqlens, context_lens, cache.k, block_tables)
     _, kv_heads, bs, stored = cache.k.shape
     check_q(q, kf, kv_heads, "tokens")
     tokens, num_heads, head_dim = q.shape

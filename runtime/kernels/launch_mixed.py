@@ -134,7 +134,8 @@ def context_pages(cache: LayerCache, block_tables: torch.Tensor, context_lens: t
     pages = [-(-c // bs) for c in context_lens.tolist()]
     flat = [i * width + j for i, n in enumerate(pages) for j in range(n)]
     starts = itertools.accumulate(pages, initial=0)
-    table = [[s + j for j in range(n)] + [0] * (max(pages, default=0) - n) for s, n in zip(starts, pages)]
+    width_out = max(max(pages, default=0), 1)  # a row even where no chunk has a context
+    table = [[s + j for j in range(n)] + [0] * (width_out - n) for s, n in zip(starts, pages)]
     dev = block_tables.device
     used = block_tables.flatten()[torch.tensor(flat, dtype=torch.long, device=dev)].long()
     slots = (used[:, None] * bs + torch.arange(bs, device=dev)).flatten()
@@ -142,7 +143,5 @@ def context_pages(cache: LayerCache, block_tables: torch.Tensor, context_lens: t
     paged = [x.view(len(flat), bs, *x.shape[1:]).transpose(1, 2).contiguous() for x in (k, v)]
     if not flat:  # no chunk has a context: one page the kernel never reads
         paged = [torch.zeros(1, cache.kv_heads, bs, k.shape[-1], dtype=dtype, device=dev) for _ in range(2)]
-    tables = torch.tensor(table, dtype=torch.int32, device=dev).view(len(pages), -1)
-    if tables.shape[1] == 0:
-        tables = torch.zeros(len(pages), 1, dtype=torch.int32, device=dev)
+    tables = torch.tensor(table, dtype=torch.int32, device=dev).view(len(pages), width_out)
     return LayerCache(KVFormat(_DENSE[dtype]), *paged), tables
