@@ -15,7 +15,7 @@ mode on and off:
 
     python -m benchmarks.numerics_gpu --out results_dir [--smollm2-dir DIR] [--requests 64]
     python -m benchmarks.numerics_gpu --out /tmp/x --tiny      # CPU check of the script itself
-    python -m benchmarks.numerics_gpu --out DIR --gemm-sweep   # only: every GEMM config candidate vs cuBLAS
+    python -m benchmarks.numerics_gpu --out DIR --gemm-sweep   # only: every GEMM tile config vs cuBLAS, and their bits
 
 Without --smollm2-dir, SmolLM2's geometry runs with random weights (the GPU machine has no
 GGUF reader). Rows are written to numerics.jsonl as they are measured (a run cut short keeps
@@ -25,7 +25,6 @@ what it has); numerics.md is the table of them, gemm.md the GEMM timings.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -227,32 +226,69 @@ def gemm_rows() -> list[dict]:
     return rows
 
 
-SWEEP_CONFIGS = [(bn, bk, st) for bn in (32, 64, 128) for bk in (64, 128, 256) for st in (3, 4)]
+# (block_m, block_n, block_k, warps, stages): the tiles the sweep times, every one checked for the rule's bits
+SWEEP_CONFIGS = [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 4),
+                 (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
+                 (128, 128, 64, 4, 4), (64, 256, 64, 8, 4), (128, 64, 64, 4, 4), (128, 64, 128, 4, 3)]
+SWEEP_SHAPES = {**GEMM_SHAPES, "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576),
+                "smollm2 down": (576, 1536), "smollm2 lm_head": (49152, 576)}
+SWEEP_ROWS = (1, 16, 64, 96, 128, 179, 256, 337)  # 89 / 179 / 231 / 337: the headline's max-concurrency batches
 
 
 def gemm_sweep() -> list[dict]:
-    """Every candidate config of the mode's GEMM at Llama-3-8B's shapes and M = 8, 64, 256 (us), beside cuBLAS: the
-    data to choose `invariant_gemm.gemm_config` from (configs that do not fit shared memory are left out)."""
+    """Every tile config of SWEEP_CONFIGS at SWEEP_SHAPES x SWEEP_ROWS (GPU ms, L2 flushed, graph replays), beside
+    cuBLAS, the one config (`gemm_config`) and the rule's choice (`rows_config`); and whether each config gives every
+    row the first config's bits, also for products starting at other rows (what lets the rule choose by M)."""
     import torch.nn.functional as F
 
+    from benchmarks.gpu_timing import median_ms
     from runtime.kernels import invariant_gemm
 
+    def run(x, w, cfg):
+        bm, bn, bk, warps, stages = cfg
+        return invariant_gemm.launch(x, w, invariant_gemm.GemmConfig(bn, bk, warps, stages), bm)
+
     rows = []
-    for name, (n, k) in GEMM_SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        for m in (8, 64, 256):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row = {"weight": name, "m": m, "cublas_us": round(_time_cuda(lambda x=x, w=w: F.linear(x, w)), 1),
-                   "chosen": list(dataclasses.astuple(invariant_gemm.gemm_config(n, k, torch.bfloat16)))[:3]}
-            for bn, bk, st in SWEEP_CONFIGS:
-                cfg = invariant_gemm.GemmConfig(bn, bk, 4, st)
-                try:
-                    row[f"{bn}x{bk}x{st}"] = round(_time_cuda(lambda x=x, w=w, c=cfg: invariant_gemm.launch(x, w, c)), 1)
-                except Exception as e:  # out of shared memory: that config does not exist here
-                    row[f"{bn}x{bk}x{st}"] = type(e).__name__
+    for name, (n, k) in SWEEP_SHAPES.items():
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        x = torch.randn(400, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        ref = run(x, w, SWEEP_CONFIGS[0])
+        one = invariant_gemm.gemm_config(n, k, torch.bfloat16)
+        times = {"cublas": {}}
+        same = {}
+        for cfg in SWEEP_CONFIGS:
+            same[cfg] = torch.equal(run(x, w, cfg), ref) and all(
+                torch.equal(run(x[i:i + m], w, cfg), ref[i:i + m]) for i, m in ((0, 1), (5, 7), (63, 89), (3, 337)))
+            times[cfg] = {}
+        for m in SWEEP_ROWS:
+            xm = x[:m].contiguous()
+            row = {"weight": name, "n": n, "k": k, "m": m, "cublas_ms": round(median_ms(lambda xm=xm, w=w: F.linear(xm, w)), 4)}
+            for cfg in SWEEP_CONFIGS:
+                row[str(list(cfg))] = round(median_ms(lambda c=cfg, xm=xm, w=w: run(xm, w, c)), 4)
+            bm, rc = invariant_gemm.rows_config(n, k, m)
+            row["one_config"] = str([invariant_gemm.BLOCK_M, one.block_n, one.block_k, one.num_warps, one.num_stages])
+            row["rows_config"] = str([bm, rc.block_n, rc.block_k, rc.num_warps, rc.num_stages])
+            row["same_bits"] = all(same.values())
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def write_sweep_md(rows: list[dict], path: Path) -> None:
+    """The sweep's table: per weight and M, cuBLAS, the one config, the rule's choice and the fastest config."""
+    lines = ["| weight | N x K | M | cuBLAS ms | one config ms | rows_config ms (tile) | fastest ms (tile) | "
+             "rows_config vs one | same bits, every config |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tiles = {c: r[c] for c in map(str, map(list, SWEEP_CONFIGS))}
+        best = min(tiles, key=tiles.get)
+        chosen = r[r["rows_config"]] if r["rows_config"] in r else float("nan")
+        lines.append(f"| {r['weight']} | {r['n']} x {r['k']} | {r['m']} | {r['cublas_ms']} | {r[r['one_config']]} | "
+                     f"{chosen} ({r['rows_config']}) | {tiles[best]} ({best}) | {r[r['one_config']] / chosen:.2f}x | "
+                     f"{r['same_bits']} |")
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
 
 
 def write_gemm_md(rows: list[dict], path: Path) -> None:
@@ -299,7 +335,8 @@ def main() -> None:
     started = time.perf_counter()
     if a.gemm_sweep:
         rows = gemm_sweep()
-        (out / "gemm_sweep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / "invariant_gemm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_sweep_md(rows, out / "invariant_gemm.md")
         return
     if a.gemm and dev == "cuda":
         write_gemm_md(gemm_rows(), out / "gemm.md")

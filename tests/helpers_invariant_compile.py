@@ -1,5 +1,5 @@
 """Cross-compile the batch-invariant GEMM (runtime/kernels/invariant_gemm.py) for sm_90 at Llama-3-8B's and
-SmolLM2's weight shapes, bf16 and fp32, and print one JSON line each (registers, spill stack, shared memory).
+SmolLM2's weight shapes, bf16 and fp32, in the one config and in the tiles `rows_config` picks by row count, and print one JSON line each (registers, spill stack, shared memory).
 Run without TRITON_INTERPRET (`python -m tests.helpers_invariant_compile`; tests/test_kernel_invariant.py runs it
 in a subprocess)."""
 
@@ -21,10 +21,13 @@ FP32_SHAPES = [(4096, 4096), (128256, 4096)]  # an fp32 engine's (parity runs): 
 DTYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
 
-def build(n: int, k: int, dtype: torch.dtype) -> dict:
-    cfg = invariant_gemm.gemm_config(n, k, dtype)
+ROWS = (1, 100, 200, 300)  # one M in each of `rows_config`'s buckets
+
+
+def build(n: int, k: int, dtype: torch.dtype, block_m: int = invariant_gemm.BLOCK_M, cfg=None) -> dict:
+    cfg = cfg or invariant_gemm.gemm_config(n, k, dtype)
     fn = invariant_gemm._matmul_kernel
-    consts = dict(N=n, K=k, BLOCK_M=invariant_gemm.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=False,
+    consts = dict(N=n, K=k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=False,
                   IEEE=dtype == torch.float32)
     ptr = DTYPES[dtype]
     names = fn.arg_names
@@ -45,6 +48,14 @@ def main() -> None:
             except Exception as e:  # report it as that shape's failure, go on
                 row = dict(error=f"{type(e).__name__}: {str(e)[-2000:]}")
             print(json.dumps(dict(shape=[n, k], dtype=str(dtype).replace("torch.", ""), **row)), flush=True)
+    # the H200's tiles by row count (bf16), each distinct one once
+    tiles = {(n, k, *invariant_gemm.rows_config(n, k, m)) for n, k in SHAPES for m in ROWS}
+    for n, k, block_m, cfg in sorted(tiles, key=str):
+        try:
+            row = build(n, k, torch.bfloat16, block_m, cfg)
+        except Exception as e:
+            row = dict(error=f"{type(e).__name__}: {str(e)[-2000:]}")
+        print(json.dumps(dict(shape=[n, k], dtype="bfloat16", block_m=block_m, block_n=cfg.block_n, **row)), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+import triton
 from helpers_kernels import CUDA, DEV, K, assert_meets_oracle, fill_cache
 
 from runtime.kernels import invariant_attention, invariant_gemm
@@ -32,7 +33,8 @@ def test_gemm_rows_do_not_depend_on_the_row_count(dtype, n, k):
     x = torch.randn(300, k, generator=gen).to(dtype).to(DEV)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEV)
     full = invariant_gemm.linear(x, w)
-    for m in (1, 7, 64, 300):
+    # on the H200 the M's span every tile bucket of `rows_config` (64, 128, 256 and 128-row tiles again)
+    for m in (1, 7, 64, 100, 200, 300):
         assert torch.equal(invariant_gemm.linear(x[:m], w), full[:m]), f"rows of an M={m} product differ"
     # A row alone sits at row 0 of its tile: on the GPU the position in the tile is no input. Under the
     # interpreter a tile's dot is numpy's matmul, whose BLAS may round a row by its position in the tile
@@ -52,6 +54,35 @@ def test_gemm_config_depends_on_the_weight_only():
     cfg = invariant_gemm.gemm_config(4096, 4096, torch.bfloat16)
     assert cfg == invariant_gemm.gemm_config(4096, 4096, torch.bfloat16)
     assert invariant_gemm.gemm_config(128256, 4096, torch.bfloat16).block_n >= cfg.block_n  # LM head: wider tiles
+
+
+def test_rows_config_takes_tiles_the_rows_fill():
+    for n, k in ((6144, 4096), (28672, 4096), (576, 576)):
+        for m in (1, 64, 65, 128, 129, 256, 257, 337):
+            block_m, cfg = invariant_gemm.rows_config(n, k, m)
+            assert block_m <= max(64, triton.next_power_of_2(m)), (n, m, block_m)  # no tile mostly padding
+            assert block_m < 256 or 128 < m <= 256, (n, m, block_m)
+            assert cfg.block_k <= k
+    assert invariant_gemm.rows_config(28672, 4096, 337)[1].block_n == 256  # many rows, wide weight: big tiles
+    assert invariant_gemm.rows_config(576, 576, 1) == (64, invariant_gemm.GemmConfig(32, 128, 4, 4))  # narrowest
+
+
+def test_rows_config_is_near_the_fastest_tile_measured():
+    """Against the sweep on the H200 (`benchmarks.numerics_gpu --gemm-sweep`): at every weight and row count the
+    rule's tile is within 15% (or 3 us) of the fastest of the twelve, and every tile gave the same bits (what lets the
+    rule choose by M at all)."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/invariant_gemm.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) >= 60
+    for r in rows:
+        assert r["same_bits"], r["weight"]
+        bm, cfg = invariant_gemm.rows_config(r["n"], r["k"], r["m"])
+        chosen = r[str([bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages])]
+        fastest = min(v for key, v in r.items() if key.startswith("["))
+        assert chosen <= 1.15 * fastest + 0.003, (r["weight"], r["m"], chosen, fastest)
 
 
 def test_gemm_refuses_mismatched_operands():
@@ -199,7 +230,7 @@ def test_engine_requests_in_a_batch_equal_solo_runs(kernel_mode_model, solo_toke
 
 def test_gemm_compiles_for_sm90_without_spills():
     """Cross-compiled for the H200 (no GPU needed; a process of its own, outside the interpreter): every shape
-    builds, no register spills, and bf16 tiles run on the Hopper tensor cores' wgmma."""
+    builds in the one config and in the tiles the H200 picks by row count, no register spills, and bf16 tiles run on the Hopper tensor cores' wgmma."""
     import json
     import os
     import subprocess
@@ -212,7 +243,8 @@ def test_gemm_compiles_for_sm90_without_spills():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines()]
-    assert len(rows) == 10
+    assert len([r for r in rows if "block_m" not in r]) == 10  # the one config at every shape
+    assert {r.get("block_m") for r in rows} >= {64, 128, 256}  # and every row bucket's tiles of the H200
     for r in rows:
         assert "error" not in r and r["stack"] == 0, r
         assert r["wgmma"] or r["dtype"] == "float32", r

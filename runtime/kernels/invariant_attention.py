@@ -7,9 +7,10 @@ decode steps are prefilled again. The default kernels plan by the batch: the ker
 split-K count follow the batch size and the block table's width (its longest sequence), and a prompt runs
 another kernel than decode.
 
-Here every row, decode or prefill, runs kvq's own decode kernel (decode_warps.py / decode_tiles.py /
-decode_mixed.py) with ONE plan per (KV format, head layout, page size, q dtype), made for a fixed
-reference shape, and no split: the kernel's loop runs over the row's own keys, 0 .. len - 1, in tiles of
+Here every row, decode or prefill, runs kvq's own decode kernel with ONE plan per (KV format, head layout,
+page size, q dtype, device), the default's choice for a fixed reference shape (on the H200 the Gluon kernel
+for the quantized formats, decode_gluon.py; elsewhere and under the interpreter the Triton ones,
+decode_warps.py / decode_tiles.py / decode_mixed.py), and no split: the kernel's loop runs over the row's own keys, 0 .. len - 1, in tiles of
 the plan's fixed size, in order, each tile's dequantization as the plan says. A prefill token is such a
 row too: its keys are already in the cache (write, then read: model._attend writes the step's K/V first),
 so it attends to positions 0 .. its own, through its sequence's pages, with the same tiles, roundings and
@@ -40,7 +41,7 @@ PLAN_TOKENS = 8192
 @functools.cache
 def _plan(fmt, device, heads: int, kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype) -> DecodePlan:
     plan = decode_plan(fmt, PLAN_BATCH, heads, kv_heads, PLAN_TOKENS, device, head_dim=head_dim,
-                       block_size=block_size, q_dtype=q_dtype, kernel="triton")
+                       block_size=block_size, q_dtype=q_dtype)
     return dataclasses.replace(plan, splits=1)
 
 
