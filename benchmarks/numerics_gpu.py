@@ -235,6 +235,11 @@ SWEEP_SHAPES = {**GEMM_SHAPES, "smollm2 qkv": (960, 576), "smollm2 o": (576, 576
 SWEEP_ROWS = (1, 16, 64, 96, 128, 179, 256, 337)  # 89 / 179 / 231 / 337: the headline's max-concurrency batches
 
 
+def tile_key(block_m: int, cfg) -> str:
+    """A sweep row's key of a tile: "[block_m, block_n, block_k, warps, stages]", SWEEP_CONFIGS' order."""
+    return str([block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages])
+
+
 def gemm_sweep() -> list[dict]:
     """Every tile config of SWEEP_CONFIGS at SWEEP_SHAPES x SWEEP_ROWS (GPU ms, L2 flushed, graph replays), beside
     cuBLAS, the one config (`gemm_config`) and the rule's choice (`rows_config`); and whether each config gives every
@@ -254,22 +259,16 @@ def gemm_sweep() -> list[dict]:
         x = torch.randn(400, k, device="cuda", generator=gen, dtype=torch.bfloat16)
         w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
         ref = run(x, w, SWEEP_CONFIGS[0])
-        one = invariant_gemm.gemm_config(n, k, torch.bfloat16)
-        times = {"cublas": {}}
-        same = {}
-        for cfg in SWEEP_CONFIGS:
-            same[cfg] = torch.equal(run(x, w, cfg), ref) and all(
-                torch.equal(run(x[i:i + m], w, cfg), ref[i:i + m]) for i, m in ((0, 1), (5, 7), (63, 89), (3, 337)))
-            times[cfg] = {}
+        same_bits = all(torch.equal(run(x, w, cfg), ref) and all(
+            torch.equal(run(x[i:i + m], w, cfg), ref[i:i + m]) for i, m in ((0, 1), (5, 7), (63, 89), (3, 337)))
+            for cfg in SWEEP_CONFIGS)
+        one = tile_key(invariant_gemm.BLOCK_M, invariant_gemm.gemm_config(n, k, torch.bfloat16))
         for m in SWEEP_ROWS:
             xm = x[:m].contiguous()
             row = {"weight": name, "n": n, "k": k, "m": m, "cublas_ms": round(median_ms(lambda xm=xm, w=w: F.linear(xm, w)), 4)}
             for cfg in SWEEP_CONFIGS:
                 row[str(list(cfg))] = round(median_ms(lambda c=cfg, xm=xm, w=w: run(xm, w, c)), 4)
-            bm, rc = invariant_gemm.rows_config(n, k, m)
-            row["one_config"] = str([invariant_gemm.BLOCK_M, one.block_n, one.block_k, one.num_warps, one.num_stages])
-            row["rows_config"] = str([bm, rc.block_n, rc.block_k, rc.num_warps, rc.num_stages])
-            row["same_bits"] = all(same.values())
+            row.update(one_config=one, rows_config=tile_key(*invariant_gemm.rows_config(n, k, m)), same_bits=same_bits)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

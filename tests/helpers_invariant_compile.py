@@ -1,5 +1,6 @@
 """Cross-compile the batch-invariant GEMM (runtime/kernels/invariant_gemm.py) for sm_90 at Llama-3-8B's and
-SmolLM2's weight shapes, bf16 and fp32, in the one config and in the tiles `rows_config` picks by row count, and print one JSON line each (registers, spill stack, shared memory).
+SmolLM2's weight shapes, bf16 and fp32, in the one config and in the tiles `rows_config` picks by row count, and
+print one JSON line each (registers, spill stack, shared memory).
 Run without TRITON_INTERPRET (`python -m tests.helpers_invariant_compile`; tests/test_kernel_invariant.py runs it
 in a subprocess)."""
 

@@ -74,13 +74,14 @@ def test_rows_config_is_near_the_fastest_tile_measured():
     import json
     from pathlib import Path
 
+    from benchmarks.numerics_gpu import tile_key
+
     path = Path(__file__).resolve().parents[1] / "benchmarks/results/invariant_gemm.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) >= 60
     for r in rows:
         assert r["same_bits"], r["weight"]
-        bm, cfg = invariant_gemm.rows_config(r["n"], r["k"], r["m"])
-        chosen = r[str([bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages])]
+        chosen = r[tile_key(*invariant_gemm.rows_config(r["n"], r["k"], r["m"]))]
         fastest = min(v for key, v in r.items() if key.startswith("["))
         assert chosen <= 1.15 * fastest + 0.003, (r["weight"], r["m"], chosen, fastest)
 
@@ -230,7 +231,8 @@ def test_engine_requests_in_a_batch_equal_solo_runs(kernel_mode_model, solo_toke
 
 def test_gemm_compiles_for_sm90_without_spills():
     """Cross-compiled for the H200 (no GPU needed; a process of its own, outside the interpreter): every shape
-    builds in the one config and in the tiles the H200 picks by row count, no register spills, and bf16 tiles run on the Hopper tensor cores' wgmma."""
+    builds in the one config and in the tiles the H200 picks by row count, no register spills, and bf16 tiles
+    run on the Hopper tensor cores' wgmma."""
     import json
     import os
     import subprocess

@@ -10,9 +10,9 @@ another kernel than decode.
 Here every row, decode or prefill, runs kvq's own decode kernel with ONE plan per (KV format, head layout,
 page size, q dtype, device), the default's choice for a fixed reference shape (on the H200 the Gluon kernel
 for the quantized formats, decode_gluon.py; elsewhere and under the interpreter the Triton ones,
-decode_warps.py / decode_tiles.py / decode_mixed.py), and no split: the kernel's loop runs over the row's own keys, 0 .. len - 1, in tiles of
-the plan's fixed size, in order, each tile's dequantization as the plan says. A prefill token is such a
-row too: its keys are already in the cache (write, then read: model._attend writes the step's K/V first),
+decode_warps.py / decode_tiles.py / decode_mixed.py), and no split: the kernel's loop runs over the row's own
+keys, 0 .. len - 1, in tiles of the plan's fixed size, in order, each tile's dequantization as the plan says.
+A prefill token is such a row too: its keys are already in the cache (write, then read: model._attend writes the step's K/V first),
 so it attends to positions 0 .. its own, through its sequence's pages, with the same tiles, roundings and
 order as the decode step that would have computed it. No split, so nothing depends on the block table's
 width either; a long context alone gets (sequence, KV head) programs only, which is the price at low

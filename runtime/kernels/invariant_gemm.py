@@ -20,8 +20,8 @@ assumed: twelve configs (64 / 128 / 256 rows, 32-256 columns, BLOCK_K 64 / 128, 
 bit-identical products at Llama-3-8B's and SmolLM2's shapes for 1-400 rows, at any row offset
 (benchmarks/results/invariant_gemm.md), and tests/test_kernel_invariant.py checks rows across the M buckets on
 the GPU machine. Large tiles then pay back at many rows: 1.4-2.1x the one config's speed at Llama-3-8B's shapes
-at 179-337 rows (0.5-0.8x cuBLAS there, 0.8-1.1x at up to 64 rows). The
-interpreter (numpy's BLAS rounds by the tile's shape) and other GPUs keep the one config.
+at 179-337 rows (0.5-0.8x cuBLAS there, 0.8-1.1x at up to 64 rows). The interpreter (numpy's BLAS rounds by
+the tile's shape) and other GPUs keep the one config.
 """
 
 from __future__ import annotations
@@ -55,7 +55,12 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     # fp32 tiles hold twice the bytes: 128 columns spill registers on sm_90 (tests/helpers_invariant_compile.py)
     block_n = next((b for b in ((64,) if fp32 else (128, 64)) if triton.cdiv(n, b) >= 2 * _SMS), 32)
     block_k = 64 if fp32 else 128
-    return GemmConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k))), 4, 3 if fp32 else 4)
+    return GemmConfig(block_n, _fit_k(block_k, k), 4, 3 if fp32 else 4)
+
+
+def _fit_k(block_k: int, k: int) -> int:
+    """block_k, no wider than k needs (a power of two, >= 16: tl.dot's smallest K)."""
+    return min(block_k, max(16, triton.next_power_of_2(k)))
 
 
 # (block_m, config) in the order `rows_config` tries them: the larger tiles first
@@ -75,7 +80,7 @@ def rows_config(n: int, k: int, m: int) -> tuple[int, GemmConfig]:
     for block_m, cfg in order:
         if triton.cdiv(n, cfg.block_n) * triton.cdiv(m, block_m) >= _SMS // 2:
             break
-    return block_m, dataclasses.replace(cfg, block_k=min(cfg.block_k, max(16, triton.next_power_of_2(k))))
+    return block_m, dataclasses.replace(cfg, block_k=_fit_k(cfg.block_k, k))
 
 
 @functools.cache
