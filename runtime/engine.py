@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import channel_keys, parallel, scoring, warmup
+from . import channel_keys, compute_thread, parallel, scoring, warmup
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, can_capture
@@ -128,6 +128,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._run_lock = threading.Lock()  # one model pass at a time: the step loop's or score's
+        # where the passes run: a CPU engine's on the process's one compute thread (runtime/compute_thread.py)
+        one_cpu = model.device.type == "cpu" and not tensor_parallel
+        self._compute = compute_thread.run if one_cpu else compute_thread.direct
         self.steps = StepLoop(self.runner, self.scheduler, self.blocks, self.stats, self.cfg, self.max_seq_len,
                               self._live, self.cancel, burst)
 
@@ -185,8 +188,13 @@ class Engine:
             except BaseException:
                 model.group.close(abort=True)
                 raise
-        model = LlamaModel(cfg, open_weights(d, cfg), dev, torch_dtype, rotation=rotation)
-        return cls._from_model(model, d, settings, fmt, k_scales, v_scales, **{**rank_args, "tp": tp})
+
+        def load() -> Engine:
+            model = LlamaModel(cfg, open_weights(d, cfg), dev, torch_dtype, rotation=rotation)
+            return cls._from_model(model, d, settings, fmt, k_scales, v_scales, **{**rank_args, "tp": tp})
+
+        # a CPU engine loads where it will step (runtime/compute_thread.py): one OpenMP pool in the process
+        return compute_thread.run(load) if dev.type == "cpu" else load()
 
     @classmethod
     def _from_model(cls, model: LlamaModel, d: Path, settings, fmt: tuple[KVFormat, ...], k_scales, v_scales, *,
@@ -336,8 +344,7 @@ class Engine:
                     self.scheduler.finish(seq, "cancelled")
                     self._emit(seq, None, "cancelled")
             try:
-                with self._run_lock:
-                    self._step()
+                self.exclusive(self._step)
             except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving new ones
                 err = e
                 if not isinstance(e, KvqError):
@@ -347,6 +354,16 @@ class Engine:
                     seq.error = err
                     self.scheduler.finish(seq, "error")
                     self._emit(seq, None, "error")
+
+    def exclusive(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) as one pass over this engine's model and pool: between two steps of the step loop, on the
+        thread where the steps run (a CPU engine's compute thread). Scoring and benchmarks that drive the pool
+        themselves call this."""
+        return self._compute(self._locked, fn, *args)
+
+    def _locked(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._run_lock:
+            return fn(*args)
 
     def _step(self) -> None:
         self.steps.step()
@@ -385,7 +402,7 @@ class Engine:
               on_pass: Callable[[int], None] | None = None) -> list[TokenScores]:
         """Teacher-forced log p(ids[t] | ids[:t]) and the argmax at every t >= start of each sequence,
         computed by prefill passes through this engine's pool, kernels and chunking (runtime/scoring.py)."""
-        return scoring.score(self, sequences, start, tokens_per_pass, on_pass, self._run_lock)
+        return scoring.score(self, sequences, start, tokens_per_pass, on_pass, self.exclusive)
 
     async def stream(self, prompt: list[int] | str, sampling: SamplingParams | None = None,
                      **sampling_kw: Any) -> AsyncIterator[int]:

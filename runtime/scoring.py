@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -100,15 +101,16 @@ def _gather_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
     return torch.cat(lps), torch.cat(arg)
 
 
-@torch.inference_mode()
 def score(engine, sequences: Seq[Seq[int]], start: int | Seq[int] = 1, tokens_per_pass: int | None = None,
-          on_pass: Callable[[int], None] | None = None, run_lock: threading.Lock | None = None) -> list[TokenScores]:
+          on_pass: Callable[[int], None] | None = None,
+          exclusive: Callable[..., Any] | None = None) -> list[TokenScores]:
     """Teacher-forced scores of every window through `engine` (runtime.engine.Engine).
 
     tokens_per_pass: tokens per forward (default: the engine's max_tokens_per_step); a longer window is
     prefilled in chunks, each later chunk reading the earlier ones from the cache. on_pass(n) is called
-    after every pass with the number of tokens it ran (progress bars). run_lock: held during each pass,
-    so the engine's step loop and scoring never touch the pool at the same time.
+    after every pass with the number of tokens it ran (progress bars). exclusive(fn): runs each pass
+    (`Engine.exclusive`: between the step loop's steps, where they run), so the engine's step loop and
+    scoring never touch the pool at the same time.
     """
     blocks, runner = engine.blocks, engine.runner
     windows = validate_windows(sequences, start, engine.cfg.vocab_size, engine.max_seq_len, blocks.num_blocks,
@@ -119,32 +121,40 @@ def score(engine, sequences: Seq[Seq[int]], start: int | Seq[int] = 1, tokens_pe
     results: list[TokenScores | None] = [None] * len(windows)
     pending = list(range(len(windows)))
     active: list[_Window] = []
-    lock = run_lock or threading.Lock()
     # per-channel keys keep a window's open block in an fp16 residual block, sized by the engine's batch
     at_once = engine.scheduler.max_batch_size if any(f.per_channel_keys for f in engine.formats) else len(windows)
+
+    @torch.inference_mode()
+    def one_pass() -> int:
+        while pending and len(active) < at_once and blocks.can_allocate(len(windows[pending[0]][0])):
+            n = pending.pop(0)
+            ids, s = windows[n]
+            w = _Window(Sequence(("score", next(_keys)), ids, SamplingParams(max_tokens=1)), s, n)
+            blocks.allocate(w.seq.request_id, len(ids))
+            active.append(w)
+        if not active:
+            return 0
+        finished, ran = _run_pass(runner, _plan_pass(active, budget))
+        for w in finished:
+            blocks.free(w.seq.request_id)
+            active.remove(w)
+            results[w.index] = TokenScores(w.start, torch.cat(w.logprobs), torch.cat(w.argmax))
+        return ran
+
+    def release() -> None:
+        for w in active:
+            blocks.free(w.seq.request_id)
+
+    run = exclusive or (lambda fn: fn())
     try:
         while pending or active:
-            ran = 0
-            with lock:
-                while pending and len(active) < at_once and blocks.can_allocate(len(windows[pending[0]][0])):
-                    n = pending.pop(0)
-                    ids, s = windows[n]
-                    w = _Window(Sequence(("score", next(_keys)), ids, SamplingParams(max_tokens=1)), s, n)
-                    blocks.allocate(w.seq.request_id, len(ids))
-                    active.append(w)
-                if active:
-                    finished, ran = _run_pass(runner, _plan_pass(active, budget))
-                    for w in finished:
-                        blocks.free(w.seq.request_id)
-                        active.remove(w)
-                        results[w.index] = TokenScores(w.start, torch.cat(w.logprobs), torch.cat(w.argmax))
+            ran = run(one_pass)
             if not active and pending:  # the step loop holds the pages: let it run, then retry
                 threading.Event().wait(0.01)
             elif on_pass is not None:
                 on_pass(ran)
     finally:
-        for w in active:
-            blocks.free(w.seq.request_id)
+        run(release)
     return results  # type: ignore[return-value]
 
 
@@ -191,12 +201,17 @@ def _run_pass(runner, chunks: list[tuple[_Window, tuple[int, int]]]) -> tuple[li
     return finished, sum(e - b for _, (b, e) in chunks)
 
 
-@torch.inference_mode()
 def attention_through_cache(engine, layer: int, h: torch.Tensor, query_block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `layer`'s attention over one sequence's input hidden states h [T, hidden], two ways:
     (read back, exact). Read back: K/V written into the engine's pool (quantize-on-write) and every
     position's query attending, as a decode step does, to the first t + 1 stored tokens. Exact: causal
-    attention over the unquantized K/V. Both [T, heads, head_dim] fp32."""
+    attention over the unquantized K/V. Both [T, heads, head_dim] fp32. One pass between the step
+    loop's steps, like score's (`Engine.exclusive`)."""
+    return engine.exclusive(_attention_through_cache, engine, layer, h, query_block)
+
+
+@torch.inference_mode()
+def _attention_through_cache(engine, layer: int, h: torch.Tensor, query_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     model = engine.model
     t = h.shape[0]
     positions = torch.arange(t, device=model.device)
@@ -204,8 +219,7 @@ def attention_through_cache(engine, layer: int, h: torch.Tensor, query_block: in
     q, k, v = model._qkv(model.layer(layer), h.to(model.device, model.dtype), cos, sin)
     cu = torch.tensor([0, t], dtype=torch.int32, device=model.device)
     exact = engine.backend.prefill_attention(q, k, v, cu, model.sm_scale).to(torch.float32)
-    with engine._run_lock:  # between steps of the step loop, like score's passes
-        return _read_back(engine, layer, q, k, v, exact, query_block)
+    return _read_back(engine, layer, q, k, v, exact, query_block)
 
 
 def _read_back(engine, layer: int, q, k, v, exact: torch.Tensor, query_block: int) -> tuple[torch.Tensor, torch.Tensor]:
