@@ -5,6 +5,7 @@ mapping stay untouched."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 
 import pytest
@@ -231,3 +232,64 @@ def test_write_kv_rejects_bad_input():
     with pytest.raises(ValueError, match=r"WritePlan.packed=True"):
         K.write_kv(cache, k, v, torch.arange(3, device=DEV), plan=replace(rows_plan(cache, k, 0), packed=True))
 
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("int8", "per_token"), KVFormat("int4", "per_token", symmetric=False),
+                                 KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False)],
+                         ids=["int8", "int4-asym", "k8v4"])
+def test_write_kv_in_pieces_past_the_32_bit_offsets(fmt, monkeypatch):
+    """A write whose source spans more elements than the kernels address in 32 bits goes in pieces: with the limit
+    lowered to 5 tokens' worth, 23 tokens store what one launch stores (uniform and K/V-split formats), and for a
+    uniform format the reference bytes."""
+    gen = torch.Generator().manual_seed(4)
+    kv_heads, head_dim, bs, nb, tokens = 2, 16, 4, 8, 23
+    k, v = kv(tokens, kv_heads, head_dim, torch.bfloat16, gen)
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEV)
+    whole = make_cache(fmt, nb, bs, kv_heads, head_dim)
+    K.write_kv(whole, k, v, slots)
+    launch = importlib.import_module("runtime.kernels.launch")
+    monkeypatch.setattr(launch, "MAX_WRITE_ELEMENTS", 5 * kv_heads * head_dim)
+    calls = []
+    monkeypatch.setattr(launch, "_write_kv_kernel", _Counting(launch._write_kv_kernel, calls))
+    pieces = make_cache(fmt, nb, bs, kv_heads, head_dim)
+    K.write_kv(pieces, k, v, slots)
+    for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
+        if getattr(whole, name) is not None:
+            assert torch.equal(as_bytes(getattr(pieces, name)), as_bytes(getattr(whole, name))), name
+    if fmt.v_dtype is None:  # a K/V-split format launches write_mixed's kernel
+        assert calls == [5, 5, 5, 5, 3]
+        _check_written(pieces, fmt, k, v, slots)
+
+
+class _Counting:
+    """A launched kernel's stand-in that records each grid's token count, then launches the kernel."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(args[9])  # num_tokens
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.skipif(not CUDA, reason="2^31 source elements: a GPU-sized write")
+def test_write_kv_past_2_to_31_elements_on_cuda():
+    """2.2 G source elements in one call (the size that once hit an illegal address): every token lands, the last
+    ones included, with the reference bytes of a sample of rows."""
+    fmt = KVFormat("int8", "per_token")
+    kv_heads, head_dim, bs = 8, 128, 64
+    tokens = 2**31 // (kv_heads * head_dim) + 4096
+    nb = -(-tokens // bs)
+    k = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    cache = make_cache(fmt, nb, bs, kv_heads, head_dim)
+    slots = torch.arange(tokens, device="cuda")
+    K.write_kv(cache, k, v, slots)
+    torch.cuda.synchronize()
+    sample = torch.cat((torch.arange(64), torch.arange(tokens - 64, tokens))).cuda()
+    s_ref, _ = dynamic_scales(v[sample].cpu(), fmt)
+    got = cache.v_scale[sample // bs, :, sample % bs].cpu()
+    assert torch.equal(got, s_ref)
+    assert torch.equal(cache.v[sample // bs, :, sample % bs].cpu(), quantize(v[sample].cpu(), fmt, s_ref))

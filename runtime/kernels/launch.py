@@ -240,10 +240,22 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
         merge_splits(pm, pl, pacc, out, num_splits)
 
 
+# The write kernels address a token's source row in 32 bits (a token index times its stride): a call over
+# more elements than this goes in pieces. An engine's step writes far fewer; a benchmark filling a pool may not.
+MAX_WRITE_ELEMENTS = 2**31
+
+
 def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              plan: WritePlan | None = None) -> None:
     """Quantize k, v [T, kv_heads, head_dim] (after RoPE) into `cache` at `slot_mapping` [T] int64 (negative slots:
     padding, skipped); the bytes equal `kv_quant.quantize`'s."""
+    if k.dim() == 3 and v.dim() == 3 and k.shape[0] > 1:
+        span = max(k.stride(0), v.stride(0), k.shape[1] * k.shape[2], v.shape[1] * v.shape[2])  # one token's
+        rows = max(1, MAX_WRITE_ELEMENTS // span)
+        if k.shape[0] > rows:
+            for a in range(0, k.shape[0], rows):
+                write_kv(cache, k[a:a + rows], v[a:a + rows], slot_mapping[a:a + rows], plan)
+            return
     if served_by_mixed(cache.fmt):
         return launch_mixed.write_kv(cache, k, v, slot_mapping, plan)
     kf = kernel_format(cache)
