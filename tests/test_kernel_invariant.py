@@ -15,6 +15,7 @@ import triton
 from helpers_kernels import CUDA, DEV, K, assert_meets_oracle, fill_cache
 
 from runtime.kernels import invariant_attention, invariant_gemm
+from runtime.kernels.plan import split_tile
 from runtime.kv_format import KVFormat
 
 INVARIANT_FORMATS = [KVFormat("bf16"), KVFormat("fp8_e4m3", "per_tensor"), KVFormat("int8", "per_token"),
@@ -97,9 +98,20 @@ def _q(batch, heads, head_dim, dtype, seed):
     return torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(DEV)
 
 
+@pytest.fixture(params=["shipped", "short"])
+def split_tokens(request, monkeypatch):
+    """The mode's splits as shipped, and of 32 keys (the plan's tile at least): the tests' rows then span several
+    splits, and a batch's launch has more of them than a row alone."""
+    if request.param == "short":
+        monkeypatch.setattr(invariant_attention, "SPLIT_TOKENS", 32)
+    invariant_attention._plan.cache_clear()
+    yield request.param
+    invariant_attention._plan.cache_clear()
+
+
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", INVARIANT_FORMATS, ids=FMT_IDS)
-def test_decode_row_alone_equals_row_in_a_batch(fmt, q_dtype):
+def test_decode_row_alone_equals_row_in_a_batch(fmt, q_dtype, split_tokens):
     # group 4 (Llama-3), pages of 16, lengths across tile and page edges; one long sequence widens the tables.
     # int8: contexts past the default plan's 512-token splits, whose split count follows the table's width (the
     # default plan gives the 600-token row other bits in this batch than alone); the others stay short (interpreter)
@@ -132,7 +144,7 @@ def _batch(slots, cu, num_decode=0, context=None, tables=None):
 
 
 @pytest.mark.parametrize("fmt", INVARIANT_FORMATS, ids=FMT_IDS)
-def test_prefill_whole_chunked_and_decode_give_one_result(fmt):
+def test_prefill_whole_chunked_and_decode_give_one_result(fmt, split_tokens):
     n, heads, kv_heads, d = 26, 8, 2, 16
     cache, tables, slots = _prompt_cache(fmt, n, kv_heads, d, 5)
     q = _q(n, heads, d, torch.float32, 6)
@@ -169,7 +181,9 @@ def test_one_plan_for_every_batch():
     fmt = KVFormat("fp8_e4m3", "per_tensor")
     cache, _, _ = fill_cache(fmt, 1, 2, 16, 16, [3], torch.Generator().manual_seed(0))
     plans = {invariant_attention.row_plan(_q(b, 8, 16, torch.float32, b), cache) for b in (1, 7, 64)}
-    assert len(plans) == 1 and plans.pop().splits == 1
+    assert len(plans) == 1
+    plan = plans.pop()
+    assert plan.split_tokens >= invariant_attention.SPLIT_TOKENS and plan.split_tokens % split_tile(plan) == 0
 
 
 def test_write_is_the_kernels_write():

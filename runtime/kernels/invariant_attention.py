@@ -10,13 +10,15 @@ another kernel than decode.
 Here every row, decode or prefill, runs kvq's own decode kernel with ONE plan per (KV format, head layout,
 page size, q dtype, device), the default's choice for a fixed reference shape (on the H200 the Gluon kernel
 for the quantized formats, decode_gluon.py; elsewhere and under the interpreter the Triton ones,
-decode_warps.py / decode_tiles.py / decode_mixed.py), and no split: the kernel's loop runs over the row's own
-keys, 0 .. len - 1, in tiles of the plan's fixed size, in order, each tile's dequantization as the plan says.
-A prefill token is such a row too: its keys are already in the cache (write, then read: model._attend writes the step's K/V first),
-so it attends to positions 0 .. its own, through its sequence's pages, with the same tiles, roundings and
-order as the decode step that would have computed it. No split, so nothing depends on the block table's
-width either; a long context alone gets (sequence, KV head) programs only, which is the price at low
-concurrency (docs/numerics.md §CUDA).
+decode_warps.py / decode_tiles.py / decode_mixed.py), with splits of SPLIT_TOKENS keys at fixed offsets: split j
+of every row covers keys j * SPLIT_TOKENS .. (j + 1) * SPLIT_TOKENS - 1 (up to its length), in tiles of the plan's
+fixed size, in order, each tile's dequantization as the plan says, and a row's own splits are merged one after
+another from the first (`split_k.merge_in_order`). The launch has as many splits as the widest table needs; a
+row's result depends on its own length only, never on that count. A prefill token is such a row too: its keys
+are already in the cache (write, then read: model._attend writes the step's K/V first), so it attends to
+positions 0 .. its own, through its sequence's pages, with the same splits, tiles, roundings and order as the
+decode step that would have computed it. One long context alone gets (KV head, split) programs enough to fill
+the GPU (docs/numerics.md §CUDA).
 """
 
 from __future__ import annotations
@@ -30,19 +32,25 @@ import torch
 from ..attention import prefill_attention
 from ..kv_cache import LayerCache
 from . import invariant_gemm, launch, small_ops
-from .plan import DecodePlan, decode_plan, device_of
+from .plan import DecodePlan, decode_plan, device_of, split_tile
 
 # the reference shape of the one plan: many sequences of a long context, so the plan's rules take their
 # steady choices (the per-format tuned tile, never the few-programs variant)
 PLAN_BATCH = 256
 PLAN_TOKENS = 8192
+# keys a split: one 8k sequence makes 16 splits a KV head (128 programs at Llama-3-8B's 8 KV heads), while at maximum
+# concurrency a split's partial (a GQA group's m, l and fp32 acc) stays ~2% of the KV bytes it reads.
+# why: of 512 / 1024 / 2048 on an H100 (Llama-3-8B, batch 1 at 8k and 32k, max concurrency at 8k; BF16, FP8,
+# INT4, K8V4), 512 kept every scenario at >= 0.90x the default step, 1024 >= 0.81x, 2048 >= 0.67x (docs/numerics.md)
+SPLIT_TOKENS = 512
 
 
 @functools.cache
 def _plan(fmt, device, heads: int, kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype) -> DecodePlan:
     plan = decode_plan(fmt, PLAN_BATCH, heads, kv_heads, PLAN_TOKENS, device, head_dim=head_dim,
                        block_size=block_size, q_dtype=q_dtype)
-    return dataclasses.replace(plan, splits=1)
+    tile = split_tile(plan)
+    return dataclasses.replace(plan, splits=1, split_tokens=-(-SPLIT_TOKENS // tile) * tile)
 
 
 def row_plan(q: torch.Tensor, cache: LayerCache) -> DecodePlan:

@@ -42,7 +42,7 @@ from .plan import (
     write_plan,
 )
 from .prefill_context import _prefill_context_kernel
-from .split_k import merge_splits, split_plan
+from .split_k import merge_partials, split_plan, splits_write_partials
 from .widen_ptx import widen_asm
 from .write_kv import _write_kv_kernel
 
@@ -91,7 +91,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     qk_scale = sm_scale * _LOG2E
     if plan.kernel == "gluon":
         _check_gluon_plan(plan, kf, q, bs, group)  # before the split buffers: no partial output
-        splits = split_plan(out, max_tokens, plan.splits, split_tile(plan), cache)
+        splits = split_plan(out, max_tokens, plan.splits, split_tile(plan), cache, plan.split_tokens)
         _launch_gluon(q, cache, kf, block_tables, seq_lens, qk_scale, out, splits, plan)
         return out
     if plan.kernel not in KERNELS:
@@ -114,8 +114,9 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
         if not (cuda and dot == codes.DOT_NATIVE and kf.kind != codes.FLOAT):
             raise _bad_plan(plan, "widen_ptx", "the PTX widening serves int8 / int4 pages on the GPU")
         asm = widen_asm(4 if kf.kind == codes.INT4 else 8, torch.float16 if plan.dot_fp16 else q.dtype, not kf.asym)
-    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, max_tokens, plan.splits, split_tile(plan), cache)
-    split = num_splits > 1
+    splits = split_plan(out, max_tokens, plan.splits, split_tile(plan), cache, plan.split_tokens)
+    tokens_per_split, num_splits, (pm, pl, pacc) = splits
+    split = splits_write_partials(splits, bool(plan.split_tokens))
     block_d = max(16, triton.next_power_of_2(stored))
     args = (q, cache.k, cache.v, *scale_tensors(cache, cache.k), block_tables, seq_lens, out, pm, pl, pacc,
             qk_scale, tokens_per_split, num_splits,
@@ -133,8 +134,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     else:
         _decode_kernel[(batch, kv_heads, num_splits)](
             *args, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=plan.block_n, **common)
-    if split:
-        merge_splits(pm, pl, pacc, out, num_splits)
+    merge_partials(splits, out, seq_lens, bool(plan.split_tokens))
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
@@ -164,7 +164,7 @@ def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    splits = split_plan(out, block_tables.shape[1] * bs, plan.splits, decode_gluon.TILE, cache)
+    splits = split_plan(out, block_tables.shape[1] * bs, plan.splits, decode_gluon.TILE, cache, plan.split_tokens)
     _launch_gluon(q, cache, kf_k, block_tables, seq_lens.contiguous(), sm_scale * _LOG2E, out, splits, plan,
                   kf_v if kf_v != kf_k else None)
     return out
@@ -213,7 +213,7 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
     batch, num_heads, _ = q.shape
     _, kv_heads, bs, _ = cache.k.shape
     tokens_per_split, num_splits, (pm, pl, pacc) = splits
-    split = num_splits > 1
+    split = splits_write_partials(splits, bool(plan.split_tokens))
     kw, vw = cache.k.view(torch.int32), cache.v.view(torch.int32)
     scale_args = scale_tensors(cache, cache.k)
     pages = (kw, vw, *scale_args)
@@ -236,8 +236,7 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
         **({"GROUPS": kf.groups} if kf.groups > 1 else {}),
         num_warps=1, **({"maxnreg": plan.registers} if plan.registers else {}),
     )
-    if split:
-        merge_splits(pm, pl, pacc, out, num_splits)
+    merge_partials(splits, out, seq_lens, bool(plan.split_tokens))
 
 
 # The write kernels address a token's source row in 32 bits (a token index times its stride): a call over

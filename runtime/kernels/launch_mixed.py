@@ -23,7 +23,7 @@ from .formats import (
     out_dtype,
 )
 from .plan import MIXED, DecodePlan, WritePlan, decode_plan, device_of, dot_mode, write_plan
-from .split_k import merge_splits, split_plan
+from .split_k import merge_partials, split_plan, splits_write_partials
 from .write_mixed import _write_mixed_kernel
 
 _LOG2E = 1.4426950408889634
@@ -100,24 +100,25 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
         raise ValueError(f"DecodePlan.block_n={plan.block_n}: use a power of two >= 16 (a tensor-core tile)")
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    tokens_per_split, num_splits, (pm, pl, pacc) = split_plan(out, max_tokens, plan.splits, plan.block_n, cache)
+    splits = split_plan(out, max_tokens, plan.splits, plan.block_n, cache, plan.split_tokens)
+    tokens_per_split, num_splits, (pm, pl, pacc) = splits
+    seq_lens = seq_lens.contiguous()
     group = num_heads // kv_heads
     kc, vc = cache.k, cache.v  # fp8 pages as fp8: the kernel widens them exactly
     cuda = q.device.type == "cuda"
     _decode_mixed_kernel[(batch, kv_heads, num_splits)](
-        q, kc, vc, *_meta(cache), block_tables, seq_lens.contiguous(), out, pm, pl, pacc,
+        q, kc, vc, *_meta(cache), block_tables, seq_lens, out, pm, pl, pacc,
         sm_scale * _LOG2E, tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kc.stride()[:3], *vc.stride()[:3], kv_heads * bs, bs,
         NUM_HEADS=num_heads, BLOCK_SIZE=bs, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SK=max(16, triton.next_power_of_2(kc.shape[-1])),
         BLOCK_SV=max(16, triton.next_power_of_2(vc.shape[-1])), BLOCK_N=plan.block_n,
-        SPLIT=num_splits > 1, DOT=dot_mode(q.dtype, device_of(q.device)), **_side(kf_k, "K"), **_side(kf_v, "V"),
+        SPLIT=splits_write_partials(splits, bool(plan.split_tokens)), DOT=dot_mode(q.dtype, device_of(q.device)), **_side(kf_k, "K"), **_side(kf_v, "V"),
         SCALE_DT=kf_k.scale_dtype, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **({"maxnreg": plan.registers} if plan.registers and cuda else {}),
     )
-    if num_splits > 1:
-        merge_splits(pm, pl, pacc, out, num_splits)
+    merge_partials(splits, out, seq_lens, bool(plan.split_tokens))
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 

@@ -192,7 +192,9 @@ class DecodePlan:
     (decode_warps.py: one softmax state per warp; quantized formats) or "tiles" (decode_tiles.py: query heads x tokens;
     unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`; "gluon" serves
     those of them it is written for: `mixed_gluon_serves`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
-    (None: none; GPU only).
+    (None: none; GPU only). split_tokens: splits of exactly this many tokens (a multiple of `split_tile`) whatever the
+    table's width, each row's merged in order (`split_k.merge_in_order`), in place of `splits`: a row's result then
+    depends on its own length only (the batch-invariant mode, invariant_attention.py); 0: `splits` decides.
 
     Gluon kernel: stages: int4 tiles through a shared-memory ring of this many stages (0: registers a step ahead);
     pairs: the ring's tiles two a step (stages >= 4); tma: the TMA unit fills the ring (sm_90); k_chains: a tile's
@@ -224,6 +226,7 @@ class DecodePlan:
     heads_n: bool = False
     pages_ahead: bool = True
     warp_page: bool = True
+    split_tokens: int = 0
 
 
 def split_tile(plan: DecodePlan) -> int:

@@ -123,14 +123,19 @@ def partial_dtype(out: torch.Tensor, kv_heads: int, tokens_per_split: int, kv_by
     return out.dtype if low else torch.float32
 
 
-def split_plan(out: torch.Tensor, max_tokens: int, num_splits: int, tile: int, cache) -> tuple[int, int, tuple]:
+def split_plan(out: torch.Tensor, max_tokens: int, num_splits: int, tile: int, cache,
+               fixed_tokens: int = 0) -> tuple[int, int, tuple]:
     """(tokens per split, a multiple of `tile`; the split count that leaves none empty; the partial
     buffers (m, l: fp32; acc or o: `partial_dtype`) for a split launch over `cache` (a LayerCache), else `out` three
-    times: SPLIT=False compiles their stores away)."""
-    tokens_per_split = split_tokens(max_tokens, num_splits, tile)
-    num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
-    if num_splits == 1:
-        return tokens_per_split, 1, (out, out, out)
+    times: SPLIT=False compiles their stores away). fixed_tokens (a multiple of `tile`): splits of that many tokens
+    however wide the table, and partials even for one split (`merge_in_order`: the batch-invariant mode)."""
+    if fixed_tokens:
+        tokens_per_split, num_splits = fixed_tokens, max(1, triton.cdiv(max_tokens, fixed_tokens))
+    else:
+        tokens_per_split = split_tokens(max_tokens, num_splits, tile)
+        num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
+        if num_splits == 1:
+            return tokens_per_split, 1, (out, out, out)
     batch, num_heads, head_dim = out.shape
     pm = torch.empty(batch * num_heads * num_splits, device=out.device, dtype=torch.float32)
     kv_heads = cache.k.shape[1]
@@ -152,3 +157,62 @@ def merge_splits(pm: torch.Tensor, pl: torch.Tensor, pacc: torch.Tensor, out: to
         pm, pl, pacc, out, num_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
     )
+
+
+# ints that change step to step add no compiled variants while serving (runtime/warmup.py)
+@triton.jit(do_not_specialize=["num_splits", "tokens_per_split"])
+def _merge_in_order_kernel(
+    PM, PL, PACC, OUT, SEQ, num_splits, tokens_per_split, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """`_merge_kernel`'s sums over a row's own splits only (ceil(len / tokens_per_split) of them), added one at a
+    time from the first: no reduction tree whose shape follows the launch's split count."""
+    NORMALIZED: tl.constexpr = PACC.dtype.element_ty != tl.float32
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
+    n = tl.cdiv(tl.load(SEQ + b), tokens_per_split)
+    base = (b * NUM_HEADS + h) * num_splits
+    m_max = tl.load(PM + base)
+    for j in range(1, n):
+        m_max = tl.maximum(m_max, tl.load(PM + base + j))
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    denom = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in range(n):
+        w = tl.math.exp2(tl.load(PM + base + j) - m_max)
+        wl = w * tl.load(PL + base + j)
+        denom += wl
+        o = tl.load(PACC + (base + j) * HEAD_DIM + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        acc += (wl if NORMALIZED else w) * o
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, (acc / denom).to(OUT.dtype.element_ty), mask=dmask)
+
+
+def merge_in_order(pm: torch.Tensor, pl: torch.Tensor, pacc: torch.Tensor, out: torch.Tensor, num_splits: int,
+                   seq_lens: torch.Tensor, tokens_per_split: int) -> None:
+    """`merge_splits` for fixed-size splits (`split_plan`'s fixed_tokens): each row [B] merges its own
+    ceil(seq_lens / tokens_per_split) splits in order, so its output does not depend on the launch's split count
+    (the widest table of the batch)."""
+    batch, num_heads, head_dim = out.shape
+    block_d = min(triton.next_power_of_2(head_dim), 64)
+    _merge_in_order_kernel[(batch, num_heads, triton.cdiv(head_dim, block_d))](
+        pm, pl, pacc, out, seq_lens, num_splits, tokens_per_split, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=2,
+    )
+
+
+def splits_write_partials(splits: tuple, fixed: bool) -> bool:
+    """Whether a launch with `split_plan`'s `splits` writes partials (the kernels' SPLIT): more than one split, or
+    fixed-size splits (one split too, so that a row's bits do not depend on how many the launch has)."""
+    return splits[1] > 1 or fixed
+
+
+def merge_partials(splits: tuple, out: torch.Tensor, seq_lens: torch.Tensor, fixed: bool) -> None:
+    """Combine a launch's partials into `out` (splits: `split_plan`'s): each row's own splits in order for
+    fixed-size splits (`merge_in_order`), else `merge_splits` where the launch split."""
+    tokens_per_split, num_splits, (pm, pl, pacc) = splits
+    if fixed:
+        merge_in_order(pm, pl, pacc, out, num_splits, seq_lens, tokens_per_split)
+    elif num_splits > 1:
+        merge_splits(pm, pl, pacc, out, num_splits)
