@@ -4,7 +4,9 @@ One background thread runs the step loop (schedule -> model step -> sample ->
 callbacks) for every caller: `generate` (blocking, many prompts), `submit`
 (callback per token; what the Triton python backend calls from its request
 threads) and `stream` (async iterator). Requests submitted from different
-threads land in the same batches; `stats` records every step's batch.
+threads land in the same batches; `stats` records every step's batch. A CPU
+engine's torch work -- its load, every step, every scoring pass -- runs on the
+process's one compute thread (runtime/compute_thread.py: one OpenMP pool).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .errors import InputError, KvqError, RequestError, UnsupportedError
 from .kv_format import PER_CHANNEL_TOKENS, KVFormat
 from .layer_formats import as_layer_formats, formats_name, uniform_format
 from .model import LlamaModel
+from .request_checks import check_request
 from .rotation import KVRotation
 from .runner import ModelRunner, PoolPlan, allocate_pool, gpu_pool_budget, plan_pool
 from .sampling import SamplingParams
@@ -234,37 +237,6 @@ class Engine:
         return engine
 
     # ----------------------------------------------------------- requests
-    def _validate(self, prompt_ids: list[int], sp: SamplingParams) -> list[int]:
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise RequestError("the prompt is empty; send at least one token.")
-        vocab = self.cfg.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab}); check the tokenizer.")
-        for name, seqs in (("stop_token_ids", [sp.stop_token_ids]), ("bad_words", sp.bad_words),
-                           ("stop_sequences", sp.stop_sequences)):
-            bad = [t for s in seqs for t in s if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"{name} holds token id(s) {bad[:4]} outside [0, {vocab}); fix the request field.")
-        if len(ids) > self.max_input_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens, the engine accepts at most {self.max_input_len} "
-                "(max_input_len in engine.json); shorten it or rebuild the engine with a larger max_input_len."
-            )
-        total = len(ids) + sp.max_tokens
-        if total > self.max_seq_len:
-            raise RequestError(
-                f"max_tokens must be in [1, {self.max_seq_len - len(ids)}] for a {len(ids)}-token prompt: "
-                f"prompt + max_tokens ({sp.max_tokens}) = {total} exceeds max_seq_len {self.max_seq_len}; "
-                "shorten the prompt or lower max_tokens."
-            )
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            raise RequestError(
-                f"a request of {total} tokens needs {self.blocks.blocks_for(total)} KV blocks but the pool has "
-                f"{self.blocks.num_blocks}; lower max_tokens or give the engine more KV memory."
-            )
-        return ids
-
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -283,7 +255,8 @@ class Engine:
                 sampling: SamplingParams | None, on_finish: Callable | None = None) -> list[Sequence]:
         """Validate all, then enqueue all at once (so one call's prompts share the first step)."""
         sp = sampling or SamplingParams()
-        seqs = [Sequence(next(self._ids), self._validate(ids, sp), sp, cb, on_finish) for ids, cb in requests]
+        seqs = [Sequence(next(self._ids), check_request(ids, sp, self.cfg.vocab_size, self.max_input_len,
+                                                      self.max_seq_len, self.blocks), sp, cb, on_finish) for ids, cb in requests]
         for seq in seqs:
             seq.generator = None if sp.greedy else sp.make_generator()
         with self._cv:
