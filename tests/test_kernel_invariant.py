@@ -129,6 +129,22 @@ def test_decode_row_alone_equals_row_in_a_batch(fmt, q_dtype, split_tokens):
     assert_meets_oracle(batch, q, cache, tables, seq_lens, q_dtype)
 
 
+def test_rows_in_launches_of_bounded_partials(monkeypatch):
+    """Rows whose split partials would pass PARTIAL_VALUES go in several launches, with the bits of one launch."""
+    fmt, lens = KVFormat("int8", "per_token"), [5, 300, 17, 64, 200, 33, 90]
+    gen = torch.Generator().manual_seed(12)
+    cache, tables, seq_lens = fill_cache(fmt, len(lens), 2, 16, 16, lens, gen)
+    q = _q(len(lens), 8, 16, torch.float32, 13)
+    whole = invariant_attention.decode_attention(q, cache, tables, seq_lens, 0.25)
+    launches = []
+    real = invariant_attention.launch.decode_attention
+    monkeypatch.setattr(invariant_attention, "PARTIAL_VALUES", 2 * 8 * 18 * -(-tables.shape[1] * 16 // 512))
+    monkeypatch.setattr(invariant_attention.launch, "decode_attention",
+                        lambda q, *a, **kw: launches.append(q.shape[0]) or real(q, *a, **kw))
+    assert torch.equal(invariant_attention.decode_attention(q, cache, tables, seq_lens, 0.25), whole)
+    assert launches == [2, 2, 2, 1]
+
+
 def _prompt_cache(fmt, n, kv_heads, d, seed):
     """One sequence of n tokens written to scattered pages: (cache, its block table [1, pages], slots [n])."""
     gen = torch.Generator().manual_seed(seed)

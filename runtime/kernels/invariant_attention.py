@@ -43,6 +43,10 @@ PLAN_TOKENS = 8192
 # why: of 512 / 1024 / 2048 on an H100 (Llama-3-8B, batch 1 at 8k and 32k, max concurrency at 8k; BF16, FP8,
 # INT4, K8V4), 512 kept every scenario at >= 0.90x the default step, 1024 >= 0.81x, 2048 >= 0.67x (docs/numerics.md)
 SPLIT_TOKENS = 512
+# fp32 split partials (m, l and acc of every row, query head and split) one launch may hold: rows beyond go in more
+# launches, so that a wide table -- a prompt's tokens as rows over a 32k context, one 128k sequence among hundreds --
+# costs bounded memory (256 MB); rows are independent, so this changes no bits
+PARTIAL_VALUES = 2**26
 
 
 @functools.cache
@@ -61,8 +65,15 @@ def row_plan(q: torch.Tensor, cache: LayerCache) -> DecodePlan:
 
 def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      sm_scale: float) -> torch.Tensor:
-    """runtime/attention.py's decode op, each row through `row_plan` (no host sync: CUDA graphs capture it)."""
-    return launch.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan=row_plan(q, cache))
+    """runtime/attention.py's decode op, each row through `row_plan` (no host sync: CUDA graphs capture it), rows in
+    launches whose split partials stay within PARTIAL_VALUES."""
+    plan = row_plan(q, cache)
+    splits = -(-block_tables.shape[1] * cache.k.shape[2] // plan.split_tokens)
+    rows = max(1, PARTIAL_VALUES // (splits * q.shape[1] * (q.shape[2] + 2)))
+    if q.shape[0] <= rows:
+        return launch.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan=plan)
+    return torch.cat([launch.decode_attention(q[a:a + rows], cache, block_tables[a:a + rows], seq_lens[a:a + rows],
+                                              sm_scale, plan=plan) for a in range(0, q.shape[0], rows)])
 
 
 def _prefill_rows(cu_seqlens: torch.Tensor, context_lens: torch.Tensor | None, tokens: int
