@@ -41,9 +41,10 @@ from benchmarks.gpu_timing import (
     median_ms,
     read_gbps,
 )
+from runtime import attention, channel_keys
 from runtime.kernels import DecodePlan, decode_attention, decode_plan, decode_plan_for, write_kv
 from runtime.kv_cache import allocate_layer
-from runtime.kv_format import KVFormat
+from runtime.kv_format import PER_CHANNEL_TOKENS, KVFormat, format_from_name
 from runtime.kv_quant import dequantize
 
 FORMATS = {
@@ -61,6 +62,8 @@ FORMATS = {
     "kfp8v4": KVFormat("fp8_e4m3", "per_token", v_dtype="int4", v_symmetric=False),
     "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64),
     "int4-g32-asym": KVFormat("int4", "per_token", symmetric=False, group_size=32),
+    # per-channel keys (KIVI) over blocks of 64 positions: decode_channel_keys.py; written by the reference ops
+    "kivi": format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym"),
 }
 
 
@@ -98,8 +101,8 @@ CHECK_SHAPE = ("llama3-8b", 16, 32768)  # where each format's output is also che
 class Case:
     """One model shape x (batch, context): inputs, block tables, dense BF16 SDPA baseline."""
 
-    def __init__(self, model: str, batch: int, ctx: int, seed: int = 0):
-        self.model, self.batch, self.ctx = model, batch, ctx
+    def __init__(self, model: str, batch: int, ctx: int, seed: int = 0, block_size: int = BLOCK_SIZE):
+        self.model, self.batch, self.ctx, self.block_size = model, batch, ctx, block_size
         self.heads, self.kv_heads, self.head_dim = GEOMETRIES[model]
         g = torch.Generator(device=DEVICE).manual_seed(seed)
         tokens = batch * ctx
@@ -107,12 +110,12 @@ class Case:
         self.v = torch.randn(tokens, self.kv_heads, self.head_dim, device=DEVICE, generator=g, dtype=torch.bfloat16)
         self.k[:, :, 3] += 3.0  # an outlier channel
         self.q = torch.randn(batch, self.heads, self.head_dim, device=DEVICE, generator=g, dtype=torch.bfloat16)
-        pages = ctx // BLOCK_SIZE
+        pages = -(-ctx // block_size)
         self.num_blocks = batch * pages
         perm = torch.randperm(self.num_blocks, device=DEVICE, generator=g)
         self.block_tables = perm.view(batch, pages).to(torch.int32)
         t = torch.arange(ctx, device=DEVICE)
-        self.slots = (self.block_tables[:, t // BLOCK_SIZE].long() * BLOCK_SIZE + t % BLOCK_SIZE).flatten()
+        self.slots = (self.block_tables[:, t // block_size].long() * block_size + t % block_size).flatten()
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
 
@@ -143,7 +146,21 @@ class Case:
             if fmt.granularity == "per_tensor":
                 kam, vam = kam.max(), vam.max()
             ks, vs = (kam / fmt.qmax).float(), (vam / fmt.qmax).float()
-        return allocate_layer(fmt, self.num_blocks, BLOCK_SIZE, self.kv_heads, self.head_dim, DEVICE, ks, vs)
+        return allocate_layer(fmt, self.num_blocks, self.block_size, self.kv_heads, self.head_dim, DEVICE, ks, vs,
+                              residual_slots=self.batch if fmt.per_channel_keys else 0)
+
+    def fill(self, cache) -> None:
+        """Write every sequence's K/V into the cache. Per-channel keys through the reference write as an engine's
+        steps do (each prompt but its last token, then the last tokens in one decode write), so each sequence's own
+        block holds its fp16 residual."""
+        if not cache.fmt.per_channel_keys:
+            write_kv(cache, self.k, self.v, self.slots)
+            return
+        last = torch.arange(self.batch, device=DEVICE) * self.ctx + self.ctx - 1
+        body = torch.ones(self.batch * self.ctx, dtype=torch.bool, device=DEVICE)
+        body[last] = False
+        attention.write_kv(cache, self.k[body], self.v[body], self.slots[body])
+        attention.write_kv(cache, self.k[last], self.v[last], self.slots[last])
 
     def kv_bytes(self, fmt: KVFormat) -> int:
         """Bytes the decode kernel must read: K and V of every valid token, scales included."""
@@ -156,6 +173,9 @@ class Case:
     def reference(self, cache) -> torch.Tensor:
         """fp32 attention over the dequantized cache, in sequence order."""
         b, kvh, d = self.batch, self.kv_heads, self.head_dim
+        if cache.fmt.per_channel_keys:  # the reference ops' position rule, in fp32
+            return channel_keys.decode_attention(self.q.float(), cache, self.block_tables, self.seq_lens,
+                                                 self.sm_scale, attention._sdpa)
         bt = self.block_tables.long()
 
         def deq(name):
@@ -182,10 +202,17 @@ def run_case(case: Case, fmt_names, rows, sink, check: bool, plan_changes: dict 
     dense = case.kv_bytes(KVFormat("bf16"))
     print(f"{case.model} {case.batch}x{case.ctx}: SDPA[{backend}] {sdpa_ms:.3f} ms "
           f"({dense / sdpa_ms / 1e6:.0f} GB/s)", flush=True)
+    base, paged = case, None
     for name in fmt_names:
         fmt = format_of(name)
+        case = base
+        if fmt.per_channel_keys:  # blocks of 64 positions; the same q, K and V (the same seed)
+            paged = paged or Case(base.model, base.batch, base.ctx, block_size=PER_CHANNEL_TOKENS)
+            case = paged
         cache = case.cache(fmt)
-        write_ms = median_ms(partial(write_kv, cache, case.k, case.v, case.slots), flush=FLUSH)
+        case.fill(cache)
+        write_ms = None if fmt.per_channel_keys else median_ms(partial(write_kv, cache, case.k, case.v, case.slots),
+                                                               flush=FLUSH)
         write_bytes = case.write_bytes(fmt)
         plan = dataclasses.replace(plan_of(name, case, cache), **(plan_changes or {}))
         launch = partial(decode_attention, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, plan=plan)
@@ -202,15 +229,15 @@ def run_case(case: Case, fmt_names, rows, sink, check: bool, plan_changes: dict 
             "sdpa_ms": sdpa_ms, "sdpa_backend": backend, "speedup": sdpa_ms / ms, "eager_ms": eager,
             "ideal": ideal_ratio(fmt, case.head_dim), "bits_per_element": fmt.bits_per_element(case.head_dim),
             "timing": f"cuda graph, L2 flushed per call ({FLUSH})",
-            "write_ms": write_ms, "write_gbps": write_bytes / write_ms / 1e6, "relerr_vs_fp32": err,
+            "write_ms": write_ms, "write_gbps": write_ms and write_bytes / write_ms / 1e6, "relerr_vs_fp32": err,
             "kernel": plan.kernel, "plan": dataclasses.asdict(plan),
-            "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim, "block_size": BLOCK_SIZE,
+            "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim, "block_size": case.block_size,
         }
         rows.append(row)
         sink.write(json.dumps(row) + "\n")
         sink.flush()
         print(f"  {name:14s} {ms:.4f} ms {row['gbps']:6.0f} GB/s x{row['speedup']:.2f} (ideal x{row['ideal']:.2f}) "
-              f"write {row['write_gbps']:5.0f} GB/s {plan_text(plan)} err={err}", flush=True)
+              f"write {row['write_gbps'] or 0:5.0f} GB/s {plan_text(plan)} err={err}", flush=True)
         del cache
 
 
@@ -299,10 +326,16 @@ def markdown(env: dict, rows: list[dict]) -> str:
             f"| {r['model']} | {r['batch']}x{r['ctx']} | {r['format']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
             f"{100 * r['gbps'] / env['read_gbps']:.0f}% | {same} | {r['speedup']:.2f}x ({r['sdpa_ms']:.3f} ms) | "
             f"{ideal:.2f}x | {100 * r['speedup'] / ideal:.0f}% | {eager} | "
-            f"{r['write_gbps']:.0f} | {100 * r['write_gbps'] / env['copy_gbps']:.0f}% | "
+            f"{_write_cells(r, env)} | "
             f"{plan_text(DecodePlan(**r['plan']))} | {err} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _write_cells(r: dict, env: dict) -> str:
+    if not r.get("write_gbps"):
+        return "reference op | -"
+    return f"{r['write_gbps']:.0f} | {100 * r['write_gbps'] / env['copy_gbps']:.0f}%"
 
 
 def check_without_gpu(grid, fmt_names) -> None:
@@ -313,11 +346,13 @@ def check_without_gpu(grid, fmt_names) -> None:
     for model, batch, ctx in grid:
         case = Case(model, batch, ctx)
         for name in fmt_names:
-            cache = case.cache(format_of(name))
-            write_kv(cache, case.k, case.v, case.slots)
-            plan = plan_of(name, case, cache)
-            out = decode_attention(case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, plan=plan)
-            ref = case.reference(cache)
+            fmt = format_of(name)
+            c = Case(model, batch, ctx, block_size=PER_CHANNEL_TOKENS) if fmt.per_channel_keys else case
+            cache = c.cache(fmt)
+            c.fill(cache)
+            plan = plan_of(name, c, cache)
+            out = decode_attention(c.q, cache, c.block_tables, c.seq_lens, c.sm_scale, plan=plan)
+            ref = c.reference(cache)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             print(f"{model} {batch}x{ctx} {name:14s} {plan_text(plan)} ideal x{ideal_ratio(format_of(name), case.head_dim):.2f} "
                   f"err={err:.2e}", flush=True)

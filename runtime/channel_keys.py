@@ -194,8 +194,9 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
 # ----------------------------------------------------------------- engine
 def check_engine(formats, block_size: int, device: torch.device, *, tensor_parallel: bool, batch_invariant: bool,
                  burst_steps: int) -> None:
-    """What an engine with per-channel-key layers needs: blocks of PER_CHANNEL_TOKENS positions, one process, torch
-    ops (on CUDA the batch-invariant mode and decode bursts run kernels that do not read these keys)."""
+    """What an engine with per-channel-key layers needs: blocks of PER_CHANNEL_TOKENS positions, one process, the
+    write on the host-side slot bookkeeping here (on CUDA the batch-invariant mode and decode bursts run kernels that
+    do not read these keys; runtime/kernels/decode_channel_keys.py is the default decode's)."""
     if not any(f.per_channel_keys for f in formats):
         return
     from .errors import UnsupportedError
@@ -207,8 +208,8 @@ def check_engine(formats, block_size: int, device: torch.device, *, tensor_paral
     for on, what in ((tensor_parallel, "tensor parallelism (tp: 1)"), (batch_invariant and device.type == "cuda", "the batch-invariant mode "
                      "(batch_invariant: false)"), (burst_steps, "decode bursts (burst_steps: 0)")):
         if on:
-            raise UnsupportedError(f"{name} runs on the reference attention ops, without {what}; turn it off or "
-                                   "use another KV format.")
+            raise UnsupportedError(f"{name} writes its keys through the reference ops, without {what}; turn it off "
+                                   "or use another KV format.")
 
 
 def release_on_free(blocks, caches: list[LayerCache]) -> None:

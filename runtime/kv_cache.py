@@ -31,12 +31,16 @@ class ResidualSlots:
     written (per-channel keys): one per sequence. A block takes a slot when its first token is written and gives
     it back at the write after its last one (that step's queries still read it), or when the block is freed. A
     chunk that completes its sequence's open block and opens the next finds no slot free for the new block: its
-    keys wait (`defer`) until the next write, which first releases the completed block's slot."""
+    keys wait (`defer`) until the next write, which first releases the completed block's slot.
 
-    def __init__(self, num_slots: int):
+    `slot_of` [num_blocks] int32 on the pool's device mirrors `of_block` (-1: none), for kernels that read a
+    block's residual without asking the host (runtime/kernels/decode_channel_keys.py)."""
+
+    def __init__(self, num_slots: int, num_blocks: int = 0, device: torch.device | str = "cpu"):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self.of_block: dict[int, int] = {}
+        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
         self._completed: list[int] = []
         self.deferred: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (offsets, fp16 keys)
 
@@ -52,6 +56,8 @@ class ResidualSlots:
                 "build the engine with a larger max_batch_size (it sizes the residual blocks)."
             )
         self.of_block[block] = slot = self._free.pop()
+        if block < self.slot_of.numel():
+            self.slot_of[block] = slot
         return slot
 
     def completed(self, block: int) -> None:
@@ -68,6 +74,8 @@ class ResidualSlots:
         slot = self.of_block.pop(block, None)
         if slot is not None:
             self._free.append(slot)
+            if block < self.slot_of.numel():
+                self.slot_of[block] = -1
 
 
 @dataclass
@@ -126,7 +134,7 @@ def allocate_layer(
             pages["k_zero"] = torch.zeros(meta, dtype=side.scale_torch_dtype, device=device)
             pages["k_residual"] = torch.zeros((residual_slots, kv_heads, block_size, head_dim), dtype=torch.float16,
                                               device=device)
-            pages["residual"] = ResidualSlots(residual_slots)
+            pages["residual"] = ResidualSlots(residual_slots, num_blocks, device)
         if side.dynamic:
             meta = side.meta_shape(num_blocks, kv_heads, block_size, head_dim)
             pages[f"{which}_scale"] = torch.ones(meta, dtype=side.scale_torch_dtype, device=device)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers_channel_keys import BLOCK, FMT, NAME, exact_int4_values, keys, oracle_attention, oracle_block
 from helpers_runtime import run_chunks, tiny_llama_dir
 
 from runtime import attention, batch_invariant
 from runtime.config import ModelConfig, ceil_div
 from runtime.errors import InputError, UnsupportedError
 from runtime.kv_format import (
-    PER_CHANNEL_TOKENS,
     KVFormat,
     format_fields,
     format_from_name,
@@ -29,50 +29,16 @@ from runtime.model import LlamaModel
 from runtime.runner import allocate_pool, plan_pool
 from runtime.weights import open_weights
 
-NAME = "k.int4-per_channel-asym+v.int4-per_token-asym"
-FMT = format_from_name(NAME)
-BLOCK = PER_CHANNEL_TOKENS
-
-
-def _fp16_up(x: np.ndarray) -> np.ndarray:
-    """Smallest fp16 >= x, elementwise, in fp64."""
-    r = x.astype(np.float16)
-    r = np.where(r.astype(np.float64) < x, np.nextafter(r, np.float16(np.inf)), r)
-    return r.astype(np.float64)
-
-
-def _fp16_down(x: np.ndarray) -> np.ndarray:
-    r = x.astype(np.float16)
-    r = np.where(r.astype(np.float64) > x, np.nextafter(r, np.float16(-np.inf)), r)
-    return r.astype(np.float64)
-
-
-def _oracle_block(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rule in fp64 for x [..., 64, D]: (codes, scale, zero) with zero = min rounded down to fp16, s = (max -
-    zero) / 15 rounded up to fp16, q = clamp(round half even((x - zero) / s), 0, 15)."""
-    zero = _fp16_down(x.min(-2))
-    s = _fp16_up(np.maximum((x.max(-2) - zero) / 15, 2.0**-14))  # never zero: fp16's smallest normal
-    y = (x - zero[..., None, :]) / s[..., None, :]
-    return np.clip(np.round(y), 0, 15), s, zero, y
-
-
-def _keys(seed: int, shape) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g)
-    x[..., 3] *= 30  # an outlier channel, as RoPE'd keys have
-    x[..., 5] = 0.25  # a constant channel: max == min
-    return x
-
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_quantize_matches_the_fp64_rule(dtype):
     """Codes, scales and zeros equal the rule computed in fp64; every element is within s/2 of its value."""
-    x = _keys(0, (2, 3, BLOCK, 64)).to(dtype)
+    x = keys(0, (2, 3, BLOCK, 64)).to(dtype)
     packed, scale, zero = quantize_per_channel(x, FMT.k)
     assert packed.shape == (2, 3, BLOCK, 32) and packed.dtype == torch.uint8
     assert scale.dtype == zero.dtype == torch.float16 and scale.shape == (2, 3, 64)
     x64 = x.double().numpy()
-    want_q, want_s, want_zero, y = _oracle_block(x64)
+    want_q, want_s, want_zero, y = oracle_block(x64)
     np.testing.assert_array_equal(zero.double().numpy(), want_zero)
     np.testing.assert_array_equal(scale.double().numpy(), want_s)
     clear = np.abs(y - np.floor(y) - 0.5) > 1e-4  # away from a rounding tie, fp32 and fp64 agree
@@ -84,43 +50,13 @@ def test_quantize_matches_the_fp64_rule(dtype):
     assert (np.abs(back - x64) <= bound).all()
 
 
-def _oracle_attention(q, k, v, p: int, sm_scale: float) -> np.ndarray:
-    """fp64: query q [heads, D] at position p over keys/values [0, p] [T, kv_heads, D]: its own block's keys in
-    fp16, every earlier block's quantized by the rule; V exact (the test's values are exact in int4 per token)."""
-    k16 = k.to(torch.float16).double().numpy()
-    own = p // BLOCK * BLOCK
-    keys = k16[: p + 1].copy()
-    for b0 in range(0, own, BLOCK):
-        blk = k16[b0:b0 + BLOCK].transpose(1, 0, 2)  # [H, 64, D]
-        codes, s, zero, _ = _oracle_block(blk)
-        keys[b0:b0 + BLOCK] = (codes * s[:, None, :] + zero[:, None, :]).transpose(1, 0, 2)
-    g = q.shape[0] // k.shape[1]
-    qd, vd = q.double().numpy(), v[: p + 1].double().numpy()
-    out = np.empty_like(qd)
-    for head in range(q.shape[0]):
-        s = keys[:, head // g] @ qd[head] * sm_scale
-        w = np.exp(s - s.max())
-        out[head] = (w / w.sum()) @ vd[:, head // g]
-    return out
-
-
-def _exact_int4_values(seed: int, shape) -> torch.Tensor:
-    """V that int4 per-token asym stores exactly: per token-head, zero + q * s with fp16 s and zero, q in 0..15
-    with both ends present."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, shape, generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15
-    s = torch.tensor(0.125) * (1 + torch.randint(0, 4, shape[:-1], generator=g)).float()
-    return q * s[..., None] - 0.5
-
-
 @pytest.mark.parametrize("ops", ["reference", "batch-invariant"])
 def test_attention_reads_own_block_fp16_and_earlier_blocks_quantized(ops):
     """Keys written in uneven chunks; prefill chunks and decode queries equal the fp64 oracle."""
     backend = attention.reference_backend() if ops == "reference" else batch_invariant.backend()
     t, heads, kvh, d = 150, 4, 2, 64
-    k = _keys(1, (t, kvh, d))
-    v = _exact_int4_values(2, (t, kvh, d))
+    k = keys(1, (t, kvh, d))
+    v = exact_int4_values(2, (t, kvh, d))
     q = torch.randn(t, heads, d, generator=torch.Generator().manual_seed(3))
     cfg = ModelConfig(hidden_size=heads * d, intermediate_size=64, num_layers=1, num_heads=heads, num_kv_heads=kvh,
                       head_dim=d, vocab_size=16, max_position_embeddings=256)
@@ -138,7 +74,7 @@ def test_attention_reads_own_block_fp16_and_earlier_blocks_quantized(ops):
         got[a:b] = backend.prefill_context_attention(q[a:b], k[a:b], stored_v, torch.tensor([0, b - a]), cache,
                                                      table, torch.tensor([a], dtype=torch.int32), sm)
     for p in range(t):
-        np.testing.assert_allclose(got[p].double().numpy(), _oracle_attention(q[p], k, v, p, sm), atol=2e-5,
+        np.testing.assert_allclose(got[p].double().numpy(), oracle_attention(q[p], k, v, p, sm), atol=2e-5,
                                    err_msg=f"position {p}")
 
 

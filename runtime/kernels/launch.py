@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..kv_cache import LayerCache
-from . import codes, decode_gluon, launch_mixed
+from . import codes, decode_channel_keys, decode_gluon, launch_mixed
 from .decode_tiles import _decode_kernel
 from .decode_warps import _decode_kernel_warps
 from .formats import (
@@ -73,6 +73,9 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
                      sm_scale: float, plan: DecodePlan | None = None) -> torch.Tensor:
     """q [B, H, D] against the paged cache -> out [B, H, D] in q.dtype (seq_lens >= 1). block_tables: int32
     [B, max_blocks]; its width bounds the context (no device sync)."""
+    if cache.fmt.per_channel_keys:
+        plan = decode_plan_for(q, cache, block_tables) if plan is None else plan
+        return decode_channel_keys.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan)
     if served_by_mixed(cache.fmt):
         return _decode_mixed_format(q, cache, block_tables, seq_lens, sm_scale, plan)
     kf = kernel_format(cache)

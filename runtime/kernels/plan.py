@@ -27,6 +27,9 @@ from .split_k import choose_num_splits
 
 KERNELS = ("gluon", "warps", "tiles")  # decode_gluon.py, decode_warps.py, decode_tiles.py
 MIXED = "mixed"  # decode_mixed.py: the formats of `formats.served_by_mixed`, and only those
+CHANNEL_KEYS = "channel_keys"  # decode_channel_keys.py: per-channel keys (KIVI), and only those
+# programs of decode_channel_keys.py (4 warps) an SM holds at once, for the split rule
+CHANNEL_KEYS_RESIDENT_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,8 @@ class DecodePlan:
     head_dim 128, <= 8 query heads per KV head, pages of 16k tokens, quantized formats, fp16 / bf16 q), "warps"
     (decode_warps.py: one softmax state per warp; quantized formats) or "tiles" (decode_tiles.py: query heads x tokens;
     unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`; "gluon" serves
-    those of them it is written for: `mixed_gluon_serves`). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
+    those of them it is written for: `mixed_gluon_serves`) or "channel_keys" (decode_channel_keys.py: per-channel
+    keys; block_n is their block of 64 positions). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
     (None: none; GPU only). split_tokens: splits of exactly this many tokens (a multiple of `split_tile`) whatever the
     table's width, each row's merged in order (`split_k.merge_in_order`), in place of `splits`: a row's result then
     depends on its own length only (the batch-invariant mode, invariant_attention.py); 0: `splits` decides.
@@ -208,7 +212,7 @@ class DecodePlan:
     warp, its tokens sharing a page.
     """
 
-    kernel: Literal["gluon", "warps", "tiles", "mixed"]
+    kernel: Literal["gluon", "warps", "tiles", "mixed", "channel_keys"]
     splits: int
     registers: int | None = None
     stages: int = 0
@@ -270,6 +274,11 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     kernel family instead of the default choice ("triton": the format's Triton kernel, warps or tiles), for tests
     and benchmarks that compare kernels."""
     device = device if isinstance(device, Device) else device_of(device)
+    if fmt.per_channel_keys:
+        splits = choose_num_splits(batch, kv_heads, max_tokens, block_size, device.sms, CHANNEL_KEYS_RESIDENT_PER_SM)
+        native = device.cuda and not device.interpret and q_dtype in (torch.float16, torch.bfloat16)
+        return DecodePlan(CHANNEL_KEYS, splits, block_n=block_size, num_warps=2, num_stages=2, dot_fp16=native,
+                          widen_ptx=native)
     tuned = _format_tuned(fmt, device).decode
     if served_by_mixed(fmt):
         group = heads // kv_heads

@@ -1,0 +1,100 @@
+"""The decode kernel of per-channel keys (runtime/kernels/decode_channel_keys.py) against the fp64 oracle of the
+position rule: a batch of sequences of odd lengths (1 to 3 blocks and a bit, one at a block's last position),
+pages out of order, residual blocks from the reference write, one launch and split-K with empty splits; fp32 q
+to the format's exactness, bf16 q within the bound bf16 operands give."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from helpers_channel_keys import BLOCK, FMT, exact_int4_values, keys, oracle_attention
+from helpers_kernels import DEV, K
+
+from runtime import attention
+from runtime.kv_cache import allocate_layer
+
+LENGTHS = [1, 64, 65, 150, 200, 130]
+
+
+def _filled(heads: int, kvh: int, d: int, seed: int, spare_slots: int = 0):
+    """A cache holding len(LENGTHS) sequences written as an engine does: each prompt but its last token in one
+    write, then every sequence's last token in one decode write (so the completed blocks of sequences at a block's
+    64th key keep their residual until the next write)."""
+    width = max(-(-n // BLOCK) for n in LENGTHS)
+    gen = torch.Generator().manual_seed(seed)
+    pool = len(LENGTHS) * width
+    cache = allocate_layer(FMT, pool, BLOCK, kvh, d, DEV, residual_slots=len(LENGTHS) + spare_slots)
+    tables = torch.randperm(pool, generator=gen).view(len(LENGTHS), width).to(torch.int32)  # pages anywhere
+    ks = [keys(seed + 1 + i, (n, kvh, d)) for i, n in enumerate(LENGTHS)]
+    vs = [exact_int4_values(seed + 50 + i, (n, kvh, d)) for i, n in enumerate(LENGTHS)]
+
+    def slots(i: int, positions) -> torch.Tensor:
+        return torch.tensor([int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in positions], device=DEV)
+
+    for i, n in enumerate(LENGTHS):
+        if n > 1:
+            attention.write_kv(cache, ks[i][:n - 1].to(DEV), vs[i][:n - 1].to(DEV), slots(i, range(n - 1)))
+    last = torch.cat([slots(i, [n - 1]) for i, n in enumerate(LENGTHS)])
+    attention.write_kv(cache, torch.stack([x[-1] for x in ks]).to(DEV), torch.stack([x[-1] for x in vs]).to(DEV),
+                       last)
+    q = torch.randn(len(LENGTHS), heads, d, generator=gen)
+    return cache, tables.to(DEV), ks, vs, q
+
+
+def _plan(q, cache, tables, splits: int):
+    plan = K.decode_plan_for(q, cache, tables)
+    assert plan.kernel == "channel_keys" and plan.block_n == BLOCK
+    return replace(plan, splits=splits)
+
+
+def _oracle(q, ks, vs, sm):
+    return np.stack([oracle_attention(q[i], ks[i], vs[i], n - 1, sm) for i, n in enumerate(LENGTHS)])
+
+
+@pytest.mark.parametrize("heads,kvh,d", [(4, 2, 64), (9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+def test_decode_equals_the_fp64_rule(heads, kvh, d, num_splits):
+    cache, tables, ks, vs, q = _filled(heads, kvh, d, seed=heads + d)
+    sm = d**-0.5
+    seq = torch.tensor(LENGTHS, dtype=torch.int32, device=DEV)
+    got = K.decode_attention(q.to(DEV), cache, tables, seq, sm, plan=_plan(q, cache, tables, num_splits))
+    np.testing.assert_allclose(got.double().cpu().numpy(), _oracle(q, ks, vs, sm), atol=2e-5)
+
+
+def test_bf16_q_within_the_bound_of_bf16_operands():
+    """bf16 q: the dots take q * s and p * s_v rounded to (at most) bf16 (u = 2^-8 each) and the output is rounded
+    once more. A score (q * s) . codes + q . z moves by at most u sum_c |q_c s_c code_c| <= u sum_c |q_c| 2 max_t
+    |k_tc| (s code = k - z, both within the block's range) plus the rounding of q and of the sum, which moves softmax
+    weights by a factor within exp(+-2 ds); the output then lies within (exp(2 ds) - 1 + 2u) max|v| of the oracle."""
+    heads, kvh, d = 8, 2, 64
+    cache, tables, ks, vs, q = _filled(heads, kvh, d, seed=7)
+    q = q.to(torch.bfloat16)
+    sm = d**-0.5
+    seq = torch.tensor(LENGTHS, dtype=torch.int32, device=DEV)
+    got = K.decode_attention(q.to(DEV), cache, tables, seq, sm).double().cpu().numpy()
+    want = _oracle(q.float(), ks, vs, sm)
+    u = 2.0**-8
+    for i, n in enumerate(LENGTHS):
+        kmax = ks[i][:n].abs().double().amax(0).repeat_interleave(heads // kvh, 0)  # [heads, d]
+        ds = 3 * u * sm * (q[i].abs().double() * 2 * kmax).sum(-1).max()
+        vmax = vs[i][:n].abs().max().item()
+        bound = (np.exp(2 * ds.item()) - 1 + 2 * u) * vmax
+        assert np.abs(got[i] - want[i]).max() <= bound, f"sequence of {n} tokens"
+
+
+def test_reads_no_residual_block_but_the_own_blocks():
+    """Residual slots no own block holds are NaN, as are the pages of every sequence's own block: the output still
+    equals the oracle, so the kernel reads each own block from its residual slot and nothing else from residuals."""
+    cache, tables, ks, vs, q = _filled(4, 2, 64, seed=3, spare_slots=2)
+    free = [s for s in range(cache.residual.num_slots) if s not in cache.residual.of_block.values()]
+    assert len(free) == 2
+    cache.k_residual[free] = float("nan")
+    for i, n in enumerate(LENGTHS):
+        own = int(tables[i, (n - 1) // BLOCK])
+        cache.k_scale[own] = float("nan")
+    seq = torch.tensor(LENGTHS, dtype=torch.int32, device=DEV)
+    got = K.decode_attention(q.to(DEV), cache, tables, seq, 0.125, plan=_plan(q, cache, tables, 2))
+    np.testing.assert_allclose(got.double().cpu().numpy(), _oracle(q, ks, vs, 0.125), atol=2e-5)
