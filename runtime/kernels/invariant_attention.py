@@ -33,6 +33,7 @@ from ..attention import prefill_attention
 from ..kv_cache import LayerCache
 from . import invariant_gemm, launch, small_ops
 from .plan import DecodePlan, decode_plan, device_of, split_tile
+from .split_k import fixed_split_count
 
 # the reference shape of the one plan: many sequences of a long context, so the plan's rules take their
 # steady choices (the per-format tuned tile, never the few-programs variant)
@@ -68,7 +69,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     """runtime/attention.py's decode op, each row through `row_plan` (no host sync: CUDA graphs capture it), rows in
     launches whose split partials stay within PARTIAL_VALUES."""
     plan = row_plan(q, cache)
-    splits = -(-block_tables.shape[1] * cache.k.shape[2] // plan.split_tokens)
+    splits = fixed_split_count(block_tables.shape[1] * cache.k.shape[2], plan.split_tokens)
     rows = max(1, PARTIAL_VALUES // (splits * q.shape[1] * (q.shape[2] + 2)))
     if q.shape[0] <= rows:
         return launch.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan=plan)

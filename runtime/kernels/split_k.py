@@ -123,6 +123,11 @@ def partial_dtype(out: torch.Tensor, kv_heads: int, tokens_per_split: int, kv_by
     return out.dtype if low else torch.float32
 
 
+def fixed_split_count(max_tokens: int, fixed_tokens: int) -> int:
+    """Splits of `fixed_tokens` keys a launch over a table of `max_tokens` runs (the batch-invariant mode's)."""
+    return max(1, triton.cdiv(max_tokens, fixed_tokens))
+
+
 def split_plan(out: torch.Tensor, max_tokens: int, num_splits: int, tile: int, cache,
                fixed_tokens: int = 0) -> tuple[int, int, tuple]:
     """(tokens per split, a multiple of `tile`; the split count that leaves none empty; the partial
@@ -130,7 +135,7 @@ def split_plan(out: torch.Tensor, max_tokens: int, num_splits: int, tile: int, c
     times: SPLIT=False compiles their stores away). fixed_tokens (a multiple of `tile`): splits of that many tokens
     however wide the table, and partials even for one split (`merge_in_order`: the batch-invariant mode)."""
     if fixed_tokens:
-        tokens_per_split, num_splits = fixed_tokens, max(1, triton.cdiv(max_tokens, fixed_tokens))
+        tokens_per_split, num_splits = fixed_tokens, fixed_split_count(max_tokens, fixed_tokens)
     else:
         tokens_per_split = split_tokens(max_tokens, num_splits, tile)
         num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
