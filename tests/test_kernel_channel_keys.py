@@ -22,30 +22,34 @@ LENGTHS = [1, 64, 65, 150, 200, 130]
 def _filled(heads: int, kvh: int, d: int, seed: int, spare_slots: int = 0):
     """A cache holding len(LENGTHS) sequences written as an engine does: each prompt but its last token in one
     write, then every sequence's last token in one decode write (so the completed blocks of sequences at a block's
-    64th key keep their residual until the next write)."""
+    64th key keep their residual until the next write). Written on the CPU, where the reference write is the
+    format's rule to the bit (on CUDA torch divides through a reciprocal: a scale can round up one fp16 step past
+    the rule's), then moved to the kernel's device."""
     width = max(-(-n // BLOCK) for n in LENGTHS)
     gen = torch.Generator().manual_seed(seed)
     pool = len(LENGTHS) * width
-    cache = allocate_layer(FMT, pool, BLOCK, kvh, d, DEV, residual_slots=len(LENGTHS) + spare_slots)
+    cache = allocate_layer(FMT, pool, BLOCK, kvh, d, "cpu", residual_slots=len(LENGTHS) + spare_slots)
     tables = torch.randperm(pool, generator=gen).view(len(LENGTHS), width).to(torch.int32)  # pages anywhere
     ks = [keys(seed + 1 + i, (n, kvh, d)) for i, n in enumerate(LENGTHS)]
     vs = [exact_int4_values(seed + 50 + i, (n, kvh, d)) for i, n in enumerate(LENGTHS)]
 
     def slots(i: int, positions) -> torch.Tensor:
-        return torch.tensor([int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in positions], device=DEV)
+        return torch.tensor([int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in positions])
 
     for i, n in enumerate(LENGTHS):
         if n > 1:
-            attention.write_kv(cache, ks[i][:n - 1].to(DEV), vs[i][:n - 1].to(DEV), slots(i, range(n - 1)))
+            attention.write_kv(cache, ks[i][:n - 1], vs[i][:n - 1], slots(i, range(n - 1)))
     last = torch.cat([slots(i, [n - 1]) for i, n in enumerate(LENGTHS)])
-    attention.write_kv(cache, torch.stack([x[-1] for x in ks]).to(DEV), torch.stack([x[-1] for x in vs]).to(DEV),
-                       last)
+    attention.write_kv(cache, torch.stack([x[-1] for x in ks]), torch.stack([x[-1] for x in vs]), last)
+    for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_residual"):
+        setattr(cache, name, getattr(cache, name).to(DEV))
+    cache.residual.slot_of = cache.residual.slot_of.to(DEV)
     q = torch.randn(len(LENGTHS), heads, d, generator=gen)
     return cache, tables.to(DEV), ks, vs, q
 
 
 def _plan(q, cache, tables, splits: int):
-    plan = K.decode_plan_for(q, cache, tables)
+    plan = K.decode_plan_for(q.to(DEV), cache, tables)
     assert plan.kernel == "channel_keys" and plan.block_n == BLOCK
     return replace(plan, splits=splits)
 

@@ -42,12 +42,23 @@ def _codes(raw, HALF: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, 
 
 
 @triton.jit
+def _page_rows(X, rows, offs_c, cmask, FULL_D: tl.constexpr):
+    """A block's stored rows [BLOCK, HALF_D]; no column mask at a power-of-two head_dim (a mask along the row
+    would split the vector loads)."""
+    if FULL_D:
+        raw = tl.load(X + rows[:, None] + offs_c[None, :])
+    else:
+        raw = tl.load(X + rows[:, None] + offs_c[None, :], mask=cmask[None, :], other=0)
+    return raw
+
+
+@triton.jit
 def _values(s, m_i, l_i, acc_a, acc_b, V, VS, VZ, rows, meta, cmask, offs_c, dt: tl.constexpr,
-            DOT: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr):
+            DOT: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, FULL_D: tl.constexpr):
     """One online-softmax step over score tile s [BLOCK_H, BLOCK] and its int4 per-token asym values: p carries
     V's per-token scale, sum(p z) its zero point (added to both halves of head_dim)."""
     m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
-    vraw = tl.load(V + rows[:, None] + offs_c[None, :], mask=cmask[None, :], other=0)
+    vraw = _page_rows(V, rows, offs_c, cmask, FULL_D)
     vs = tl.load(VS + meta).to(tl.float32)
     vz = tl.load(VZ + meta).to(tl.float32)
     pv = _operand(p * vs[None, :], dt, DOT)
@@ -66,7 +77,7 @@ def _decode_channel_keys_kernel(
     stride_pb, stride_ph, stride_pt, stride_sb, stride_sh, stride_mb, stride_mh, stride_rs, stride_rh, stride_rt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF_D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, DOT_F16: tl.constexpr,
-    ASM_LO: tl.constexpr, ASM_HI: tl.constexpr,
+    ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, FULL_D: tl.constexpr,
 ):
     b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
     seq_len = tl.load(SEQ + b)
@@ -95,22 +106,29 @@ def _decode_channel_keys_kernel(
     acc_a = tl.zeros([BLOCK_H, HALF_D], tl.float32)
     acc_b = tl.zeros([BLOCK_H, HALF_D], tl.float32)
     bt_row = BT + b * stride_btb
-    for n0 in range(start, tl.minimum(end, own), BLOCK):  # complete blocks: quantized keys
-        page = tl.load(bt_row + n0 // BLOCK).to(tl.int64)
+    stop = tl.minimum(end, own)
+    # a block's page is loaded an iteration ahead: Triton's pipeliner buffers K and V loads only when their
+    # addresses come from a loop-carried value (group_io._tile_pages)
+    page_next = tl.load(bt_row + start // BLOCK, mask=start < stop, other=0)
+    for n0 in range(start, stop, BLOCK):  # complete blocks: quantized keys
+        page = page_next.to(tl.int64)
+        page_next = tl.load(bt_row + n0 // BLOCK + 1, mask=n0 + BLOCK < stop, other=0)
         chan = page * stride_sb + kvh * stride_sh
         s_a = tl.load(KS + chan + cols_a, mask=cmask, other=0.0).to(tl.float32)
         s_b = tl.load(KS + chan + cols_b, mask=cmask, other=0.0).to(tl.float32)
         z_a = tl.load(KZ + chan + cols_a, mask=cmask, other=0.0).to(tl.float32)
         z_b = tl.load(KZ + chan + cols_b, mask=cmask, other=0.0).to(tl.float32)
         rows = page * stride_pb + kvh * stride_ph + offs_t * stride_pt
-        kraw = tl.load(K + rows[:, None] + offs_c[None, :], mask=cmask[None, :], other=0)
+        if FULL_D:  # rows of a power-of-two number of bytes start 16-byte aligned: vector loads
+            rows = tl.multiple_of(rows, 16)
+        kraw = _page_rows(K, rows, offs_c, cmask, FULL_D)
         s = _dot(_operand(q_a * (s_a * pre)[None, :], dt, DOT), tl.trans(_codes(kraw, 0, ASM_LO, ASM_HI, dt, DOT)), DOT)
         s += _dot(_operand(q_b * (s_b * pre)[None, :], dt, DOT), tl.trans(_codes(kraw, 1, ASM_LO, ASM_HI, dt, DOT)), DOT)
         bias = tl.sum(q_a * z_a[None, :], 1) + tl.sum(q_b * z_b[None, :], 1)
         s = (s / pre + bias[:, None]) * qk_scale
         meta = page * stride_mb + kvh * stride_mh + offs_t
         m_i, l_i, acc_a, acc_b = _values(s, m_i, l_i, acc_a, acc_b, V, VS, VZ, rows, meta, cmask, offs_c, dt, DOT,
-                                          ASM_LO, ASM_HI)
+                                          ASM_LO, ASM_HI, FULL_D)
     if (start <= own) & (own < end):  # this split holds the own block
         page = tl.load(bt_row + own // BLOCK).to(tl.int64)
         slot = tl.load(SLOT + page).to(tl.int64)
@@ -125,7 +143,7 @@ def _decode_channel_keys_kernel(
         rows = page * stride_pb + kvh * stride_ph + offs_t * stride_pt
         meta = page * stride_mb + kvh * stride_mh + offs_t
         m_i, l_i, acc_a, acc_b = _values(s, m_i, l_i, acc_a, acc_b, V, VS, VZ, rows, meta, cmask, offs_c, dt, DOT,
-                                          ASM_LO, ASM_HI)
+                                          ASM_LO, ASM_HI, FULL_D)
     _store_group(OUT, PM, PL, PACC, acc_a, acc_b, m_i, l_i, b, sp, heads, hmask, cols_a, cols_b, cmask, num_splits,
                  stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, codes.INT4, SPLIT)
 
@@ -169,6 +187,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HALF_D=max(16, triton.next_power_of_2(head_dim // 2)), BLOCK=BLOCK,
         SPLIT=splits_write_partials(splits, False), DOT=dot, DOT_F16=plan.dot_fp16, ASM_LO=asm[0], ASM_HI=asm[1],
+        FULL_D=head_dim >= 32 and head_dim // 2 == triton.next_power_of_2(head_dim // 2),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     merge_partials(splits, out, seq_lens, False)
