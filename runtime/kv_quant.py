@@ -49,11 +49,18 @@ def round_down_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ scales
+def _over_qmax(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """x / qmax, correctly rounded on every device: torch's CUDA kernels divide by a Python number through its
+    reciprocal (one ulp above the quotient at times, which round_up_to turns into a whole step of the scale
+    dtype), and by a tensor with IEEE division, as the CPU and the write kernels do."""
+    return x / torch.full((), fmt.qmax, dtype=x.dtype, device=x.device)
+
+
 def static_scale_from_amax(amax: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """Calibrated dequantization scale s = amax / qmax (fp32), never zero."""
     if not fmt.static:
         raise ValueError(f"{fmt.name} has no static scales")
-    s = amax.to(torch.float32) / fmt.qmax
+    s = _over_qmax(amax.to(torch.float32), fmt)
     return s.clamp_min(_tiny(torch.float32))
 
 
@@ -75,10 +82,10 @@ def dynamic_scales(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.
     # (like a static scale clips) instead of storing an inf scale that dequantizes to NaN.
     big = float(torch.finfo(sd).max)
     if fmt.symmetric:
-        s = xf.abs().masked_fill(nan, 0.0).amax(dim=-1) / fmt.qmax
+        s = _over_qmax(xf.abs().masked_fill(nan, 0.0).amax(dim=-1), fmt)
         return round_up_to(s.clamp(_tiny(sd), big), sd), None
     zero = round_down_to(xf.masked_fill(nan, float("inf")).amin(dim=-1).clamp(-big, big), sd)
-    s = (xf.masked_fill(nan, float("-inf")).amax(dim=-1) - zero.to(torch.float32)) / fmt.qmax
+    s = _over_qmax(xf.masked_fill(nan, float("-inf")).amax(dim=-1) - zero.to(torch.float32), fmt)
     return round_up_to(s.clamp(_tiny(sd), big), sd), zero
 
 
@@ -179,7 +186,7 @@ def per_channel_scales(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, to
     sd = fmt.scale_torch_dtype
     big = float(torch.finfo(sd).max)
     zero = round_down_to(xf.masked_fill(nan, float("inf")).amin(dim=-2).clamp(-big, big), sd)
-    s = (xf.masked_fill(nan, float("-inf")).amax(dim=-2) - zero.to(torch.float32)) / fmt.qmax
+    s = _over_qmax(xf.masked_fill(nan, float("-inf")).amax(dim=-2) - zero.to(torch.float32), fmt)
     return round_up_to(s.clamp(_tiny(sd), big), sd), zero
 
 

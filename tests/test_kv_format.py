@@ -17,11 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from runtime.kv_format import KVFormat
+from runtime.kv_format import KVFormat, format_from_name
 from runtime.kv_quant import (
     dequantize,
     dynamic_scales,
     pack_int4,
+    per_channel_scales,
     quantize,
     quantize_dynamic,
     static_scale_from_amax,
@@ -192,6 +193,38 @@ def test_one_nan_leaves_its_token_alone():
             assert torch.equal(z[1, 2], z_ref[1, 2]), fmt.name
         back = dequantize(quantize(x_nan, fmt, s, z), fmt, s, z)
         assert torch.isfinite(back).all(), fmt.name
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _round_up_oracle(x: np.ndarray, dtype) -> np.ndarray:
+    """fp64 values -> the smallest `dtype` value >= each (numpy's correctly rounded casts)."""
+    r = x.astype(dtype)
+    up = r.astype(np.float64) < x
+    r[up] = np.nextafter(r[up], np.array(np.inf, dtype))
+    return r.astype(np.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scales_are_the_correctly_rounded_quotient_on_every_device(device):
+    """s = (max - zero) / qmax, the fp32 quotient correctly rounded then rounded up to fp16, as an fp64 oracle
+    computes it (an fp64 quotient of fp32 operands rounds to the fp32 quotient exactly): per token and per
+    channel, on the CPU and on CUDA (whose torch kernels divide by a Python number through its reciprocal)."""
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(5)) * 3
+    for fmt, scales, axis in ((KVFormat("int4", "per_token", False), dynamic_scales, -1),
+                              (KVFormat("int8", "per_token", True), dynamic_scales, -1),
+                              (format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym").k,
+                               per_channel_scales, -2)):
+        xb = x.view(64, 64, 64) if axis == -2 else x  # per channel: blocks of 64 keys
+        s, zero = scales(xb.to(device), fmt)
+        xn = xb.numpy().astype(np.float64)
+        if fmt.symmetric:
+            span = np.abs(xn).max(axis=axis)
+        else:
+            span = (xn.max(axis=axis) - zero.cpu().double().numpy()).astype(np.float32).astype(np.float64)
+        want = _round_up_oracle((span / fmt.qmax).astype(np.float32).astype(np.float64), np.float16)
+        assert np.array_equal(s.cpu().double().numpy(), want), (fmt.name, device)
 
 
 def test_zeros_stay_exact_zero():
