@@ -62,7 +62,7 @@ FORMATS = {
     "kfp8v4": KVFormat("fp8_e4m3", "per_token", v_dtype="int4", v_symmetric=False),
     "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64),
     "int4-g32-asym": KVFormat("int4", "per_token", symmetric=False, group_size=32),
-    # per-channel keys (KIVI) over blocks of 64 positions: decode_channel_keys.py; written by the reference ops
+    # per-channel keys (KIVI) over blocks of 64 positions: decode_channel_keys.py, write_channel_keys.py
     "kivi": format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym"),
 }
 
@@ -211,8 +211,9 @@ def run_case(case: Case, fmt_names, rows, sink, check: bool, plan_changes: dict 
             case = paged
         cache = case.cache(fmt)
         case.fill(cache)
-        write_ms = None if fmt.per_channel_keys else median_ms(partial(write_kv, cache, case.k, case.v, case.slots),
-                                                               flush=FLUSH)
+        # per-channel keys: the whole cache in one write quantizes whole blocks and rewrites the own blocks'
+        # residual rows with the values fill left there, so every timed call writes the same bytes
+        write_ms = median_ms(partial(write_kv, cache, case.k, case.v, case.slots), flush=FLUSH)
         write_bytes = case.write_bytes(fmt)
         plan = dataclasses.replace(plan_of(name, case, cache), **(plan_changes or {}))
         launch = partial(decode_attention, case.q, cache, case.block_tables, case.seq_lens, case.sm_scale, plan=plan)

@@ -271,23 +271,4 @@ def select_backend(device: torch.device | str, fmt: KVFormat | Sequence[KVFormat
     chosen = {name: fn if fn is not None else getattr(ref, name) for name, fn in ops.items()}
     used = [n for n, fn in ops.items() if fn is not None]
     backend = types.SimpleNamespace(name="triton(" + ",".join(used) + ")" if used else "reference", **chosen)
-    return _channel_keys_on_reference(backend, ref) if any(f.per_channel_keys for f in formats) else backend
-
-
-def _channel_keys_on_reference(backend: types.SimpleNamespace, ref: types.SimpleNamespace) -> types.SimpleNamespace:
-    """`backend` with the write and the chunked prefill of per-channel-key layers on the reference ops: their
-    residual blocks are handed out on the host (runtime/channel_keys.py), so a step that writes them cannot be
-    captured in a CUDA graph (`capturable`). Their decode is the kernels' (runtime/kernels/decode_channel_keys.py)."""
-    def write_kv(cache: LayerCache, k, v, slot_mapping, **plan):
-        if cache.fmt.per_channel_keys:
-            return ref.write_kv(cache, k, v, slot_mapping)
-        return backend.write_kv(cache, k, v, slot_mapping, **plan)
-
-    def prefill_context_attention(q, k, v, cu_seqlens, cache: LayerCache, *args, **plan):
-        if cache.fmt.per_channel_keys:
-            return ref.prefill_context_attention(q, k, v, cu_seqlens, cache, *args)
-        return backend.prefill_context_attention(q, k, v, cu_seqlens, cache, *args, **plan)
-
-    return types.SimpleNamespace(**dict(vars(backend), write_kv=write_kv,
-                                        prefill_context_attention=prefill_context_attention, capturable=False,
-                                        name=backend.name + " (per-channel keys: write and prefill reference)"))
+    return channel_keys.kernels_backend(backend, ref) if any(f.per_channel_keys for f in formats) else backend

@@ -20,6 +20,8 @@ blocks before its own and the fp16 copy of its own block up to itself.
 from __future__ import annotations
 
 import itertools
+import types
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,48 +35,77 @@ _KEYS = format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym").k
 
 
 # ------------------------------------------------------------------ write
-def write_keys(cache: LayerCache, k: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> None:
-    """k [T, kv_heads, head_dim] at (blocks, offs): into the residual of open blocks; blocks whose last key this
-    write holds are quantized into the pages (from the residual, or straight from k when the whole block is in
-    this write)."""
-    res, kh = cache.residual, k.to(torch.float16)
+@dataclass
+class KeyWrite:
+    """The host's part of one write of keys into one layer: the tokens that go to a residual slot (`slots`, one
+    each), the blocks the write completes (block, its slot or None where the whole block is in the write, its
+    tokens here) and the open blocks of a chunk that found no slot free (block, its tokens: their keys wait in
+    ResidualSlots.deferred until the next write)."""
+    to_residual: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    done: list[tuple[int, int | None, list[int]]] = field(default_factory=list)
+    deferred: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+def plan_write(cache: LayerCache, blocks: list[int], offs: list[int]) -> KeyWrite:
+    """Hand out and give back residual slots for a write of keys at (blocks, offs) (a block's positions in order),
+    and move the keys a chunk deferred into their slot. A write of no tokens (a CUDA graph's capture) changes
+    nothing. The reference write (`write_keys`) and the device's (runtime/kernels/write_channel_keys.py, which
+    reads the slots from `ResidualSlots.slot_of`) both follow it."""
+    plan = KeyWrite()
+    if not blocks:
+        return plan
+    res = cache.residual
     res.start_write()
     for b, (offsets, keys) in list(res.deferred.items()):  # open blocks of the last write that found no slot
         cache.k_residual[res.take(b), :, offsets] = keys
         del res.deferred[b]
     tokens: dict[int, list[int]] = {}
-    for t, b in enumerate(blocks.tolist()):
+    for t, b in enumerate(blocks):
         tokens.setdefault(b, []).append(t)
-    off = offs.tolist()
-    to_residual: list[int] = []
-    slot_of_token: list[int] = []
-    done: list[tuple[int, int | None, list[int]]] = []  # (block, residual slot or None, its tokens here)
     for b, idx in tokens.items():
-        first, last = off[idx[0]], off[idx[-1]]
+        first, last = offs[idx[0]], offs[idx[-1]]
         if first == 0:
             res.release(b)  # a block written from its start holds nothing from before
         elif b not in res.of_block:
             raise NumericsError(f"per-channel keys: block {b} is written from position {first} but its earlier "
                                 "keys are in no residual block (a block's keys must be written in order).")
         if first == 0 and last == BLOCK - 1 and len(idx) == BLOCK:
-            done.append((b, None, idx))
+            plan.done.append((b, None, idx))
             continue
         slot = res.take(b, required=first > 0 or len(idx) == 1)  # a decode token's query reads its block now
         if slot is None:  # a new open block of a chunk: its queries read the chunk's keys, later ones the slot
-            res.deferred[b] = (offs[idx], kh[idx].transpose(0, 1))
+            plan.deferred.append((b, idx))
             continue
-        to_residual += idx
-        slot_of_token += [slot] * len(idx)
+        plan.to_residual += idx
+        plan.slots += [slot] * len(idx)
         if last == BLOCK - 1:
-            done.append((b, slot, idx))
+            plan.done.append((b, slot, idx))
             res.completed(b)
-    if to_residual:
-        t = torch.tensor(to_residual, device=k.device)
-        cache.k_residual[torch.tensor(slot_of_token, device=k.device), :, offs[t]] = kh[t]
-    if not done:
+    return plan
+
+
+def store_deferred(cache: LayerCache, k: torch.Tensor, offs: torch.Tensor, plan: KeyWrite) -> None:
+    """Keep the fp16 keys of the plan's deferred blocks for the next write."""
+    for b, idx in plan.deferred:
+        t = torch.tensor(idx, device=k.device)
+        cache.residual.deferred[b] = (offs[t], k[t].to(torch.float16).transpose(0, 1))
+
+
+def write_keys(cache: LayerCache, k: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> None:
+    """k [T, kv_heads, head_dim] at (blocks, offs): into the residual of open blocks; blocks whose last key this
+    write holds are quantized into the pages (from the residual, or straight from k when the whole block is in
+    this write)."""
+    plan = plan_write(cache, blocks.tolist(), offs.tolist())
+    store_deferred(cache, k, offs, plan)
+    kh = k.to(torch.float16)
+    if plan.to_residual:
+        t = torch.tensor(plan.to_residual, device=k.device)
+        cache.k_residual[torch.tensor(plan.slots, device=k.device), :, offs[t]] = kh[t]
+    if not plan.done:
         return
     full = []
-    for _, slot, idx in done:
+    for _, slot, idx in plan.done:
         if slot is not None:
             full.append(cache.k_residual[slot])
         else:
@@ -82,7 +113,7 @@ def write_keys(cache: LayerCache, k: torch.Tensor, blocks: torch.Tensor, offs: t
             x[:, offs[torch.tensor(idx, device=k.device)]] = kh[idx].transpose(0, 1)
             full.append(x)
     q, scale, zero = quantize_per_channel(torch.stack(full), cache.fmt.k)
-    ids = torch.tensor([b for b, _, _ in done], device=k.device)
+    ids = torch.tensor([b for b, _, _ in plan.done], device=k.device)
     cache.k[ids], cache.k_scale[ids], cache.k_zero[ids] = q, scale, zero
 
 
@@ -191,12 +222,52 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
                       for i, n in enumerate(seq_lens.tolist())])
 
 
+# ---------------------------------------------------------------- backend
+def kernels_backend(backend: types.SimpleNamespace, ref: types.SimpleNamespace) -> types.SimpleNamespace:
+    """The CUDA backend of an engine with per-channel-key layers. Their write is the device kernel's
+    (runtime/kernels/write_channel_keys.py) after the host's part (`plan_write`), which `prepare_write` does for a
+    step before its forward (ModelRunner.build_batch): a decode step then does no host work and is one CUDA graph.
+    A write nobody prepared (a direct caller of forward_paged) plans from its slot_mapping, a host sync. Their decode
+    is the kernels' (decode_channel_keys.py), their chunked prefill the reference op's."""
+    def prepare_write(caches: list[LayerCache], slot_mapping: torch.Tensor, slots: list[int]) -> None:
+        blocks, offs = [s // BLOCK for s in slots], [s % BLOCK for s in slots]
+        for cache in caches:
+            if cache.fmt.per_channel_keys:
+                cache.residual.prepared = (slot_mapping, plan_write(cache, blocks, offs))
+
+    def write_kv(cache: LayerCache, k, v, slot_mapping, **plan):
+        if not cache.fmt.per_channel_keys:
+            return backend.write_kv(cache, k, v, slot_mapping, **plan)
+        prepared, cache.residual.prepared = cache.residual.prepared, None
+        if prepared is not None and prepared[0] is slot_mapping:
+            key_write = prepared[1]
+        elif k.is_cuda and torch.cuda.is_current_stream_capturing():
+            key_write = KeyWrite()  # a CUDA graph's write: prepare_write plans each replay's before it
+        else:
+            slots = slot_mapping.tolist()
+            n = next((i for i, s in enumerate(slots) if s < 0), len(slots))
+            if any(s >= 0 for s in slots[n:]):
+                raise ValueError("per-channel keys: negative slots (padding) may only end a write's slot_mapping")
+            key_write = plan_write(cache, [s // BLOCK for s in slots[:n]], [s % BLOCK for s in slots[:n]])
+        backend.write_kv(cache, k, v, slot_mapping)
+        store_deferred(cache, k, slot_mapping % BLOCK, key_write)
+
+    def prefill_context_attention(q, k, v, cu_seqlens, cache: LayerCache, *args, **plan):
+        if cache.fmt.per_channel_keys:
+            return ref.prefill_context_attention(q, k, v, cu_seqlens, cache, *args)
+        return backend.prefill_context_attention(q, k, v, cu_seqlens, cache, *args, **plan)
+
+    return types.SimpleNamespace(**dict(vars(backend), write_kv=write_kv, prepare_write=prepare_write,
+                                        prefill_context_attention=prefill_context_attention,
+                                        name=backend.name + " (per-channel keys: chunked prefill reference)"))
+
+
 # ----------------------------------------------------------------- engine
 def check_engine(formats, block_size: int, device: torch.device, *, tensor_parallel: bool, batch_invariant: bool,
                  burst_steps: int) -> None:
-    """What an engine with per-channel-key layers needs: blocks of PER_CHANNEL_TOKENS positions, one process, the
-    write on the host-side slot bookkeeping here (on CUDA the batch-invariant mode and decode bursts run kernels that
-    do not read these keys; runtime/kernels/decode_channel_keys.py is the default decode's)."""
+    """What an engine with per-channel-key layers needs: blocks of PER_CHANNEL_TOKENS positions, one process, and
+    the host's slot bookkeeping before every step (`plan_write`), which decode bursts (several steps on the device)
+    cannot have; on CUDA the batch-invariant mode's kernels do not read these keys."""
     if not any(f.per_channel_keys for f in formats):
         return
     from .errors import UnsupportedError
@@ -208,8 +279,8 @@ def check_engine(formats, block_size: int, device: torch.device, *, tensor_paral
     for on, what in ((tensor_parallel, "tensor parallelism (tp: 1)"), (batch_invariant and device.type == "cuda", "the batch-invariant mode "
                      "(batch_invariant: false)"), (burst_steps, "decode bursts (burst_steps: 0)")):
         if on:
-            raise UnsupportedError(f"{name} writes its keys through the reference ops, without {what}; turn it off "
-                                   "or use another KV format.")
+            raise UnsupportedError(f"{name} keeps its keys' fp16 residual blocks on the host before every step, "
+                                   f"which rules out {what}; turn it off or use another KV format.")
 
 
 def release_on_free(blocks, caches: list[LayerCache]) -> None:

@@ -34,11 +34,9 @@ from .model import LlamaModel, PagedBatch
 def can_capture(backend) -> bool:
     """Whether a decode step through `backend` can be captured and padded: the Triton write
     skips slot -1 (the reference write would wrap it to the pool's last block) and the Triton
-    decode attention never syncs with the host (the reference one sizes its gather there). A backend marked
-    `capturable` False does host work per step (per-channel keys' residual blocks)."""
+    decode attention never syncs with the host (the reference one sizes its gather there)."""
     ref = reference_backend()
-    return (getattr(backend, "capturable", True) and backend.write_kv is not ref.write_kv
-            and backend.decode_attention is not ref.decode_attention)
+    return backend.write_kv is not ref.write_kv and backend.decode_attention is not ref.decode_attention
 
 
 def bucket_for(n: int) -> int:

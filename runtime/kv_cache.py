@@ -43,6 +43,7 @@ class ResidualSlots:
         self.slot_of = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
         self._completed: list[int] = []
         self.deferred: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (offsets, fp16 keys)
+        self.prepared = None  # (slot_mapping, channel_keys.KeyWrite): a step's write planned before its forward
 
     def take(self, block: int, required: bool = True) -> int | None:
         """The block's slot, a free one, or (none free) None where not `required`."""

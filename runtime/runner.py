@@ -167,7 +167,7 @@ class ModelRunner:
             return tensor([t + [0] * (width - len(t)) for t in rows], torch.int32).view(len(rows), width)
 
         chunked = any(context)
-        return PagedBatch(
+        batch = PagedBatch(
             input_ids=tensor(ids, torch.int64),
             positions=tensor(positions, torch.int64),
             slot_mapping=tensor(slots, torch.int64),
@@ -180,6 +180,10 @@ class ModelRunner:
             context_lens=tensor(context, torch.int32) if chunked else None,
             prefill_block_tables=table_tensor(prefill_tables) if chunked else None,
         )
+        prepare = getattr(self.backend, "prepare_write", None)
+        if prepare is not None:  # the host's part of the write, before the step (runtime/channel_keys.py)
+            prepare(self.caches, batch.slot_mapping, slots)
+        return batch
 
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         """fp32 logits of every sequence's last token: decode-only steps replay a CUDA graph

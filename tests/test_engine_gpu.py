@@ -98,26 +98,30 @@ def test_chunked_prefill_on_cuda(tmp_path_factory, fmt):
 
 
 def test_per_channel_keys_decode_on_the_kernel_on_cuda(tmp_path_factory):
-    """k.int4-per_channel-asym on CUDA: decode through runtime/kernels/decode_channel_keys.py, the write and the
-    chunked prefill on the reference ops (and the backend says so), without bursts or graphs; its tokens agree with
-    the all-reference engine's on the same GPU (fp32: the kernel's dots are IEEE fp32)."""
+    """k.int4-per_channel-asym on CUDA: decode through runtime/kernels/decode_channel_keys.py, the write through
+    write_channel_keys.py with CUDA graphs for decode steps, chunked prefill on the reference op (and the backend
+    says so), without bursts; its tokens agree with the all-reference engine's on the same GPU (fp32: the kernels'
+    dots are IEEE fp32), and the graphs' with the eager kernels' exactly."""
     from runtime.kv_format import format_from_name
 
     d = tiny_llama_dir(tmp_path_factory)
     fmt = format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym")
     prompts = PROMPTS + [[(3 * j) % 500 + 3 for j in range(150)]]
     outs = {}
-    for attention in ("reference", "triton"):
+    for attention, graphs in (("reference", False), ("triton", False), ("triton", True)):
         eng = Engine.from_dir(d, device="cuda", dtype="float32", kv_format=fmt, num_blocks=32, attention=attention,
-                              batch_invariant=False)
+                              batch_invariant=False, cuda_graphs=graphs)
         try:
-            assert eng.stats.block_size == 64 and eng.stats.burst_steps == 0 and not eng.stats.cuda_graphs
+            assert eng.stats.block_size == 64 and eng.stats.burst_steps == 0 and eng.stats.cuda_graphs == graphs
             if attention == "triton":
-                assert "per-channel keys: write and prefill reference" in eng.backend.name, eng.backend.name
-            outs[attention] = [g.token_ids for g in eng.generate(prompts, max_tokens=80, ignore_eos=True)]
+                assert "per-channel keys: chunked prefill reference" in eng.backend.name, eng.backend.name
+            outs[attention, graphs] = [g.token_ids for g in eng.generate(prompts, max_tokens=80, ignore_eos=True)]
+            if graphs:
+                assert eng.runner.graphs.failure is None and eng.runner.graphs._graphs, eng.runner.graphs.failure
         finally:
             eng.shutdown()
-    ref, tri = outs["reference"], outs["triton"]
+    assert outs["triton", True] == outs["triton", False]
+    ref, tri = outs["reference", False], outs["triton", True]
     agree = sum(a == b for r, t in zip(ref, tri) for a, b in zip(r, t)) / sum(map(len, ref))
     assert agree >= 0.95, agree
 

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..kv_cache import LayerCache
-from . import codes, decode_channel_keys, decode_gluon, launch_mixed
+from . import codes, decode_channel_keys, decode_gluon, launch_mixed, write_channel_keys
 from .decode_tiles import _decode_kernel
 from .decode_warps import _decode_kernel_warps
 from .formats import (
@@ -251,6 +251,8 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
              plan: WritePlan | None = None) -> None:
     """Quantize k, v [T, kv_heads, head_dim] (after RoPE) into `cache` at `slot_mapping` [T] int64 (negative slots:
     padding, skipped); the bytes equal `kv_quant.quantize`'s."""
+    if cache.fmt.per_channel_keys:  # one launch: a block's last key reads the write's other keys of the block
+        return write_channel_keys.write_kv(cache, k, v, slot_mapping)
     if k.dim() == 3 and v.dim() == 3 and k.shape[0] > 1:
         span = max(k.stride(0), v.stride(0), k.shape[1] * k.shape[2], v.shape[1] * v.shape[2])  # one token's
         rows = max(1, MAX_WRITE_ELEMENTS // span)
