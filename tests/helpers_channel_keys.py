@@ -43,24 +43,55 @@ def keys(seed: int, shape) -> torch.Tensor:
     return x
 
 
-def oracle_attention(q, k, v, p: int, sm_scale: float) -> np.ndarray:
+def oracle_attention(q, k, v, p: int, sm_scale: float, operand: torch.dtype | None = None,
+                     pre: float = 1.0) -> np.ndarray:
     """fp64: query q [heads, D] at position p over keys/values [0, p] [T, kv_heads, D]: its own block's keys in
-    fp16, every earlier block's quantized by the rule; V exact (the test's values are exact in int4 per token)."""
-    k16 = k.to(torch.float16).double().numpy()
+    fp16, every earlier block's quantized by the rule; V exact (the test's values are exact in int4 per token).
+
+    operand: the dtype a kernel rounds its score operands to (None: none), with its prescale `pre`: a quantized
+    block's score is then sum_c rnd(q_c s_c pre) code_c / pre + q . zero (decode_channel_keys.py folds the scales
+    into q) and the own block's sum_c rnd(q_c pre) rnd(k_c) / pre, computed here from the same rounded values."""
+    k16 = k.to(torch.float16)
     own = p // BLOCK * BLOCK
-    kd = k16[: p + 1].copy()
-    for b0 in range(0, own, BLOCK):
-        blk = k16[b0:b0 + BLOCK].transpose(1, 0, 2)  # [H, 64, D]
-        codes, s, zero, _ = oracle_block(blk)
-        kd[b0:b0 + BLOCK] = (codes * s[:, None, :] + zero[:, None, :]).transpose(1, 0, 2)
     g = q.shape[0] // k.shape[1]
-    qd, vd = q.double().numpy(), v[: p + 1].double().numpy()
-    out = np.empty_like(qd)
+    q32 = q.float()
+
+    def rnd(x: torch.Tensor) -> np.ndarray:  # fp32 products rounded as the kernel's operands
+        return (x.to(operand) if operand is not None else x).double().numpy()
+
+    scores = np.empty((q.shape[0], p + 1))
+    for b0 in range(0, own, BLOCK):
+        blk = k16[b0:b0 + BLOCK].double().numpy().transpose(1, 0, 2)  # [H, 64, D]
+        codes, s, zero, _ = oracle_block(blk)
+        for head in range(q.shape[0]):
+            qs = rnd(q32[head] * torch.from_numpy(s[head // g] * pre).float())
+            scores[head, b0:b0 + BLOCK] = codes[head // g] @ qs / pre + zero[head // g] @ q32[head].double().numpy()
+    kown = rnd(k16[own:p + 1].float())  # [n, H, D]
     for head in range(q.shape[0]):
-        s = kd[:, head // g] @ qd[head] * sm_scale
-        w = np.exp(s - s.max())
+        scores[head, own:] = kown[:, head // g] @ rnd(q32[head] * pre) / pre
+    vd = v[: p + 1].double().numpy()
+    out = np.empty(q.shape)
+    for head in range(q.shape[0]):
+        w = np.exp((scores[head] - scores[head].max()) * sm_scale)
         out[head] = (w / w.sum()) @ vd[:, head // g]
     return out
+
+
+def output_bound(q, v, n: int, sm_scale: float, u_operands: float, span: float, u_out: float) -> float:
+    """How far a kernel's output may lie from `oracle_attention` computed with the kernel's score operands: its fp32
+    sums (D + 4 roundings in a score whose terms add up to at most `span` in magnitude, n + 4 in an output) move
+    the softmax weights by a factor within exp(+-2 ds), the value operands p * s_v round once more (u_operands) and
+    the output to its dtype (u_out): (exp(2 ds) - 1 + u_operands + u_out + (n + 4) 2^-24) max|v|."""
+    u32 = 2.0**-24
+    ds = (q.shape[-1] + 4) * u32 * sm_scale * span
+    return (np.exp(2 * ds) - 1 + u_operands + u_out + (n + 4) * u32) * v[:n].abs().max().item()
+
+
+def score_span(q, k, n: int) -> float:
+    """A bound on sum_c |q_c s_c code_c| + sum_c |q_c z_c| over the first n keys: sum_c |q_c| 2 max_t |k_tc|
+    (s code = k - z and z both lie within the block's range)."""
+    kmax = k[:n].abs().double().amax(0).repeat_interleave(q.shape[0] // k.shape[1], 0)  # [heads, D]
+    return (q.abs().double() * 2 * kmax).sum(-1).max().item()
 
 
 def exact_int4_values(seed: int, shape) -> torch.Tensor:

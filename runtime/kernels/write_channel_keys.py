@@ -29,7 +29,7 @@ from .write_kv import _to_int
 from .write_mixed import _scales_of, _side_write, _store_scale
 
 BLOCK = PER_CHANNEL_TOKENS
-QMAX = 15.0
+QMAX = tl.constexpr(15.0)  # jit code reads globals only as constexpr
 
 
 @triton.jit
