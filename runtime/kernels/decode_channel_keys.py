@@ -131,7 +131,7 @@ def _decode_channel_keys_kernel(
                                           ASM_LO, ASM_HI, FULL_D)
     if (start <= own) & (own < end):  # this split holds the own block
         page = tl.load(bt_row + own // BLOCK).to(tl.int64)
-        slot = tl.load(SLOT + page).to(tl.int64)
+        slot = tl.maximum(tl.load(SLOT + page), 0).to(tl.int64)  # -1: a CUDA graph's padding row (output dropped)
         nmask = own + offs_t < seq_len
         res = slot * stride_rs + kvh * stride_rh + offs_t * stride_rt
         rm = nmask[:, None] & cmask[None, :]

@@ -28,8 +28,9 @@ from .split_k import choose_num_splits
 KERNELS = ("gluon", "warps", "tiles")  # decode_gluon.py, decode_warps.py, decode_tiles.py
 MIXED = "mixed"  # decode_mixed.py: the formats of `formats.served_by_mixed`, and only those
 CHANNEL_KEYS = "channel_keys"  # decode_channel_keys.py: per-channel keys (KIVI), and only those
-# programs of decode_channel_keys.py (4 warps) an SM holds at once, for the split rule
-CHANNEL_KEYS_RESIDENT_PER_SM = 4
+# programs of decode_channel_keys.py counted an SM for the split rule: 8 measured best of 4-32 on an H100 at
+# Llama-3-8B 16 x 32768 and 64 x 8192 (benchmarks/results/kernels_channel_keys.md)
+CHANNEL_KEYS_RESIDENT_PER_SM = 8
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,9 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     if fmt.per_channel_keys:
         splits = choose_num_splits(batch, kv_heads, max_tokens, block_size, device.sms, CHANNEL_KEYS_RESIDENT_PER_SM)
         native = device.cuda and not device.interpret and q_dtype in (torch.float16, torch.bfloat16)
-        return DecodePlan(CHANNEL_KEYS, splits, block_n=block_size, num_warps=2, num_stages=2, dot_fp16=native,
+        # one-warp programs where the (sequence, KV head) pairs alone fill the GPU, two where splits must
+        warps = 1 if batch * kv_heads >= device.sms else 2
+        return DecodePlan(CHANNEL_KEYS, splits, block_n=block_size, num_warps=warps, num_stages=2, dot_fp16=native,
                           widen_ptx=native)
     tuned = _format_tuned(fmt, device).decode
     if served_by_mixed(fmt):

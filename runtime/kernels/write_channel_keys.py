@@ -5,8 +5,8 @@ open, and the write that holds a block's 64th key quantizes the whole block with
 The host keeps the slots (channel_keys.plan_write, before the step: a decode step is then one CUDA graph); this
 kernel does the rest from the write's slot_mapping and the device map `ResidualSlots.slot_of`:
 
-* K, one program a token and KV head: the fp16 key into residual slot SLOT_OF[block] (none for a block written
-  whole in this write, or a chunk's deferred block); at the block's last position, the block's 64 keys -- row j
+* K, one program BLOCK_T tokens of a KV head: the fp16 keys into residual slot SLOT_OF[block] (none for a block
+  written whole in this write, or a chunk's deferred block); at a block's last position, the block's 64 keys -- row j
   from this write's token t - 63 + j where that token holds position j of the block (a chunk writes a sequence's
   positions in order), else from the residual -- become codes, scales and zeros with kv_quant.quantize_per_channel's
   roundings (IEEE division, zero rounded down, scale up to fp16, half to even).
@@ -30,6 +30,7 @@ from .write_mixed import _scales_of, _side_write, _store_scale
 
 BLOCK = PER_CHANNEL_TOKENS
 QMAX = tl.constexpr(15.0)  # jit code reads globals only as constexpr
+BLOCK_T = 16  # tokens a program: V rows as write_mixed's; K rows to the residual, and the blocks they complete
 
 
 @triton.jit
@@ -67,31 +68,38 @@ def _write_channel_keys_kernel(
     K, V, KC, VC, KS, KZ, VS, VZ, RES, SLOT_OF, SLOTS, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ct, stride_sb, stride_sh,
     stride_mb, stride_mh, stride_rs, stride_rh, stride_rt,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SCALE_DT: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    SCALE_DT: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    t0 = tl.program_id(0) * BLOCK_T
+    t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
     head = tl.program_id(1)
-    slot = tl.load(SLOTS + t)
-    if slot >= 0:  # negative slots: padding, skipped
-        blk = slot // BLOCK
-        off = slot % BLOCK
-        if tl.program_id(2) == 0:
-            r = tl.load(SLOT_OF + blk).to(tl.int64)
-            cols = tl.arange(0, BLOCK_D)
-            cm = cols < HEAD_DIM
-            if r >= 0:
-                k = tl.load(K + t * stride_kt + head * stride_kh + cols, mask=cm, other=0.0).to(tl.float16)
-                tl.store(RES + r * stride_rs + head * stride_rh + off * stride_rt + cols, k, mask=cm)
-            if off == BLOCK - 1:
-                _key_block(K, KC, KS, KZ, RES, SLOTS, t, head, slot, r, stride_kt, stride_kh, stride_cb, stride_ch,
-                           stride_ct, stride_sb, stride_sh, stride_rs, stride_rh, stride_rt, cols, cm,
-                           BLOCK, BLOCK_D, HEAD_DIM, SCALE_DT)
-        else:
-            tv = t + tl.arange(0, 1)
-            _side_write(V, VC, VS, VZ, tv, tv < num_tokens, head, stride_vt, stride_vh,
-                        blk * stride_cb + head * stride_ch + off * stride_ct + tl.zeros([1], tl.int64),
-                        blk * stride_mb + head * stride_mh + off + tl.zeros([1], tl.int64), HEAD_DIM, BLOCK_D,
-                        codes.INT4, True, 0, 0.0, QMAX, SCALE_DT, 1, HEAD_DIM)
+    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=-1)
+    mask_t = slot >= 0  # negative slots: padding, skipped
+    slot = tl.where(mask_t, slot, 0)
+    blk = slot // BLOCK
+    off = slot % BLOCK
+    if tl.program_id(2) == 0:
+        cols = tl.arange(0, BLOCK_D)
+        cm = cols < HEAD_DIM
+        r = tl.load(SLOT_OF + blk, mask=mask_t, other=-1).to(tl.int64)
+        m2 = (mask_t & (r >= 0))[:, None] & cm[None, :]  # keys of open blocks: into their residual slot
+        k = tl.load(K + t[:, None] * stride_kt + head * stride_kh + cols[None, :], mask=m2, other=0.0)
+        tl.store(RES + r[:, None] * stride_rs + head * stride_rh + off[:, None] * stride_rt + cols[None, :],
+                 k.to(tl.float16), mask=m2)
+        if tl.sum((mask_t & (off == BLOCK - 1)).to(tl.int32), 0) > 0:  # a block's last key: quantize the block
+            for i in range(BLOCK_T):
+                ti = (t0 + i).to(tl.int64)
+                si = tl.load(SLOTS + ti, mask=ti < num_tokens, other=-1)
+                if (si >= 0) & (si % BLOCK == BLOCK - 1):
+                    ri = tl.load(SLOT_OF + si // BLOCK).to(tl.int64)
+                    _key_block(K, KC, KS, KZ, RES, SLOTS, ti, head, si, ri, stride_kt, stride_kh, stride_cb,
+                               stride_ch, stride_ct, stride_sb, stride_sh, stride_rs, stride_rh, stride_rt, cols, cm,
+                               BLOCK, BLOCK_D, HEAD_DIM, SCALE_DT)
+    else:
+        _side_write(V, VC, VS, VZ, t, mask_t, head, stride_vt, stride_vh,
+                    blk * stride_cb + head * stride_ch + off * stride_ct, blk * stride_mb + head * stride_mh + off,
+                    HEAD_DIM, BLOCK_D, codes.INT4, True, 0, 0.0, QMAX, SCALE_DT, 1, HEAD_DIM)
 
 
 def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -108,12 +116,12 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     res = cache.k_residual
-    _write_channel_keys_kernel[(num_tokens, heads, 2)](
+    _write_channel_keys_kernel[(triton.cdiv(num_tokens, BLOCK_T), heads, 2)](
         k, v, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, res,
         cache.residual.slot_of, slot_mapping.contiguous(), num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache.k.stride()[:3],
         cache.k_scale.stride(0), cache.k_scale.stride(1), cache.v_scale.stride(0), cache.v_scale.stride(1),
         *res.stride()[:3],
-        BLOCK=BLOCK, HEAD_DIM=head_dim, BLOCK_D=max(2, triton.next_power_of_2(head_dim)),
+        BLOCK=BLOCK, HEAD_DIM=head_dim, BLOCK_D=max(2, triton.next_power_of_2(head_dim)), BLOCK_T=BLOCK_T,
         SCALE_DT=SCALE_DTYPE_CODES[cache.fmt.k.scale_torch_dtype], num_warps=4,
     )
