@@ -110,3 +110,19 @@ def test_reads_no_residual_block_but_the_own_blocks():
     plan = _plan(q, cache, tables, 2)
     got = K.decode_attention(q.to(DEV), cache, tables, seq, 0.125, plan=plan)
     _assert_within_bound(got.double().cpu().numpy(), q, ks, vs, 0.125, plan)
+
+
+def test_a_padding_row_reads_inside_the_residual():
+    """A CUDA graph's padding row attends to one token of a block with no residual slot (slot_of -1): the kernel
+    reads slot 0 instead of memory before the residual, and the other rows' outputs do not change."""
+    cache, tables, ks, vs, q = _filled(4, 2, 64, seed=5)
+    seq = torch.tensor(LENGTHS, dtype=torch.int32, device=DEV)
+    plan = _plan(q, cache, tables, 2)
+    before = K.decode_attention(q.to(DEV), cache, tables, seq, 0.125, plan=plan)
+    assert LENGTHS[0] == 1
+    cache.residual.slot_of[int(tables[0, 0])] = -1
+    cache.k_residual[0] += 1.0  # changes the output of the row whose own block holds slot 0, and no other
+    after = K.decode_attention(q.to(DEV), cache, tables, seq, 0.125, plan=plan)
+    owner = [i for i, n in enumerate(LENGTHS) if cache.residual.of_block.get(int(tables[i, (n - 1) // BLOCK])) == 0]
+    keep = [i for i in range(1, len(LENGTHS)) if i not in owner]
+    assert torch.isfinite(after[0]).all() and torch.equal(after[keep], before[keep])
