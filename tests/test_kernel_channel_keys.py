@@ -126,3 +126,25 @@ def test_a_padding_row_reads_inside_the_residual():
     owner = [i for i, n in enumerate(LENGTHS) if cache.residual.of_block.get(int(tables[i, (n - 1) // BLOCK])) == 0]
     keep = [i for i in range(1, len(LENGTHS)) if i not in owner]
     assert torch.isfinite(after[0]).all() and torch.equal(after[keep], before[keep])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles and runs these builds in the tests above")
+def test_builds_compile_for_sm90():
+    """Every decode (one- and two-warp plans, the split merge) and write build the format launches on the H200
+    compiles for sm_90, cross-compiled in a process of its own (under TRITON_INTERPRET=1 nothing compiles, and the
+    interpreter runs what the compiler refuses: tests/helpers_channel_keys_compile.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.helpers_channel_keys_compile"],
+                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    builds = [json.loads(line) for line in run.stdout.splitlines()]
+    assert {b["kernel"] for b in builds} == {"_decode_channel_keys_kernel", "_merge_kernel", "_write_channel_keys_kernel"}
+    assert {b["num_warps"] for b in builds if b["kernel"] == "_decode_channel_keys_kernel"} == {1, 2}
+    for b in builds:
+        assert b["ok"], f"{b['kernel']}: {b.get('error')}"
