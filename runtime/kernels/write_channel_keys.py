@@ -26,7 +26,7 @@ from ..kv_format import PER_CHANNEL_TOKENS
 from . import codes
 from .formats import SCALE_DTYPE_CODES, check_write_inputs
 from .write_kv import _to_int
-from .write_mixed import _scales_of, _side_write, _store_scale
+from .write_mixed import _scales_of, _side_write, _store_scale, _token_slots
 
 BLOCK = PER_CHANNEL_TOKENS
 QMAX = tl.constexpr(15.0)  # jit code reads globals only as constexpr
@@ -74,11 +74,7 @@ def _write_channel_keys_kernel(
     t0 = tl.program_id(0) * BLOCK_T
     t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
     head = tl.program_id(1)
-    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=-1)
-    mask_t = slot >= 0  # negative slots: padding, skipped
-    slot = tl.where(mask_t, slot, 0)
-    blk = slot // BLOCK
-    off = slot % BLOCK
+    mask_t, blk, off = _token_slots(SLOTS, t, num_tokens, BLOCK)
     if tl.program_id(2) == 0:
         cols = tl.arange(0, BLOCK_D)
         cm = cols < HEAD_DIM

@@ -100,6 +100,16 @@ def _masked_scales(x, real, S, Z, meta, mask_t, cols, BLOCK_T: tl.constexpr, BLO
 
 
 @triton.jit
+def _token_slots(SLOTS, t, num_tokens, BLOCK_SIZE: tl.constexpr):
+    """Tokens t's (mask, block, offset) from the slot mapping: negative slots (padding) and t past the write are
+    masked off."""
+    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=-1)
+    mask_t = slot >= 0
+    slot = tl.where(mask_t, slot, 0)
+    return mask_t, slot // BLOCK_SIZE, slot % BLOCK_SIZE
+
+
+@triton.jit
 def _side_write(
     X, C, S, Z, t, mask_t, head, stride_xt, stride_xh, dst, meta,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
@@ -148,11 +158,7 @@ def _write_mixed_kernel(
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
-    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=-1)
-    mask_t = slot >= 0  # negative slots: padding, skipped
-    slot = tl.where(mask_t, slot, 0)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
+    mask_t, blk, off = _token_slots(SLOTS, t, num_tokens, BLOCK_SIZE)
     meta = blk * stride_mb + head * stride_mh + off
     if tl.program_id(2) == 0:
         _side_write(K, KC, KS, KZ, t, mask_t, head, stride_kt, stride_kh,
