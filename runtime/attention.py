@@ -62,7 +62,7 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     slots = slot_mapping.long()
     blocks, offs = slots // cache.block_size, slots % cache.block_size
     if cache.fmt.per_channel_keys:
-        channel_keys.write_keys(cache, k, blocks, offs)
+        channel_keys.write_keys(cache, k, slots)
     else:
         _write_one(cache, "k", k, blocks, offs)
     _write_one(cache, "v", v, blocks, offs)

@@ -47,14 +47,15 @@ class KeyWrite:
     deferred: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
-def plan_write(cache: LayerCache, blocks: list[int], offs: list[int]) -> KeyWrite:
-    """Hand out and give back residual slots for a write of keys at (blocks, offs) (a block's positions in order),
-    and move the keys a chunk deferred into their slot. A write of no tokens (a CUDA graph's capture) changes
-    nothing. The reference write (`write_keys`) and the device's (runtime/kernels/write_channel_keys.py, which
-    reads the slots from `ResidualSlots.slot_of`) both follow it."""
+def plan_write(cache: LayerCache, slots: list[int]) -> KeyWrite:
+    """Hand out and give back residual slots for a write of keys at `slots` (block * BLOCK + offset; a block's
+    positions in order), and move the keys a chunk deferred into their slot. A write of no tokens (a CUDA graph's
+    capture) changes nothing. The reference write (`write_keys`) and the device's
+    (runtime/kernels/write_channel_keys.py, which reads the slots from `ResidualSlots.slot_of`) both follow it."""
     plan = KeyWrite()
-    if not blocks:
+    if not slots:
         return plan
+    blocks, offs = [s // BLOCK for s in slots], [s % BLOCK for s in slots]
     res = cache.residual
     res.start_write()
     for b, (offsets, keys) in list(res.deferred.items()):  # open blocks of the last write that found no slot
@@ -85,19 +86,21 @@ def plan_write(cache: LayerCache, blocks: list[int], offs: list[int]) -> KeyWrit
     return plan
 
 
-def store_deferred(cache: LayerCache, k: torch.Tensor, offs: torch.Tensor, plan: KeyWrite) -> None:
+def store_deferred(cache: LayerCache, k: torch.Tensor, slot_mapping: torch.Tensor, plan: KeyWrite) -> None:
     """Keep the fp16 keys of the plan's deferred blocks for the next write."""
+    offs = slot_mapping % BLOCK if plan.deferred else None
     for b, idx in plan.deferred:
         t = torch.tensor(idx, device=k.device)
         cache.residual.deferred[b] = (offs[t], k[t].to(torch.float16).transpose(0, 1))
 
 
-def write_keys(cache: LayerCache, k: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> None:
-    """k [T, kv_heads, head_dim] at (blocks, offs): into the residual of open blocks; blocks whose last key this
+def write_keys(cache: LayerCache, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k [T, kv_heads, head_dim] at `slot_mapping`: into the residual of open blocks; blocks whose last key this
     write holds are quantized into the pages (from the residual, or straight from k when the whole block is in
     this write)."""
-    plan = plan_write(cache, blocks.tolist(), offs.tolist())
-    store_deferred(cache, k, offs, plan)
+    plan = plan_write(cache, slot_mapping.tolist())
+    store_deferred(cache, k, slot_mapping, plan)
+    offs = slot_mapping % BLOCK
     kh = k.to(torch.float16)
     if plan.to_residual:
         t = torch.tensor(plan.to_residual, device=k.device)
@@ -230,10 +233,9 @@ def kernels_backend(backend: types.SimpleNamespace, ref: types.SimpleNamespace) 
     A write nobody prepared (a direct caller of forward_paged) plans from its slot_mapping, a host sync. Their decode
     is the kernels' (decode_channel_keys.py), their chunked prefill the reference op's."""
     def prepare_write(caches: list[LayerCache], slot_mapping: torch.Tensor, slots: list[int]) -> None:
-        blocks, offs = [s // BLOCK for s in slots], [s % BLOCK for s in slots]
         for cache in caches:
             if cache.fmt.per_channel_keys:
-                cache.residual.prepared = (slot_mapping, plan_write(cache, blocks, offs))
+                cache.residual.prepared = (slot_mapping, plan_write(cache, slots))
 
     def write_kv(cache: LayerCache, k, v, slot_mapping, **plan):
         if not cache.fmt.per_channel_keys:
@@ -248,9 +250,9 @@ def kernels_backend(backend: types.SimpleNamespace, ref: types.SimpleNamespace) 
             n = next((i for i, s in enumerate(slots) if s < 0), len(slots))
             if any(s >= 0 for s in slots[n:]):
                 raise ValueError("per-channel keys: negative slots (padding) may only end a write's slot_mapping")
-            key_write = plan_write(cache, [s // BLOCK for s in slots[:n]], [s % BLOCK for s in slots[:n]])
+            key_write = plan_write(cache, slots[:n])
         backend.write_kv(cache, k, v, slot_mapping)
-        store_deferred(cache, k, slot_mapping % BLOCK, key_write)
+        store_deferred(cache, k, slot_mapping, key_write)
 
     def prefill_context_attention(q, k, v, cu_seqlens, cache: LayerCache, *args, **plan):
         if cache.fmt.per_channel_keys:

@@ -176,6 +176,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     if (plan.dot_fp16 or plan.widen_ptx) and not (q.is_cuda and dot == codes.DOT_NATIVE):
         raise ValueError("DecodePlan.dot_fp16 / widen_ptx: fp16 dots and the PTX widening need fp16 / bf16 q on the "
                          "GPU's tensor cores; make the plan with runtime.kernels.decode_plan")
+    half_d = max(16, triton.next_power_of_2(head_dim // 2))  # the int4 pages' bytes a row, as a power of two
     asm = widen_asm(4, torch.float16 if plan.dot_fp16 else q.dtype, False) if plan.widen_ptx else ("", "")
     _decode_channel_keys_kernel[(batch, kv_heads, launch_splits)](
         q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, res,
@@ -185,9 +186,9 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), cache.k_scale.stride(0), cache.k_scale.stride(1),
         cache.v_scale.stride(0), cache.v_scale.stride(1), res.stride(0), res.stride(1), res.stride(2),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        HALF_D=max(16, triton.next_power_of_2(head_dim // 2)), BLOCK=BLOCK,
+        HALF_D=half_d, BLOCK=BLOCK,
         SPLIT=splits_write_partials(splits, False), DOT=dot, DOT_F16=plan.dot_fp16, ASM_LO=asm[0], ASM_HI=asm[1],
-        FULL_D=head_dim >= 32 and head_dim // 2 == triton.next_power_of_2(head_dim // 2),
+        FULL_D=half_d == head_dim // 2,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     merge_partials(splits, out, seq_lens, False)

@@ -51,11 +51,11 @@ def _key_block(K, KC, KS, KZ, RES, SLOTS, t, head, slot, r, stride_kt, stride_kh
                  mask=(~here)[:, None] & cm[None, :], other=0.0)
     x = tl.where(here[:, None], xk, xr).to(tl.float32)
     real = cm[None, :] & (x == x)  # NaNs stay out of the min / max (kv_quant.per_channel_scales)
-    s, z = _scales_of(x, real, 0, True, 15.0, SCALE_DT)
+    s, z = _scales_of(x, real, 0, True, QMAX, SCALE_DT)
     meta = blk * stride_sb + head * stride_sh + cols
     _store_scale(KS, meta, s, cm, SCALE_DT)
     _store_scale(KZ, meta, z, cm, SCALE_DT)
-    n = _to_int(tl.math.div_rn(x - z[None, :], s[None, :]), 0.0, 15.0, False)
+    n = _to_int(tl.math.div_rn(x - z[None, :], s[None, :]), 0.0, QMAX, False)
     lo, hi = tl.split(tl.reshape(n, (BLOCK, BLOCK_D // 2, 2)))  # even channel in the low nibble
     half = tl.arange(0, BLOCK_D // 2)
     dst = blk * stride_cb + head * stride_ch + rows[:, None] * stride_ct + half[None, :]
