@@ -297,6 +297,15 @@ if gluon is not None:
                 o += gl.sum(z_t, 0)[None, :]
         else:
             o = acc * v_fold
+        _store_output(o, l_i, m_i, OUT, PM, PL, PACC, b, sp, kvh, hr, dr, hmask_r, num_splits, stride_ob, stride_oh,
+                      NUM_HEADS, GROUP, SPLIT)
+
+    @gluon.jit
+    def _store_output(o, l_i, m_i, OUT, PM, PL, PACC, b, sp, kvh, hr, dr, hmask_r, num_splits, stride_ob, stride_oh,
+                      NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, SPLIT: gl.constexpr):
+        """Unnormalized o^T [128, 8], the row sums l and the running max m of a program: with SPLIT the partial for
+        the merge (o as is into fp32 PACC, else o / l, 0 for an empty split: `split_k.partial_dtype`), else o / l
+        in OUT's dtype. hr, dr: the aranges of the ROWS layout."""
         o = _out_rows(o)
         l_r = gl.convert_layout(l_i, gl.SliceLayout(1, ROWS))
         heads = kvh * GROUP + hr

@@ -97,6 +97,13 @@ if gluon is not None:
         """One 16-token tile into the online softmax state (m_i, l_t, z_t, acc, c_v). KIND, ASYM: K's format;
         V_KIND, V_ASYM: V's (the same but in the K/V-split formats)."""
         s = _scores(n0, kw, ks, kz, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM, K_CENTER, K_CHAINS)
+        return _attend_scored(s, vw, vs, vz, m_i, l_t, z_t, acc, c_v, SCALE_MODE, VASM, CENTER, SKIP_RESCALE, V_KIND,
+                              V_ASYM)
+
+    @gluon.jit
+    def _attend_scored(s, vw, vs, vz, m_i, l_t, z_t, acc, c_v, SCALE_MODE: gl.constexpr, VASM: gl.constexpr,
+                       CENTER: gl.constexpr, SKIP_RESCALE: gl.constexpr, V_KIND: gl.constexpr, V_ASYM: gl.constexpr):
+        """A tile's scores s^T [16 tokens, 8 heads] (log2 units) and its V words into the online softmax state."""
         c_new = c_v
         if SCALE_MODE == codes.PER_TOKEN:
             c_new = gl.maximum(c_v, gl.max(vs, 0))

@@ -91,7 +91,13 @@ if gluon is not None:
         """K words [16, W] -> the scores' A operand [16 tokens, 128 k] as PARTS (1 or 2) blocks along k, a tuple of
         [16, 128 / PARTS] (a register rename: k's bits 5 and 6 are register bits of the A operand). Each block
         starts its own chain of mma: one chain of 8 m16n8k16 waits on each result in turn."""
-        parts = _k_parts(_k_columns(_widen(w, KIND, ASM), KIND), PARTS)
+        return _a_operands(_widen(w, KIND, ASM), KIND, PARTS)
+
+    @gluon.jit
+    def _a_operands(x, KIND: gl.constexpr, PARTS: gl.constexpr):
+        """fp16 K rows [16, 128] in head_dim order, lane (g, t) holding columns [32t, 32t + 32) of rows g and g + 8
+        (widened words, or rows loaded so) -> the scores' A operands in KIND's column order (`_k_operands`)."""
+        parts = _k_parts(_k_columns(x, KIND), PARTS)
         ops = (gl.convert_layout(parts[0], A_OP, assert_trivial=True),)
         for i in gl.static_range(1, PARTS):
             ops = ops + (gl.convert_layout(parts[i], A_OP, assert_trivial=True),)
