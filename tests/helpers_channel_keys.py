@@ -44,13 +44,15 @@ def keys(seed: int, shape) -> torch.Tensor:
 
 
 def oracle_attention(q, k, v, p: int, sm_scale: float, operand: torch.dtype | None = None,
-                     pre: float = 1.0) -> np.ndarray:
+                     pre: float = 1.0, pre_codes: np.ndarray | float | None = None) -> np.ndarray:
     """fp64: query q [heads, D] at position p over keys/values [0, p] [T, kv_heads, D]: its own block's keys in
     fp16, every earlier block's quantized by the rule; V exact (the test's values are exact in int4 per token).
 
     operand: the dtype a kernel rounds its score operands to (None: none), with its prescale `pre`: a quantized
-    block's score is then sum_c rnd(q_c s_c pre) code_c / pre + q . zero (decode_channel_keys.py folds the scales
-    into q) and the own block's sum_c rnd(q_c pre) rnd(k_c) / pre, computed here from the same rounded values."""
+    block's score is then sum_c rnd(q_c s_c pre_c) code_c / pre_c + q . zero (the kernels fold the scales into q;
+    pre_codes: the prescale of each channel there, default `pre`) and the own block's sum_c rnd(q_c pre) rnd(k_c) /
+    pre, computed here from the same rounded values."""
+    pre_codes = np.broadcast_to(np.asarray(pre if pre_codes is None else pre_codes, np.float64), (q.shape[-1],))
     k16 = k.to(torch.float16)
     own = p // BLOCK * BLOCK
     g = q.shape[0] // k.shape[1]
@@ -64,8 +66,8 @@ def oracle_attention(q, k, v, p: int, sm_scale: float, operand: torch.dtype | No
         blk = k16[b0:b0 + BLOCK].double().numpy().transpose(1, 0, 2)  # [H, 64, D]
         codes, s, zero, _ = oracle_block(blk)
         for head in range(q.shape[0]):
-            qs = rnd(q32[head] * torch.from_numpy(s[head // g] * pre).float())
-            scores[head, b0:b0 + BLOCK] = codes[head // g] @ qs / pre + zero[head // g] @ q32[head].double().numpy()
+            qs = rnd(q32[head] * torch.from_numpy(s[head // g] * pre_codes).float())
+            scores[head, b0:b0 + BLOCK] = codes[head // g] @ (qs / pre_codes) + zero[head // g] @ q32[head].double().numpy()
     kown = rnd(k16[own:p + 1].float())  # [n, H, D]
     for head in range(q.shape[0]):
         scores[head, own:] = kown[:, head // g] @ rnd(q32[head] * pre) / pre

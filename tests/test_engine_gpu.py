@@ -97,33 +97,48 @@ def test_chunked_prefill_on_cuda(tmp_path_factory, fmt):
         assert agree >= 0.95, agree
 
 
-def test_per_channel_keys_decode_on_the_kernel_on_cuda(tmp_path_factory):
-    """k.int4-per_channel-asym on CUDA: decode through runtime/kernels/decode_channel_keys.py, the write through
+# (model dtype, head_dim, share of greedy choices kept): fp32 on the Triton kernel; fp16 at head_dim 128 on the Gluon
+# kernel, where the reference engine's own decode keeps 97.9% of its fp16 prefill's greedy choices (this random
+# model's near-ties; bf16: 94.5%)
+@pytest.mark.parametrize("dtype,head_dim,kept", [("float32", None, 0.99), ("float16", 128, 0.9)])
+def test_per_channel_keys_decode_on_the_kernel_on_cuda(tmp_path_factory, dtype, head_dim, kept):
+    """k.int4-per_channel-asym on CUDA: decode through runtime/kernels/decode_channel_keys.py (fp32: the Triton
+    kernel, whose dots are IEEE fp32; fp16 at head_dim 128: decode_channel_keys_gluon.py), the write through
     write_channel_keys.py with CUDA graphs for decode steps, chunked prefill on the reference op (and the backend
-    says so), without bursts; its tokens agree with the all-reference engine's on the same GPU (fp32: the kernels'
-    dots are IEEE fp32), and the graphs' with the eager kernels' exactly."""
+    says so), without bursts. The graphs' tokens equal the eager kernels'; teacher-forced by the all-reference engine
+    on the same GPU (its prefill applies the same position rule), `kept` of them are its greedy choice (a
+    free-running comparison would count every token after one near-tie's flip as a miss)."""
+    from runtime.kernels import decode_plan
     from runtime.kv_format import format_from_name
 
-    d = tiny_llama_dir(tmp_path_factory)
+    d = tiny_llama_dir(tmp_path_factory, **({"head_dim": head_dim} if head_dim else {}))
     fmt = format_from_name("k.int4-per_channel-asym+v.int4-per_token-asym")
+    if head_dim:
+        plan = decode_plan(fmt, 4, 8, 2, 4096, "cuda", head_dim=head_dim, block_size=64, q_dtype=torch.float16)
+        assert plan.kernel == "channel_keys_gluon"
     prompts = PROMPTS + [[(3 * j) % 500 + 3 for j in range(150)]]
     outs = {}
-    for attention, graphs in (("reference", False), ("triton", False), ("triton", True)):
-        eng = Engine.from_dir(d, device="cuda", dtype="float32", kv_format=fmt, num_blocks=32, attention=attention,
+    for graphs in (False, True):
+        eng = Engine.from_dir(d, device="cuda", dtype=dtype, kv_format=fmt, num_blocks=32, attention="triton",
                               batch_invariant=False, cuda_graphs=graphs)
         try:
             assert eng.stats.block_size == 64 and eng.stats.burst_steps == 0 and eng.stats.cuda_graphs == graphs
-            if attention == "triton":
-                assert "per-channel keys: chunked prefill reference" in eng.backend.name, eng.backend.name
-            outs[attention, graphs] = [g.token_ids for g in eng.generate(prompts, max_tokens=80, ignore_eos=True)]
+            assert "per-channel keys: chunked prefill reference" in eng.backend.name, eng.backend.name
+            outs[graphs] = [g.token_ids for g in eng.generate(prompts, max_tokens=80, ignore_eos=True)]
             if graphs:
                 assert eng.runner.graphs.failure is None and eng.runner.graphs._graphs, eng.runner.graphs.failure
         finally:
             eng.shutdown()
-    assert outs["triton", True] == outs["triton", False]
-    ref, tri = outs["reference", False], outs["triton", True]
-    agree = sum(a == b for r, t in zip(ref, tri) for a, b in zip(r, t)) / sum(map(len, ref))
-    assert agree >= 0.95, agree
+    assert outs[True] == outs[False]
+    ref = Engine.from_dir(d, device="cuda", dtype=dtype, kv_format=fmt, num_blocks=32, attention="reference",
+                          batch_invariant=False, cuda_graphs=False)
+    try:
+        scores = ref.score([p + t for p, t in zip(prompts, outs[True])], start=[len(p) for p in prompts])
+    finally:
+        ref.shutdown()
+    hits = torch.cat([sc.matches(p + t) for sc, p, t in zip(scores, prompts, outs[True])])
+    print(f"per-channel keys {dtype}: {hits.float().mean():.3f} of the tokens are the reference's greedy choice")
+    assert hits.float().mean() >= kept, hits.float().mean()
 
 
 @pytest.mark.parametrize("fmt", [KVFormat("bf16"), KVFormat("fp8_e4m3", "per_token"), KVFormat("int4", "per_token", False)],

@@ -23,10 +23,10 @@ import triton.language as tl
 
 from ..kv_cache import LayerCache
 from ..kv_format import PER_CHANNEL_TOKENS
-from . import codes
+from . import codes, decode_channel_keys_gluon
 from .dequant import _dot, _operand, _unpack
 from .group_io import _program_tokens, _softmax_step, _store_group
-from .plan import CHANNEL_KEYS, DecodePlan, device_of, dot_mode
+from .plan import CHANNEL_KEYS, CHANNEL_KEYS_GLUON, DecodePlan, channel_keys_gluon_serves, device_of, dot_mode
 from .split_k import merge_partials, split_plan, splits_write_partials
 from .widen_ptx import widen_asm
 
@@ -153,9 +153,10 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     """q [B, H, D] at positions seq_lens - 1 (their keys already written) -> out [B, H, D] in q.dtype.
     block_tables: int32 [B, max_blocks] of blocks of BLOCK positions; its width bounds the context (no sync).
     plan: plan.decode_plan's for the format (kernel "channel_keys"; its splits, num_warps, num_stages)."""
-    if plan.kernel != CHANNEL_KEYS or plan.split_tokens:
+    if plan.kernel not in (CHANNEL_KEYS, CHANNEL_KEYS_GLUON) or plan.split_tokens:
         raise ValueError(f"DecodePlan.kernel={plan.kernel!r}, split_tokens={plan.split_tokens}: per-channel keys run "
-                         f"the {CHANNEL_KEYS!r} kernel with `splits`; make the plan with runtime.kernels.decode_plan")
+                         f"the {CHANNEL_KEYS!r} or {CHANNEL_KEYS_GLUON!r} kernel with `splits`; make the plan with "
+                         "runtime.kernels.decode_plan")
     batch, num_heads, head_dim = q.shape
     _, kv_heads, bs, _ = cache.k.shape
     if bs != BLOCK or cache.residual is None or cache.v.shape != cache.k.shape:
@@ -171,6 +172,15 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     splits = split_plan(out, max_tokens, plan.splits, BLOCK, cache)
     tokens_per_split, launch_splits, (pm, pl, pacc) = splits
     group = num_heads // kv_heads
+    if plan.kernel == CHANNEL_KEYS_GLUON:
+        if not channel_keys_gluon_serves(device_of(q.device), q.dtype, group, head_dim):
+            raise ValueError(f"DecodePlan.kernel={CHANNEL_KEYS_GLUON!r} needs fp16 / bf16 q on CUDA, head_dim 128 and "
+                             f"<= 8 query heads per KV head (got {q.dtype}, head_dim {head_dim}, group {group}); make "
+                             "the plan with runtime.kernels.decode_plan")
+        decode_channel_keys_gluon.launch(q, cache, block_tables, seq_lens, sm_scale * _LOG2E, out, splits,
+                                         splits_write_partials(splits, False), plan)
+        merge_partials(splits, out, seq_lens, False)
+        return out
     res = cache.k_residual
     dot = dot_mode(q.dtype, device_of(q.device))
     if (plan.dot_fp16 or plan.widen_ptx) and not (q.is_cuda and dot == codes.DOT_NATIVE):

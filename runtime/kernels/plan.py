@@ -28,6 +28,11 @@ from .split_k import choose_num_splits
 KERNELS = ("gluon", "warps", "tiles")  # decode_gluon.py, decode_warps.py, decode_tiles.py
 MIXED = "mixed"  # decode_mixed.py: the formats of `formats.served_by_mixed`, and only those
 CHANNEL_KEYS = "channel_keys"  # decode_channel_keys.py: per-channel keys (KIVI), and only those
+CHANNEL_KEYS_GLUON = "channel_keys_gluon"  # decode_channel_keys_gluon.py: those on the GPU (head_dim 128, group <= 8)
+# decode_channel_keys_gluon.py: a register cap of 168 (12 one-warp programs an SM, `tuning.programs_per_sm`), which the
+# split rule counts on; two mma chains a tile's scores
+CHANNEL_KEYS_GLUON_REGISTERS = 168
+CHANNEL_KEYS_GLUON_K_CHAINS = 2
 # programs of decode_channel_keys.py counted an SM for the split rule: 8 measured best of 4-32 on an H100 at
 # Llama-3-8B 16 x 32768 and 64 x 8192 (benchmarks/results/kernels_channel_keys.md)
 CHANNEL_KEYS_RESIDENT_PER_SM = 8
@@ -196,7 +201,8 @@ class DecodePlan:
     (decode_warps.py: one softmax state per warp; quantized formats) or "tiles" (decode_tiles.py: query heads x tokens;
     unquantized formats) or "mixed" (decode_mixed.py: the formats of `formats.served_by_mixed`; "gluon" serves
     those of them it is written for: `mixed_gluon_serves`) or "channel_keys" (decode_channel_keys.py: per-channel
-    keys; block_n is their block of 64 positions). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
+    keys; block_n is their block of 64 positions) or "channel_keys_gluon" (decode_channel_keys_gluon.py: those on the
+    GPU; k_chains and skip_rescale as the Gluon kernel's). splits: split-K ranges per sequence (`split_k`). registers: a register cap per thread
     (None: none; GPU only). split_tokens: splits of exactly this many tokens (a multiple of `split_tile`) whatever the
     table's width, each row's merged in order (`split_k.merge_in_order`), in place of `splits`: a row's result then
     depends on its own length only (the batch-invariant mode, invariant_attention.py); 0: `splits` decides.
@@ -213,7 +219,7 @@ class DecodePlan:
     warp, its tokens sharing a page.
     """
 
-    kernel: Literal["gluon", "warps", "tiles", "mixed", "channel_keys"]
+    kernel: Literal["gluon", "warps", "tiles", "mixed", "channel_keys", "channel_keys_gluon"]
     splits: int
     registers: int | None = None
     stages: int = 0
@@ -266,6 +272,15 @@ def mixed_gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, bloc
                                           block_size, group))
 
 
+def channel_keys_gluon_serves(device: Device, q_dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """Whether decode_channel_keys_gluon.py can run a per-channel-key launch: Gluon on CUDA outside the
+    interpreter, fp16 / bf16 q, head_dim 128, <= 8 query heads per KV head."""
+    from . import decode_channel_keys_gluon as kernel
+
+    return (kernel.gluon is not None and device.cuda and not device.interpret
+            and q_dtype in (torch.float16, torch.bfloat16) and head_dim == kernel.HEAD_DIM and group <= kernel.MAX_GROUP)
+
+
 def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens: int,
                 device: Device | torch.device | str = DEVICE_H200, *, head_dim: int = 128, block_size: int = 16,
                 q_dtype: torch.dtype = torch.bfloat16,
@@ -276,6 +291,13 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     and benchmarks that compare kernels."""
     device = device if isinstance(device, Device) else device_of(device)
     if fmt.per_channel_keys:
+        if kernel != "triton" and channel_keys_gluon_serves(device, q_dtype, heads // kv_heads, head_dim):
+            splits = choose_num_splits(batch, kv_heads, max_tokens, block_size, device.sms,
+                                       tuning.programs_per_sm(CHANNEL_KEYS_GLUON_REGISTERS),
+                                       decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
+                                       refine_tolerance=tuning.GLUON_SPLIT_TOLERANCE)
+            return DecodePlan(CHANNEL_KEYS_GLUON, splits, CHANNEL_KEYS_GLUON_REGISTERS, block_n=block_size,
+                              k_chains=CHANNEL_KEYS_GLUON_K_CHAINS, skip_rescale=True)
         splits = choose_num_splits(batch, kv_heads, max_tokens, block_size, device.sms, CHANNEL_KEYS_RESIDENT_PER_SM)
         native = device.cuda and not device.interpret and q_dtype in (torch.float16, torch.bfloat16)
         # one-warp programs where the (sequence, KV head) pairs alone fill the GPU, two where splits must
