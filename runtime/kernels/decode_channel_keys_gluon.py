@@ -25,6 +25,7 @@ import torch
 
 from . import codes
 from .group_io import _program_tokens
+from .widen_ptx import pair_asm, word_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves per-channel keys
     from triton.experimental import gluon
@@ -178,8 +179,6 @@ def launch(q, cache, block_tables, seq_lens, qk_scale: float, out, splits: tuple
     """The kernel into `out` (or the split partials); splits: `split_k.split_plan`'s (tokens per split, splits,
     partial buffers); split: whether the launch writes partials (`split_k.splits_write_partials`); plan: its
     k_chains, skip_rescale and register cap."""
-    from .widen_ptx import pair_asm, word_asm
-
     batch, num_heads, _ = q.shape
     _, kv_heads, _, _ = cache.k.shape
     tokens_per_split, num_splits, (pm, pl, pacc) = splits
