@@ -12,7 +12,8 @@ and the codes enter the score dot as they are (exact in fp16 / bf16). int4 codes
 channels, so q splits into its even (low nibble) and odd columns, as for every int4 format here. V is int4
 per-token asym: its scale folds into p and its zero into sum(p z) (`_values`). The split that holds the
 sequence's own block reads it from the residual slot `SLOT[block]` (a device map the write keeps:
-kv_cache.ResidualSlots), so a launch needs no host-side lookup.
+kv_cache.ResidualSlots), so a launch needs no host-side lookup. On CUDA at head_dim 128 `decode_attention` runs
+the Gluon kernel of the same rule (decode_channel_keys_gluon.py) instead.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
                      sm_scale: float, plan: DecodePlan) -> torch.Tensor:
     """q [B, H, D] at positions seq_lens - 1 (their keys already written) -> out [B, H, D] in q.dtype.
     block_tables: int32 [B, max_blocks] of blocks of BLOCK positions; its width bounds the context (no sync).
-    plan: plan.decode_plan's for the format (kernel "channel_keys"; its splits, num_warps, num_stages)."""
+    plan: plan.decode_plan's for the format: kernel "channel_keys" (this module's Triton kernel; its splits,
+    num_warps, num_stages) or "channel_keys_gluon" (decode_channel_keys_gluon.py; its splits, registers, k_chains)."""
     if plan.kernel not in (CHANNEL_KEYS, CHANNEL_KEYS_GLUON) or plan.split_tokens:
         raise ValueError(f"DecodePlan.kernel={plan.kernel!r}, split_tokens={plan.split_tokens}: per-channel keys run "
                          f"the {CHANNEL_KEYS!r} or {CHANNEL_KEYS_GLUON!r} kernel with `splits`; make the plan with "

@@ -16,7 +16,7 @@ the B operand is a relabelling of q's registers (`_q_operands`). V is int4 per-t
 order, against q / 16.
 
 Needs head_dim 128, a GQA group of <= 8 heads and fp16 / bf16 q on CUDA outside the interpreter
-(`decode_channel_keys.gluon_serves`); decode_channel_keys.py's Triton kernel serves the rest.
+(`plan.channel_keys_gluon_serves`); decode_channel_keys.py's Triton kernel serves the rest.
 """
 
 from __future__ import annotations

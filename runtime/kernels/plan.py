@@ -21,7 +21,7 @@ import torch
 import triton
 
 from ..kv_format import KVFormat, format_from_name
-from . import codes, decode_gluon, tuning
+from . import codes, decode_channel_keys_gluon, decode_gluon, tuning
 from .formats import format_codes, kernel_format, served_by_mixed
 from .split_k import choose_num_splits
 
@@ -275,8 +275,7 @@ def mixed_gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, bloc
 def channel_keys_gluon_serves(device: Device, q_dtype: torch.dtype, group: int, head_dim: int) -> bool:
     """Whether decode_channel_keys_gluon.py can run a per-channel-key launch: Gluon on CUDA outside the
     interpreter, fp16 / bf16 q, head_dim 128, <= 8 query heads per KV head."""
-    from . import decode_channel_keys_gluon as kernel
-
+    kernel = decode_channel_keys_gluon
     return (kernel.gluon is not None and device.cuda and not device.interpret
             and q_dtype in (torch.float16, torch.bfloat16) and head_dim == kernel.HEAD_DIM and group <= kernel.MAX_GROUP)
 
