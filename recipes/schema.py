@@ -131,10 +131,7 @@ class Recipe(Section):
                 kv.to_format()
         except UnsupportedError as e:
             raise ValueError(f"kv: {e}") from None
-        if not kv.per_layer and kv.to_format().per_channel_keys and b.block_size != PER_CHANNEL_TOKENS:
-            raise ValueError(f"build.block_size: {kv.to_format().name} scales each key channel over one block of "
-                             f"{PER_CHANNEL_TOKENS} positions; set build.block_size: {PER_CHANNEL_TOKENS} "
-                             f"(got {b.block_size}).")
+        self._check_per_channel_keys()
         if self.backend == "tensorrt-llm" and kv.per_layer:
             raise ValueError(
                 "kv.dtype: TensorRT-LLM stores every layer's KV in one format (one kv_cache_quant_algo per "
@@ -230,12 +227,7 @@ class Recipe(Section):
 
     def formats_needing_calibration(self) -> list[KVFormat]:
         """The static (calibrated-scale) formats this recipe may store: its format, or per-layer candidates."""
-        kv = self.kv
-        if kv.dtype == "auto":
-            return [f for f in self.search.candidates() if f.static]
-        if kv.layers is not None:
-            return sorted({f for f in map(parse_kv_format_name, kv.layers.values()) if f.static}, key=lambda f: f.name)
-        return [kv.to_format()] if kv.to_format().static else []
+        return [f for f in self.stored_formats() if f.static]
 
     def layer_formats(self, num_layers: int) -> tuple[KVFormat, ...]:
         """One format per layer for a recipe that fixes them (kv.dtype auto: the search stage's output)."""
@@ -244,6 +236,37 @@ class Recipe(Section):
         if self.kv.layers is not None:
             return parse_layer_ranges(self.kv.layers, num_layers)
         return (self.kv.to_format(),) * num_layers
+
+    def stored_formats(self) -> list[KVFormat]:
+        """Every format this recipe may store: its format, its kv.layers' formats or its search candidates."""
+        kv = self.kv
+        if kv.dtype == "auto":
+            return self.search.candidates()
+        if kv.layers is not None:
+            out = set()
+            for rng, name in kv.layers.items():
+                try:
+                    out.add(parse_kv_format_name(name))
+                except KvqError as e:
+                    raise ValueError(f"kv.layers[{rng!r}]: {e}") from None
+            return sorted(out, key=lambda f: f.name)
+        return [kv.to_format()]
+
+    def _check_per_channel_keys(self) -> None:
+        """Per-channel keys scale over one page of PER_CHANNEL_TOKENS positions and run in one process: refused
+        here rather than after the stages before build have run (kv.layers and search candidates included)."""
+        b = self.build
+        name = next((f.name for f in self.stored_formats() if f.per_channel_keys), None)
+        if name is None:
+            return
+        where = "search.formats lists" if self.kv.dtype == "auto" else "kv stores"
+        if b.block_size != PER_CHANNEL_TOKENS:
+            raise ValueError(f"build.block_size: {where} {name}, which scales each key channel over one block of "
+                             f"{PER_CHANNEL_TOKENS} positions; set build.block_size: {PER_CHANNEL_TOKENS} "
+                             f"(got {b.block_size}).")
+        if b.tp > 1 and self.backend == "torch":
+            raise ValueError(f"build.tp: {where} {name}, whose keys' fp16 residual blocks are kept by one process; "
+                             "set build.tp: 1 or leave that format out.")
 
     def _check_per_layer(self) -> None:
         kv = self.kv

@@ -279,3 +279,19 @@ def test_residual_slots_refuse_a_block_when_all_are_taken():
     slot = res.of_block[10]
     res.release(10)
     assert res.take(12) == slot
+
+
+@pytest.mark.parametrize("kv", [{"layers": {"0": NAME, "1-29": "int8-per_token"}},
+                                {"dtype": "auto", "rotation": "hadamard"}])
+def test_recipes_refuse_it_per_layer_and_in_search_candidates_at_other_block_sizes_and_tp(kv):
+    from recipes import Recipe
+
+    base = {"name": "r", "model": {"source": "builtin", "preset": "smollm2-135m"}, "kv": kv}
+    if kv.get("dtype") == "auto":
+        base["search"] = {"formats": ["int8-per_token", NAME]}
+    with pytest.raises(ValueError, match=r"build.block_size: .*per_channel.*set build.block_size: 64 \(got 32\)"):
+        Recipe.model_validate({**base, "build": {"block_size": 32}})
+    with pytest.raises(ValueError, match="build.tp: .*set build.tp: 1"):
+        Recipe.model_validate({**base, "build": {"block_size": 64, "tp": 3}})
+    recipe = Recipe.model_validate({**base, "build": {"block_size": 64}})
+    assert FMT in recipe.stored_formats()
