@@ -1,17 +1,17 @@
-"""Screen 4-bit KV storage rules in the dense simulation before building them into the engine.
+"""Screen 4-bit (and lower) KV storage rules in the dense simulation before building them into the engine.
 
 Each candidate is a rule for K and one for V (x [tokens, kv_heads, head_dim] -> the values the cache would give
 back), optionally with the first `sink` positions of every sequence kept at INT8 per token (attention sinks).
 Rules: any runtime.kv_format per-token format; `clip`: symmetric INT4 groups whose scale is alpha * amax / 7,
 alpha chosen per group from a few candidates by the smallest squared error (computed at write time);
 `nf4`: the 16 NormalFloat levels (QLoRA) times the group's fp16 absmax; `kivi`: keys quantized per channel over
-groups of 32 tokens (asymmetric INT4, fp16 scale and zero), the last incomplete group kept in full precision,
-as KIVI's residual window does; `mse:<format>`: a per-token or group-scaled format whose scale is
+groups of 32 tokens (asymmetric INT4, or `-b<bits>`, fp16 scale and zero), the last incomplete group kept in full
+precision, as KIVI's residual window does; `asym-b<bits>-g<group>`: per-token asymmetric integers of any width; `mse:<format>`: a per-token or group-scaled format whose scale is
 alpha * amax / qmax with alpha, per token-head (or group), the one of MSE_ALPHAS that gives the smallest squared
 error (alpha < 1 clips the largest values, alpha > 1 moves FP8's grid within an octave). Perplexity on the built-in held-out split (and --ood: the out-of-domain text)
 through calibration.kvsim.DenseScorer, the same windows as the evaluate stage.
 
-    python -m benchmarks.kv_screen --model-dir DIR --ppl-tokens 4096 [--only a,b] [--ood] [--device cuda] --out FILE.json
+    python -m benchmarks.kv_screen --model-dir DIR --ppl-tokens 4096 [--only a,b@0-5] [--ood] [--device cuda] --out FILE.json
 """
 
 from __future__ import annotations
@@ -105,28 +105,44 @@ def nf4_rule(group: int):
     return rule
 
 
-def kivi_rule(tokens: int = 32, symmetric: bool = False):
-    """Per-channel INT4 over groups of `tokens` positions (asymmetric: fp16 scale and zero per channel and
-    group, 32/tokens bits per element; symmetric: fp16 scale, 16/tokens); the incomplete tail stays
+def kivi_rule(tokens: int = 32, symmetric: bool = False, bits: int = 4):
+    """Per-channel integers of `bits` over groups of `tokens` positions (asymmetric: fp16 scale and zero per
+    channel and group, 32/tokens bits per element; symmetric: fp16 scale, 16/tokens); the incomplete tail stays
     unquantized, as KIVI's residual window of recent tokens does."""
+    qmax = 2 ** bits - 1
+
     def rule(x: torch.Tensor) -> torch.Tensor:
         full = x.shape[0] // tokens * tokens
         if not full:
             return x
         xg = x[:full].unflatten(0, (full // tokens, tokens))  # [G, tokens, H, D]
         if symmetric:
-            s = round_up_to((xg.abs().amax(1, keepdim=True) / 7).clamp_min(1e-8), torch.float16).float()
-            y = torch.round(xg / s).clamp(-7, 7) * s
+            s = round_up_to((xg.abs().amax(1, keepdim=True) / (qmax // 2)).clamp_min(1e-8), torch.float16).float()
+            y = torch.round(xg / s).clamp(-(qmax // 2), qmax // 2) * s
         else:
             lo = round_down_to(xg.amin(1, keepdim=True), torch.float16).float()
-            s = round_up_to(((xg.amax(1, keepdim=True) - lo) / 15).clamp_min(1e-8), torch.float16).float()
-            y = torch.round((xg - lo) / s).clamp(0, 15) * s + lo
+            s = round_up_to(((xg.amax(1, keepdim=True) - lo) / qmax).clamp_min(1e-8), torch.float16).float()
+            y = torch.round((xg - lo) / s).clamp(0, qmax) * s + lo
         return torch.cat((y.flatten(0, 1), x[full:]))
     return rule
 
 
+def asym_rule(bits: int, group: int):
+    """Per-token asymmetric integers of `bits` over groups of `group` channels, fp16 scale and zero (rounded
+    outward): bits + 32/group bits per element. The formats below 4 bits kvq does not store."""
+    qmax = 2 ** bits - 1
+
+    def rule(x: torch.Tensor) -> torch.Tensor:
+        xg = _groups(x, group)
+        lo = round_down_to(xg.amin(-1, keepdim=True), torch.float16).float()
+        s = round_up_to(((xg.amax(-1, keepdim=True) - lo) / qmax).clamp_min(1e-8), torch.float16).float()
+        return (torch.round((xg - lo) / s).clamp(0, qmax) * s + lo).flatten(-2)
+    return rule
+
+
 def rule_for(spec: str):
-    """'clip-g32', 'nf4-g32', 'kivi[-t<tokens>][-sym]', 'mse:<format name>', or a KV format name (one side)."""
+    """'clip-g32', 'nf4-g32', 'kivi[-t<tokens>][-b<bits>][-sym]', 'asym-b<bits>-g<group>', 'mse:<format name>',
+    or a KV format name (one side)."""
     if spec.startswith("mse:"):
         return mse_scale_rule(format_from_name(spec[4:]))
     if spec.startswith("clip-g"):
@@ -136,14 +152,22 @@ def rule_for(spec: str):
     if spec.startswith("kivi"):
         parts = spec.split("-")[1:]
         tokens = next((int(p[1:]) for p in parts if p.startswith("t")), 32)
-        return kivi_rule(tokens, "sym" in parts)
+        bits = next((int(p[1:]) for p in parts if p.startswith("b")), 4)
+        return kivi_rule(tokens, "sym" in parts, bits)
+    if spec.startswith("asym-b"):
+        bits, group = spec[6:].split("-g")
+        return asym_rule(int(bits), int(group))
     return format_rule(format_from_name(spec))
 
 
 class ScreenRoundTrip:
-    def __init__(self, k_spec: str, v_spec: str, sink: int = 0):
+    """K and V rules for every layer, or (`layers`, `rest`) for those layers only, `rest`'s elsewhere."""
+
+    def __init__(self, k_spec: str, v_spec: str, sink: int = 0, layers: range | None = None,
+                 rest: "ScreenRoundTrip | None" = None):
         self.k, self.v, self.sink = rule_for(k_spec), rule_for(v_spec), sink
         self.keep = format_rule(KVFormat("int8", "per_token"))
+        self.layers, self.rest = layers, rest
 
     def _side(self, rule, x: torch.Tensor) -> torch.Tensor:
         y = rule(x)
@@ -152,6 +176,8 @@ class ScreenRoundTrip:
         return y
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.layers is not None and layer not in self.layers:
+            return self.rest(layer, k, v)
         return self._side(self.k, k), self._side(self.v, v)
 
 
@@ -171,6 +197,12 @@ CANDIDATES = {
     "k.kivi-t64+v.int4-asym": ("kivi-t64", "int4-per_token-asym", 0, False, 4.5),
     "k.kivi-sym+v.int4-asym+rot": ("kivi-sym", "int4-per_token-asym", 0, True, 4.5),
     "k.kivi-t64+v.nf4-g64+rot": ("kivi-t64", "nf4-g64", 0, True, 4.375),
+    # below 4 bits a side (kvq stores none of these): KIVI's 2-bit keys and values, and 3-bit ones
+    "k.kivi-t64+v.asym-b3-g32+rot": ("kivi-t64", "asym-b3-g32", 0, True, 4.25),
+    "k.kivi-t64+v.asym-b2-g32+rot": ("kivi-t64", "asym-b2-g32", 0, True, 3.75),
+    "k.kivi-t64-b3+v.int4-asym+rot": ("kivi-t64-b3", "int4-per_token-asym", 0, True, 4.0),
+    "k.kivi-t64-b2+v.int4-asym+rot": ("kivi-t64-b2", "int4-per_token-asym", 0, True, 3.5),
+    "k.kivi-t64-b2+v.asym-b2-g32+rot": ("kivi-t64-b2", "asym-b2-g32", 0, True, 2.75),
     "int4-asym-g32+rot": ("int4-per_token-asym-g32", "int4-per_token-asym-g32", 0, True, 5.0),
     "sink4:k.int4-g32+v.int4-asym+rot": ("int4-per_token-g32", "int4-per_token-asym", 4, True, 4.5),
     "sink4:nf4-g32+rot": ("nf4-g32", "nf4-g32", 4, True, 4.5),
@@ -203,7 +235,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--ppl-tokens", type=int, default=4096)
-    ap.add_argument("--only", default=None)
+    ap.add_argument("--only", default=None, help="candidates, comma-separated; NAME@A-B: in layers A-B only")
+    ap.add_argument("--rest", default="k.kivi-t64+v.int4-asym+rot", help="the other layers' candidate for NAME@A-B")
     ap.add_argument("--ood", action="store_true", help="also the out-of-domain text")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
@@ -222,14 +255,25 @@ def main() -> None:
         t: perplexity(DenseScorer(models[NO_ROTATION]), w)["perplexity"] for t, w in texts.items()}
     res = {"baseline": base, "ppl_tokens": args.ppl_tokens, "candidates": {}}
     for name in names:
-        k, v, sink, rot, bits = CANDIDATES[name]
+        cand, _, span = name.partition("@")
+        k, v, sink, rot, bits = CANDIDATES[cand]
+        layers = rest = None
+        if span:  # the candidate in these layers only, --rest in the others (the same rotation)
+            a, _, b = span.partition("-")
+            layers = range(int(a), int(b or a) + 1)
+            rk, rv, rsink, rrot, _ = CANDIDATES[args.rest]
+            if rrot != rot:
+                raise SystemExit(f"{name}: --rest {args.rest} must have the candidate's rotation")
+            rest = ScreenRoundTrip(rk, rv, rsink)
         r = HADAMARD if rot else NO_ROTATION
         if r not in models:
             models[r] = load_model(args.model_dir, device=args.device, rotation=r)
         t0 = time.perf_counter()
         row = {"k": k, "v": v, "sink": sink, "rotation": r.name, "bits_per_element": bits}
+        if span:
+            row.update(layers=span, rest=args.rest)
         for t, w in texts.items():
-            ppl = perplexity(DenseScorer(models[r], ScreenRoundTrip(k, v, sink)), w)["perplexity"]
+            ppl = perplexity(DenseScorer(models[r], ScreenRoundTrip(k, v, sink, layers, rest)), w)["perplexity"]
             row[f"change_pct_{t}"] = (ppl / base[t] - 1) * 100
         row["seconds"] = round(time.perf_counter() - t0, 1)
         res["candidates"][name] = row

@@ -74,3 +74,28 @@ def test_error_minimising_fp8_scale_is_never_worse_and_stays_on_the_fp8_grid():
             ca = dequantize(quantize(x, fmt, sa), fmt, sa).reshape(yg.shape)
             hit |= (ca == yg).all(-1)
         assert bool(hit.all())
+
+
+def test_two_bit_rules_stay_within_half_a_step_of_their_groups():
+    x = _x(5)
+    y = rule_for("asym-b2-g32")(x).double().unflatten(-1, (2, 32))
+    g = x.double().unflatten(-1, (2, 32))
+    step = (g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 3  # 4 levels
+    assert bool(((y - g).abs() <= step * (0.5 + 2e-3) + 1e-3).all())
+    assert len(torch.unique(y[0, 0, 0])) <= 4
+    k = rule_for("kivi-t64-b2")(x).double()
+    assert torch.equal(k[64:], x[64:].double())
+    kg = x[:64].double()
+    kstep = (kg.amax(0) - kg.amin(0)) / 3
+    assert bool(((k[:64] - kg).abs() <= kstep * (0.5 + 2e-3) + 1e-3).all())
+
+
+def test_a_layer_range_takes_the_rule_and_the_other_layers_the_rest():
+    x = _x(6)
+    rest = ScreenRoundTrip("int8-per_token", "int8-per_token")
+    rt = ScreenRoundTrip("asym-b2-g32", "asym-b2-g32", layers=range(2, 4), rest=rest)
+    two = rule_for("asym-b2-g32")(x)
+    for layer in range(5):
+        k, v = rt(layer, x, x)
+        expect = two if layer in (2, 3) else rest(layer, x, x)[0]
+        assert torch.equal(k, expect) and torch.equal(v, expect)
