@@ -229,7 +229,8 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
 def kernels_backend(backend: types.SimpleNamespace, ref: types.SimpleNamespace) -> types.SimpleNamespace:
     """The CUDA backend of an engine with per-channel-key layers. Their write is the device kernel's
     (runtime/kernels/write_channel_keys.py) after the host's part (`plan_write`), which `prepare_write` does for a
-    step before its forward (ModelRunner.build_batch): a decode step then does no host work and is one CUDA graph.
+    step before its forward (ModelRunner.build_batch): a decode step then does no host work and is one CUDA graph;
+    `prepare_burst` does it for all steps of a decode burst (runtime/decode_burst.py) before they run.
     A write nobody prepared (a direct caller of forward_paged) plans from its slot_mapping, a host sync. Their decode
     is the kernels' (decode_channel_keys.py), their chunked prefill the reference op's."""
     def prepare_write(caches: list[LayerCache], slot_mapping: torch.Tensor, slots: list[int]) -> None:
@@ -243,6 +244,8 @@ def kernels_backend(backend: types.SimpleNamespace, ref: types.SimpleNamespace) 
         prepared, cache.residual.prepared = cache.residual.prepared, None
         if prepared is not None and prepared[0] is slot_mapping:
             key_write = prepared[1]
+        elif cache.residual.planned_ahead:  # a burst's step: prepare_burst planned it (decode tokens defer nothing)
+            key_write = KeyWrite()
         elif k.is_cuda and torch.cuda.is_current_stream_capturing():
             key_write = KeyWrite()  # a CUDA graph's write: prepare_write plans each replay's before it
         else:
@@ -254,22 +257,37 @@ def kernels_backend(backend: types.SimpleNamespace, ref: types.SimpleNamespace) 
         backend.write_kv(cache, k, v, slot_mapping)
         store_deferred(cache, k, slot_mapping, key_write)
 
+    def prepare_burst(caches: list[LayerCache], steps: list[list[int]]) -> None:
+        """The host's part of a decode burst's writes, `steps` (each step's slots, one a sequence), before it
+        runs: every step planned in order, so `slot_of` holds each step's blocks (a block's slot changes hands
+        only at the write after its last key, as step by step); `end_burst` once the steps are enqueued."""
+        for cache in caches:
+            if cache.fmt.per_channel_keys:
+                cache.residual.plan_ahead()
+                for slots in steps:
+                    plan_write(cache, slots)
+
+    def end_burst(caches: list[LayerCache]) -> None:
+        for cache in caches:
+            if cache.fmt.per_channel_keys:
+                cache.residual.end_burst()
+
     def prefill_context_attention(q, k, v, cu_seqlens, cache: LayerCache, *args, **plan):
         if cache.fmt.per_channel_keys:
             return ref.prefill_context_attention(q, k, v, cu_seqlens, cache, *args)
         return backend.prefill_context_attention(q, k, v, cu_seqlens, cache, *args, **plan)
 
     return types.SimpleNamespace(**dict(vars(backend), write_kv=write_kv, prepare_write=prepare_write,
+                                        prepare_burst=prepare_burst, end_burst=end_burst,
                                         prefill_context_attention=prefill_context_attention,
                                         name=backend.name + " (per-channel keys: chunked prefill reference)"))
 
 
 # ----------------------------------------------------------------- engine
-def check_engine(formats, block_size: int, device: torch.device, *, tensor_parallel: bool, batch_invariant: bool,
-                 burst_steps: int) -> None:
-    """What an engine with per-channel-key layers needs: blocks of PER_CHANNEL_TOKENS positions, one process, and
-    the host's slot bookkeeping before every step (`plan_write`), which decode bursts (several steps on the device)
-    cannot have; on CUDA the batch-invariant mode's kernels do not read these keys."""
+def check_engine(formats, block_size: int, device: torch.device, *, tensor_parallel: bool, batch_invariant: bool
+                 ) -> None:
+    """What an engine with per-channel-key layers needs: blocks of PER_CHANNEL_TOKENS positions and one process
+    (the host keeps the residual slots); on CUDA the batch-invariant mode's kernels do not read these keys."""
     if not any(f.per_channel_keys for f in formats):
         return
     from .errors import UnsupportedError
@@ -278,11 +296,12 @@ def check_engine(formats, block_size: int, device: torch.device, *, tensor_paral
     if block_size != BLOCK:
         raise UnsupportedError(f"{name} scales each key channel over one block of {BLOCK} positions: build the "
                                f"engine with block_size {BLOCK} (got {block_size}).")
-    for on, what in ((tensor_parallel, "tensor parallelism (tp: 1)"), (batch_invariant and device.type == "cuda", "the batch-invariant mode "
-                     "(batch_invariant: false)"), (burst_steps, "decode bursts (burst_steps: 0)")):
-        if on:
-            raise UnsupportedError(f"{name} keeps its keys' fp16 residual blocks on the host before every step, "
-                                   f"which rules out {what}; turn it off or use another KV format.")
+    if tensor_parallel:
+        raise UnsupportedError(f"{name} keeps its keys' fp16 residual blocks in one process, which rules out tensor "
+                               "parallelism; build the engine with tp: 1 or use another KV format.")
+    if batch_invariant and device.type == "cuda":
+        raise UnsupportedError(f"the batch-invariant mode's CUDA kernels do not read {name}'s per-channel keys; "
+                               "build the engine with batch_invariant: false or use another KV format.")
 
 
 def release_on_free(blocks, caches: list[LayerCache]) -> None:

@@ -232,12 +232,21 @@ class DecodeBurst:
         b.seq_lens.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
         b.slot_mapping.copy_(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [-1] * pad))
         buf.active.copy_(torch.tensor([1] * n + [0] * pad))
-        if self.use_graphs and self.failure is None and buf.graph is None:
-            try:
-                self._capture(buf)
-            except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why
-                self.failure = f"{type(e).__name__}: {e}"
-        return self._replay(buf, n, steps)
+        # per-channel keys: the host's part of every step's write, before the first (runtime/channel_keys.py)
+        prepare = getattr(self.backend, "prepare_burst", None)
+        if prepare is not None:
+            prepare(self.caches, [[t[(p + j) // bs] * bs + (p + j) % bs for t, p in zip(tables, positions)]
+                                  for j in range(steps)])
+        try:
+            if self.use_graphs and self.failure is None and buf.graph is None:
+                try:
+                    self._capture(buf)
+                except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why
+                    self.failure = f"{type(e).__name__}: {e}"
+            return self._replay(buf, n, steps)
+        finally:
+            if prepare is not None:
+                self.backend.end_burst(self.caches)
 
     def _load_tables(self, buf: _Buffers, tables: list[list[int]]) -> None:
         size, width = buf.batch.block_tables.shape

@@ -77,7 +77,7 @@ class Engine:
         self.batch_invariant = batch_invariant
         tensor_parallel = isinstance(model, parallel.TPLlamaModel)
         channel_keys.check_engine(self.formats, plan.block_size, model.device, tensor_parallel=tensor_parallel,
-                                  batch_invariant=batch_invariant, burst_steps=burst_steps)
+                                  batch_invariant=batch_invariant)
         self.backend = engine_backend(model, self.formats, attention, batch_invariant, fused_ops)
         caches = allocate_pool(model.cfg, self.formats, plan, model.device, k_scales, v_scales, model.num_kv_heads,
                                max_batch_size)
@@ -223,13 +223,12 @@ class Engine:
             batch = min(batch, plan.residual_slots)
         invariant = _pick(batch_invariant, settings.batch_invariant, dev.type == "cpu")
         one_gpu = dev.type == "cuda" and tp == 1  # bursts and the fused ops run on one device (docs/decode_step.md)
-        bursts = one_gpu and not any(f.per_channel_keys for f in fmt)  # per-channel keys: no burst kernels
         engine = cls(model, fmt, plan, k_scales, v_scales, tokenizer=load_tokenizer(d), max_batch_size=batch,
                    max_seq_len=seq_len, max_tokens_per_step=step_tokens, attention=attention,
                    max_input_len=settings.max_input_len,
                    cuda_graphs=settings.cuda_graphs if cuda_graphs is None else cuda_graphs,
                    batch_invariant=invariant, prefix_caching=_pick(prefix_caching, settings.prefix_caching),
-                   burst_steps=_pick(burst_steps, settings.burst_steps, DEFAULT_BURST_STEPS if bursts else 0),
+                   burst_steps=_pick(burst_steps, settings.burst_steps, DEFAULT_BURST_STEPS if one_gpu else 0),
                    fused_ops=_pick(fused_ops, settings.fused_ops, one_gpu and not invariant))
         if isinstance(engine.runner, parallel.TPModelRunner) and not model.group.is_driver:
             engine.runner.serve()  # until rank 0 shuts down

@@ -44,6 +44,11 @@ class ResidualSlots:
         self._completed: list[int] = []
         self.deferred: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (offsets, fp16 keys)
         self.prepared = None  # (slot_mapping, channel_keys.KeyWrite): a step's write planned before its forward
+        # a decode burst's writes, planned before it (channel_keys.kernels_backend's prepare_burst): its steps run
+        # on the device with `slot_of` as planned for all of them, and the blocks it gives back keep their device
+        # entries until the burst's steps have run (`end_burst`), since its earlier steps still read them
+        self.planned_ahead = False
+        self._held_clears: list[int] | None = None
 
     def take(self, block: int, required: bool = True) -> int | None:
         """The block's slot, a free one, or (none free) None where not `required`."""
@@ -75,7 +80,21 @@ class ResidualSlots:
         slot = self.of_block.pop(block, None)
         if slot is not None:
             self._free.append(slot)
-            if block < self.slot_of.numel():
+            if self._held_clears is not None:
+                self._held_clears.append(block)
+            elif block < self.slot_of.numel():
+                self.slot_of[block] = -1
+
+    def plan_ahead(self) -> None:
+        """From now on writes are planned before they run (a decode burst): hold the device map's clears."""
+        self.planned_ahead, self._held_clears = True, []
+
+    def end_burst(self) -> None:
+        """The burst's steps are enqueued: clear the device entries of the blocks it gave back (on the pool's
+        stream, after those steps), but for blocks that hold a slot again."""
+        held, self.planned_ahead, self._held_clears = self._held_clears or [], False, None
+        for block in held:
+            if block not in self.of_block and block < self.slot_of.numel():
                 self.slot_of[block] = -1
 
 

@@ -153,6 +153,23 @@ def test_engine_score_equals_decode_and_batched_equals_alone(tiny_model):
     assert together == solo
 
 
+def test_decode_bursts_give_the_tokens_of_single_steps_across_block_ends(tiny_model):
+    """Bursts of 7 steps (the host plans every step's residual slots before the burst) over prompts that end
+    inside, at and just before a block's end, decoding across two more block ends: the single steps' tokens."""
+    prompts = [_prompt(i, n) for i, n in enumerate([3, 64, 63, 100])]
+    outs = {}
+    for steps in (0, 7):
+        eng = _engine(tiny_model, burst_steps=steps, num_blocks=40)
+        try:
+            outs[steps] = [g.token_ids for g in eng.generate(prompts, max_tokens=140, ignore_eos=True)]
+            ran = eng.steps.burst.steps_run if eng.steps.burst is not None else 0
+            assert all(not c.residual.of_block for c in eng.runner.caches)
+        finally:
+            eng.shutdown()
+        assert (ran > 100) == (steps > 0), ran
+    assert outs[7] == outs[0]
+
+
 def test_pool_bytes_equal_the_plan(tiny_model):
     """The pool the engine allocates is the plan's blocks x bytes/token plus the residual blocks, both from
     kv_format (4.5 bits per element: 4-bit codes, 0.5 bit of per-block channel scales / per-token scales)."""
@@ -194,8 +211,6 @@ def test_bad_spellings_and_settings_are_refused(tiny_model):
 
     with pytest.raises(UnsupportedError, match="block_size 64"):
         Engine(tiny_model, FMT, plan_pool(tiny_model.cfg, FMT, 32, num_blocks=8), None, None)
-    with pytest.raises(UnsupportedError, match="burst"):
-        _engine(tiny_model, burst_steps=4)
 
 
 def test_recipes_refuse_it_for_tensorrt_llm_and_other_block_sizes():

@@ -105,8 +105,9 @@ def test_per_channel_keys_decode_on_the_kernel_on_cuda(tmp_path_factory, dtype, 
     """k.int4-per_channel-asym on CUDA: decode through runtime/kernels/decode_channel_keys.py (fp32: the Triton
     kernel, whose dots are IEEE fp32; fp16 at head_dim 128: decode_channel_keys_gluon.py), the write through
     write_channel_keys.py with CUDA graphs for decode steps, chunked prefill on the reference op (and the backend
-    says so), without bursts. The graphs' tokens equal the eager kernels'; teacher-forced by the all-reference engine
-    on the same GPU (its prefill applies the same position rule), `kept` of them are its greedy choice (a
+    says so), then with decode bursts (the default: 8 steps a burst, every step's residual slots planned before it).
+    The graphs' tokens equal the eager kernels'; teacher-forced by the all-reference engine on the same GPU (its
+    prefill applies the same position rule), `kept` of the graphs' and of the bursts' tokens are its greedy choice (a
     free-running comparison would count every token after one near-tie's flip as a miss)."""
     from runtime.kernels import decode_plan
     from runtime.kv_format import format_from_name
@@ -118,27 +119,34 @@ def test_per_channel_keys_decode_on_the_kernel_on_cuda(tmp_path_factory, dtype, 
         assert plan.kernel == "channel_keys_gluon"
     prompts = PROMPTS + [[(3 * j) % 500 + 3 for j in range(150)]]
     outs = {}
-    for graphs in (False, True):
+    for mode, graphs, bursts in (("eager", False, 0), ("graphs", True, 0), ("bursts", True, None)):
         eng = Engine.from_dir(d, device="cuda", dtype=dtype, kv_format=fmt, num_blocks=32, attention="triton",
-                              batch_invariant=False, cuda_graphs=graphs)
+                              batch_invariant=False, cuda_graphs=graphs, burst_steps=bursts)
         try:
-            assert eng.stats.block_size == 64 and eng.stats.burst_steps == 0 and eng.stats.cuda_graphs == graphs
+            assert eng.stats.block_size == 64 and eng.stats.cuda_graphs == graphs
+            assert eng.stats.burst_steps == (8 if bursts is None else 0), eng.stats.burst_steps
             assert "per-channel keys: chunked prefill reference" in eng.backend.name, eng.backend.name
-            outs[graphs] = [g.token_ids for g in eng.generate(prompts, max_tokens=80, ignore_eos=True)]
-            if graphs:
+            outs[mode] = [g.token_ids for g in eng.generate(prompts, max_tokens=80, ignore_eos=True)]
+            if bursts is None:
+                burst = eng.steps.burst
+                assert burst.steps_run >= 40 and burst.failure is None, (burst.steps_run, burst.failure)
+            elif graphs:
                 assert eng.runner.graphs.failure is None and eng.runner.graphs._graphs, eng.runner.graphs.failure
+            assert all(not c.residual.of_block for c in eng.runner.caches)  # every residual slot came back
         finally:
             eng.shutdown()
-    assert outs[True] == outs[False]
+    assert outs["graphs"] == outs["eager"]
     ref = Engine.from_dir(d, device="cuda", dtype=dtype, kv_format=fmt, num_blocks=32, attention="reference",
                           batch_invariant=False, cuda_graphs=False)
     try:
-        scores = ref.score([p + t for p, t in zip(prompts, outs[True])], start=[len(p) for p in prompts])
+        for mode in ("graphs", "bursts"):
+            scores = ref.score([p + t for p, t in zip(prompts, outs[mode])], start=[len(p) for p in prompts])
+            hits = torch.cat([sc.matches(p + t) for sc, p, t in zip(scores, prompts, outs[mode])])
+            print(f"per-channel keys {dtype}, {mode}: {hits.float().mean():.3f} of the tokens are the reference's "
+                  "greedy choice")
+            assert hits.float().mean() >= kept, (mode, hits.float().mean())
     finally:
         ref.shutdown()
-    hits = torch.cat([sc.matches(p + t) for sc, p, t in zip(scores, prompts, outs[True])])
-    print(f"per-channel keys {dtype}: {hits.float().mean():.3f} of the tokens are the reference's greedy choice")
-    assert hits.float().mean() >= kept, hits.float().mean()
 
 
 @pytest.mark.parametrize("fmt", [KVFormat("bf16"), KVFormat("fp8_e4m3", "per_token"), KVFormat("int4", "per_token", False)],

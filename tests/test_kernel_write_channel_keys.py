@@ -64,3 +64,46 @@ def test_device_write_equals_the_reference_write(kvh, d):
             a, b = getattr(ref, name), getattr(dev, name).cpu()
             torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True, msg=lambda m, n=n, name=name: f"write {n}, {name}: {m}")
     assert deferred, "the chunk deferred no block: the case is not exercised"
+
+
+def test_a_burst_planned_ahead_writes_and_reads_as_steps_planned_one_by_one():
+    """A decode burst's writes planned before it (`prepare_burst`, the device map's clears held to `end_burst`)
+    against the same steps each planned before itself: after every step the same cache bytes and the same decode
+    output (which reads each sequence's own block from its residual slot through `slot_of`); after the burst the
+    same slot map. Sequences cross block ends inside the bursts, one at a burst's first step."""
+    kvh, d, seqs, width = 2, 64, 3, 4
+    tables = torch.randperm(seqs * width, generator=torch.Generator().manual_seed(3)).view(seqs, width)
+    ks = [keys(30 + i, (230, kvh, d)) for i in range(seqs)]
+    vs = [keys(40 + i, (230, kvh, d)) for i in range(seqs)]
+    q = keys(50, (seqs, 2 * kvh, d)).to(DEV)
+    backend = _backend()
+    ahead, stepped = (allocate_layer(FMT, seqs * width, BLOCK, kvh, d, DEV, residual_slots=seqs) for _ in range(2))
+    lens = [60, 127, 64]  # prompts: seq 1 completes its block at the first decode token, seq 2 opens one
+    for cache in (ahead, stepped):
+        for i, n in enumerate(lens):
+            slots = [int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in range(n)]
+            backend.write_kv(cache, ks[i][:n].to(DEV), vs[i][:n].to(DEV), torch.tensor(slots, device=DEV))
+    crossed = 0
+    for burst in range(3):
+        steps = [[int(tables[i, (n + j) // BLOCK]) * BLOCK + (n + j) % BLOCK for i, n in enumerate(lens)]
+                 for j in range(8)]
+        crossed += sum((n + j) % BLOCK == 0 for n in lens for j in range(8))
+        backend.prepare_burst([ahead], steps)
+        for j, slots in enumerate(steps):
+            mapping = torch.tensor(slots, device=DEV)
+            k = torch.stack([ks[i][n + j] for i, n in enumerate(lens)]).to(DEV)
+            v = torch.stack([vs[i][n + j] for i, n in enumerate(lens)]).to(DEV)
+            backend.write_kv(ahead, k, v, mapping)
+            backend.prepare_write([stepped], mapping, slots)
+            backend.write_kv(stepped, k, v, mapping)
+            seq_lens = torch.tensor([n + j + 1 for n in lens], dtype=torch.int32, device=DEV)
+            bt = tables.to(torch.int32).to(DEV)
+            outs = [K.decode_attention(q, c, bt, seq_lens, 0.125) for c in (ahead, stepped)]
+            assert torch.equal(outs[0], outs[1]), (burst, j)
+            for name in TENSORS:
+                assert torch.equal(getattr(ahead, name), getattr(stepped, name)), (burst, j, name)
+        backend.end_burst([ahead])
+        assert ahead.residual.of_block == stepped.residual.of_block
+        assert torch.equal(ahead.residual.slot_of, stepped.residual.slot_of), burst
+        lens = [n + 8 for n in lens]
+    assert crossed >= 3, "no sequence crossed a block end inside a burst"
