@@ -244,8 +244,8 @@ def run_case(case: Case, fmt_names, rows, sink, check: bool, plan_changes: dict 
 
 def plan_text(plan) -> str:
     """The plan's fields that matter for its kernel, short."""
-    if plan.kernel == "gluon":
-        return (f"gluon splits={plan.splits} regs={plan.registers} stages={plan.stages}"
+    if plan.kernel in ("gluon", "channel_keys_gluon"):
+        return (f"{plan.kernel} splits={plan.splits} regs={plan.registers} stages={plan.stages}"
                 f"{' pairs' if plan.pairs else ''}{' tma' if plan.tma else ''} kc={plan.k_chains}")
     return (f"{plan.kernel} splits={plan.splits} n={plan.block_n} warps={plan.num_warps} stages={plan.num_stages}"
             f" regs={plan.registers}")

@@ -12,8 +12,10 @@ and the codes enter the mma as `word_asm` widens them (subnormals n 2^-24, high 
 channels, / 256 on odd, rounded to fp16 once, as decode_gluon.py rounds q / 16. The K words, q and the scales are
 all read in the order where lane (g, t) holds channels [32t, 32t + 32): the scales' loads are 16-byte vectors and
 the B operand is a relabelling of q's registers (`_q_operands`). V is int4 per-token asym, through
-`gluon_attend._attend_scored` as in decode_gluon.py. The own block's fp16 keys are A operands in the same column
-order, against q / 16.
+`gluon_attend._attend_scored` as in decode_gluon.py. On sm_90 the K and V words and V's per-token scales and zeros
+come through decode_gluon.py's shared-memory ring of tiles filled by TMA (gluon_tiles.py; V's zeros in the place of
+its per-token format's K scales), otherwise in registers a tile ahead. A block's scales load at the block. The own
+block's fp16 keys are A operands in the same column order, against q / 16.
 
 Needs head_dim 128, a GQA group of <= 8 heads and fp16 / bf16 q on CUDA outside the interpreter
 (`decode_channel_keys.gluon_serves`); decode_channel_keys.py's Triton kernel serves the rest.
@@ -38,7 +40,7 @@ MAX_GROUP = 8
 
 if gluon is not None:
     from .decode_gluon import _store_output
-    from .gluon_attend import _attend_scored, _p_dot_v, _softmax_pair
+    from .gluon_attend import _attend_scored
     from .gluon_operands import K_W4, MMA, ROWS, V_W4, _a_operands, _k_operands, _q_operands
     from .gluon_tiles import _allocate_ring, _await_ring, _copy_tile, _drain_ring, _fill_ring, _page, _ring_metas
 
@@ -100,8 +102,7 @@ if gluon is not None:
         stride_qb, stride_qh, stride_ob, stride_oh, stride_btb,
         stride_pb, stride_ph, stride_pt, stride_sb, stride_sh, stride_mb, stride_mh, stride_rs, stride_rh, stride_rt,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr, SPLIT: gl.constexpr,
-        SKIP_RESCALE: gl.constexpr, K_CHAINS: gl.constexpr, PAIRS: gl.constexpr = False,
-        SCALES_AHEAD: gl.constexpr = False, STAGES: gl.constexpr = 0, TMA: gl.constexpr = False,
+        SKIP_RESCALE: gl.constexpr, K_CHAINS: gl.constexpr, STAGES: gl.constexpr, TMA: gl.constexpr,
     ):
         """K, V: the int4 pages as int32 words (strides stride_p* in words); KS, KZ: per-channel scales and zero
         points [pages, kv_heads, 128]; VS, VZ: V's per-token ones; RES: the fp16 residual [slots, kv_heads, 64,
@@ -137,11 +138,9 @@ if gluon is not None:
         state = (m_i, l_t, z_t, acc, c_v)
         tile_args = (K, V, VS, VZ, kvh, stride_pb, stride_ph, stride_pt, stride_mb, stride_mh, koffs, voffs, ts)
 
-        # complete blocks: quantized keys. The next block's page and scales, and the next tile's words, load while
-        # this tile computes.
+        # complete blocks: quantized keys. The next block's page and the next tiles' words load while this tile
+        # computes; the block's scales at the block (loaded a block ahead they spill in the loop)
         page = _block_page(bt_row, start, stop)
-        if SCALES_AHEAD:
-            ks, kz = _block_scales(KS, KZ, page, kvh, stride_sb, stride_sh, dr)
         if STAGES > 0:
             # the words and V's per-token scales through decode_gluon.py's ring of tiles in shared memory (TMA on
             # sm_90, else cp.async), its per-token format without zero points: V's zero points take the place of
@@ -149,70 +148,17 @@ if gluon is not None:
             k_ring, v_ring, metas = _allocate_ring(KD, VD, VZD, VSD, VZD, VSD, stride_mb, stride_mh, STAGES,
                                                    codes.PER_TOKEN, False, TMA)
             ahead, page_ahead = _fill_ring(start, stop, bt_row, KD, VD, k_ring, v_ring, kvh, stride_pb, stride_ph,
-                                           stride_pt, koffs, metas, STAGES - 1 - PAIRS, 64, codes.PER_TOKEN, False,
+                                           stride_pt, koffs, metas, STAGES - 1, 64, codes.PER_TOKEN, False,
                                            False, TMA)
             stage = 0
         else:
             nxt = _tile(0, page, *tile_args)
-            if PAIRS:
-                nxt1 = _tile(16, page, *tile_args)
         for n0 in range(start, stop, 64):
-            if not SCALES_AHEAD:
-                ks, kz = _block_scales(KS, KZ, page, kvh, stride_sb, stride_sh, dr)
+            ks, kz = _block_scales(KS, KZ, page, kvh, stride_sb, stride_sh, dr)
             qt, bias = _block_fold(qn, ks, kz, K_CHAINS)
             page_next = _block_page(bt_row, n0 + 64, stop)
-            if SCALES_AHEAD:
-                ks, kz = _block_scales(KS, KZ, page_next, kvh, stride_sb, stride_sh, dr)
             bias = bias * qk_scale
-            if PAIRS and STAGES == 0:  # tiles two a step: one softmax max, rescale test and V scale bound per 32 keys
-                for t in gl.static_range(0, 4, 2):
-                    kw0, vw0, vs0, vz0 = nxt
-                    kw1, vw1, vs1, vz1 = nxt1
-                    if t < 2:
-                        nxt = _tile(32, page, *tile_args)
-                        nxt1 = _tile(48, page, *tile_args)
-                    else:
-                        nxt = _tile(0, page_next, *tile_args)
-                        nxt1 = _tile(16, page_next, *tile_args)
-                    s0 = _mma_scores(_k_operands(kw0, codes.INT4, ASM, K_CHAINS), qt, K_CHAINS) * k_fold + bias[None, :]
-                    s1 = _mma_scores(_k_operands(kw1, codes.INT4, ASM, K_CHAINS), qt, K_CHAINS) * k_fold + bias[None, :]
-                    m_i, l_t, z_t, acc, c_v = state
-                    m_i, l_t, z_t, acc, c_v, p0, p1, c_inv = _softmax_pair(s0, s1, vs0, vs1, m_i, l_t, z_t, acc, c_v,
-                                                                           codes.PER_TOKEN, True, SKIP_RESCALE)
-                    z_t, acc = _p_dot_v(p0, vw0, vs0, vz0, c_v, c_inv, z_t, acc, codes.INT4, codes.PER_TOKEN, True,
-                                        VASM, 8.0, True)
-                    z_t, acc = _p_dot_v(p1, vw1, vs1, vz1, c_v, c_inv, z_t, acc, codes.INT4, codes.PER_TOKEN, True,
-                                        VASM, 8.0, True)
-                    state = (m_i, l_t, z_t, acc, c_v)
-            elif STAGES > 0 and PAIRS:
-                for t in gl.static_range(0, 4, 2):
-                    # tiles two a step: both have landed, and the two stages written next are free
-                    _await_ring(metas, n0 + 16 * t, start, STAGES - 4, STAGES, True, TMA)
-                    _copy_tile(ahead, page_ahead, KD, VD, k_ring, v_ring, (stage + STAGES - 2) % STAGES, kvh,
-                               stride_pb, stride_ph, stride_pt, koffs, metas, 64, codes.PER_TOKEN, False, TMA)
-                    _copy_tile(ahead + 16, _page(bt_row, ahead + 16, stop, 64, False), KD, VD, k_ring, v_ring,
-                               (stage + STAGES - 1) % STAGES, kvh, stride_pb, stride_ph, stride_pt, koffs, metas, 64,
-                               codes.PER_TOKEN, False, TMA)
-                    ahead += 32
-                    page_ahead = _page(bt_row, ahead, stop, 64, False)
-                    stage1 = (stage + 1) % STAGES
-                    kw0 = k_ring.index(stage).load(K_W4)
-                    kw1 = k_ring.index(stage1).load(K_W4)
-                    vz0, vs0, _, _ = _ring_metas(n0 + 16 * t, stop, metas, stage, ts, codes.PER_TOKEN, False, TMA)
-                    vz1, vs1, _, _ = _ring_metas(n0 + 16 * t + 16, stop, metas, stage1, ts, codes.PER_TOKEN, False,
-                                                 TMA)
-                    s0 = _mma_scores(_k_operands(kw0, codes.INT4, ASM, K_CHAINS), qt, K_CHAINS) * k_fold + bias[None, :]
-                    s1 = _mma_scores(_k_operands(kw1, codes.INT4, ASM, K_CHAINS), qt, K_CHAINS) * k_fold + bias[None, :]
-                    m_i, l_t, z_t, acc, c_v = state
-                    m_i, l_t, z_t, acc, c_v, p0, p1, c_inv = _softmax_pair(s0, s1, vs0, vs1, m_i, l_t, z_t, acc, c_v,
-                                                                           codes.PER_TOKEN, True, SKIP_RESCALE)
-                    z_t, acc = _p_dot_v(p0, v_ring.index(stage).load(V_W4), vs0, vz0, c_v, c_inv, z_t, acc,
-                                        codes.INT4, codes.PER_TOKEN, True, VASM, 8.0, True)
-                    z_t, acc = _p_dot_v(p1, v_ring.index(stage1).load(V_W4), vs1, vz1, c_v, c_inv, z_t, acc,
-                                        codes.INT4, codes.PER_TOKEN, True, VASM, 8.0, True)
-                    state = (m_i, l_t, z_t, acc, c_v)
-                    stage = (stage + 2) % STAGES
-            elif STAGES > 0:
+            if STAGES > 0:
                 for t in gl.static_range(4):
                     # the tile has landed and the stage written next is free; its copy goes out STAGES - 1 ahead
                     _await_ring(metas, n0 + 16 * t, start, STAGES - 2, STAGES, False, TMA)
@@ -239,7 +185,7 @@ if gluon is not None:
                                            codes.INT4, True)
             page = page_next
         if STAGES > 0:
-            _drain_ring(metas, start, stop, STAGES - 1 - PAIRS, STAGES, PAIRS, TMA)
+            _drain_ring(metas, start, stop, STAGES - 1, STAGES, False, TMA)
 
         if (start <= own) & (own < end):  # this split holds the own block: its keys from the residual
             page = gl.load(bt_row + own // 64).to(gl.int64)
@@ -263,7 +209,7 @@ if gluon is not None:
 def launch(q, cache, block_tables, seq_lens, qk_scale: float, out, splits: tuple, split: bool, plan) -> None:
     """The kernel into `out` (or the split partials); splits: `split_k.split_plan`'s (tokens per split, splits,
     partial buffers); split: whether the launch writes partials (`split_k.splits_write_partials`); plan: its
-    k_chains, skip_rescale and register cap."""
+    k_chains, skip_rescale, register cap and ring (stages, tma)."""
     from .widen_ptx import pair_asm, word_asm
 
     batch, num_heads, _ = q.shape
@@ -273,7 +219,7 @@ def launch(q, cache, block_tables, seq_lens, qk_scale: float, out, splits: tuple
     res = cache.k_residual
     ring = (kw, vw, cache.v_scale, cache.v_zero)
     if plan.stages and plan.tma:
-        from runtime.kernels.launch import ring_descriptors
+        from .launch import ring_descriptors
 
         kd, vd, vzd, vsd = ring_descriptors(kw, vw, (cache.v_zero, cache.v_scale))
         ring = (kd, vd, vsd, vzd)
@@ -286,6 +232,7 @@ def launch(q, cache, block_tables, seq_lens, qk_scale: float, out, splits: tuple
         cache.v_scale.stride(0), cache.v_scale.stride(1), res.stride(0), res.stride(1), res.stride(2),
         NUM_HEADS=num_heads, GROUP=num_heads // kv_heads, ASM=word_asm(codes.INT4, codes.FP8_NONE, False),
         VASM=pair_asm(codes.INT4, codes.FP8_NONE, False), SPLIT=split, SKIP_RESCALE=plan.skip_rescale,
-        K_CHAINS=plan.k_chains, PAIRS=plan.pairs, STAGES=plan.stages, TMA=plan.tma, num_warps=1, **({"maxnreg": plan.registers} if plan.registers else {}),
+        K_CHAINS=plan.k_chains, STAGES=plan.stages, TMA=plan.tma, num_warps=1,
+        **({"maxnreg": plan.registers} if plan.registers else {}),
     )
 

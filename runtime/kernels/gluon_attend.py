@@ -126,17 +126,6 @@ if gluon is not None:
                      K_CHAINS)
         s1 = _scores(n0 + 16, kw1, ks1, kz1, end, qt, qsum, k_fold, k_off, ts, KIND, SCALE_MODE, ASYM, ASM,
                      K_CENTER, K_CHAINS)
-        m_new, l_t, z_t, acc, c_new, p0, p1, c_inv = _softmax_pair(s0, s1, vs0, vs1, m_i, l_t, z_t, acc, c_v,
-                                                                   SCALE_MODE, V_ASYM, SKIP_RESCALE)
-        z_t, acc = _p_dot_v(p0, vw0, vs0, vz0, c_new, c_inv, z_t, acc, V_KIND, SCALE_MODE, V_ASYM, VASM, CENTER,
-                            True)
-        return m_new, l_t, z_t, acc, c_new, p1, c_inv
-
-    @gluon.jit
-    def _softmax_pair(s0, s1, vs0, vs1, m_i, l_t, z_t, acc, c_v, SCALE_MODE: gl.constexpr, V_ASYM: gl.constexpr,
-                      SKIP_RESCALE: gl.constexpr):
-        """The online softmax step of two tiles' scores: the state rescaled to their max (and V scale bound), with
-        l_t holding both tiles' p; returns it, both p and 1 / c for their `_p_dot_v(..., INV=True)`."""
         c_new = c_v
         if SCALE_MODE == codes.PER_TOKEN:
             c_new = gl.maximum(c_v, gl.max(gl.maximum(vs0, vs1), 0))
@@ -148,4 +137,6 @@ if gluon is not None:
         # one division a step: p s / c as p (s (1 / c)) (to fp16 next: the extra rounding is below its ulp)
         c_inv = 1.0 / c_new
         l_t += p0 + p1
-        return m_new, l_t, z_t, acc, c_new, p0, p1, c_inv
+        z_t, acc = _p_dot_v(p0, vw0, vs0, vz0, c_new, c_inv, z_t, acc, V_KIND, SCALE_MODE, V_ASYM, VASM, CENTER,
+                            True)
+        return m_new, l_t, z_t, acc, c_new, p1, c_inv
