@@ -65,14 +65,14 @@ GLUON_VARIANTS = list(VARIANT_PLANS)
 
 
 def tma_signature(mode: int) -> dict[str, str]:
-    """The kernel's argument types where the TMA unit copies (`launch.ring_descriptors`): K, V (and per-token
+    """The kernel's argument types where the TMA unit copies (`gluon_tiles.ring_descriptors`): K, V (and per-token
     KS, VS, KZ, VZ) as tensor descriptors."""
     import torch
     from triton.runtime.jit import mangle_type
 
     pages = torch.zeros(16, 1, 16, 16, dtype=torch.int32)
     scales = (torch.zeros(16, 1, 16, dtype=torch.float16),) * 4 if mode == 3 else ()
-    from runtime.kernels.launch import ring_descriptors
+    from runtime.kernels.gluon_tiles import ring_descriptors
 
     return dict(zip(("K", "V", "KS", "VS", "KZ", "VZ"), map(mangle_type, ring_descriptors(pages, pages, scales))))
 

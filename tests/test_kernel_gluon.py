@@ -169,10 +169,10 @@ def test_gluon_kernel_compiles_for_sm90(gluon_sm90_builds, variant):
 
 @pytest.mark.skipif(decode_gluon.gluon is None, reason="this Triton has no Gluon (TMA descriptors are Gluon's)")
 def test_ring_descriptors_describe_a_tile_a_copy():
-    """`launch.ring_descriptors`: K / V pages as rows of 16 words, a 16-token tile a box, V 64-byte swizzled;
+    """`gluon_tiles.ring_descriptors`: K / V pages as rows of 16 words, a 16-token tile a box, V 64-byte swizzled;
     per-token scales as rows of 16, a tile's 16 a box; a cache whose rows are not whole and in order gets an error
     that says what to pass instead of a wrong copy."""
-    from runtime.kernels.launch import TMA_SWIZZLE_V, ring_descriptors
+    from runtime.kernels.gluon_tiles import TMA_SWIZZLE_V, ring_descriptors
 
     pages = torch.zeros(6, 2, 16, 16, dtype=torch.int32)
     scales = torch.zeros(6, 2, 16, dtype=torch.float16)

@@ -26,7 +26,9 @@ from __future__ import annotations
 import torch
 
 from . import codes
+from .gluon_tiles import ring_descriptors
 from .group_io import _program_tokens
+from .widen_ptx import pair_asm, word_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves per-channel keys
     from triton.experimental import gluon
@@ -107,7 +109,7 @@ if gluon is not None:
         """K, V: the int4 pages as int32 words (strides stride_p* in words); KS, KZ: per-channel scales and zero
         points [pages, kv_heads, 128]; VS, VZ: V's per-token ones; RES: the fp16 residual [slots, kv_heads, 64,
         128] and SLOT the slot of each page's block (-1: none). KD, VD, VSD, VZD: what the ring (STAGES > 0) copies
-        from, K, V, VS, VZ or with TMA their descriptors (`launch.ring_descriptors`). A split covers whole blocks."""
+        from, K, V, VS, VZ or with TMA their descriptors (`gluon_tiles.ring_descriptors`). A split covers whole blocks."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
         seq_len = gl.load(SEQ + b)
         own = (seq_len - 1) // 64 * 64  # the query's own block: fp16 keys from the residual
@@ -210,8 +212,6 @@ def launch(q, cache, block_tables, seq_lens, qk_scale: float, out, splits: tuple
     """The kernel into `out` (or the split partials); splits: `split_k.split_plan`'s (tokens per split, splits,
     partial buffers); split: whether the launch writes partials (`split_k.splits_write_partials`); plan: its
     k_chains, skip_rescale, register cap and ring (stages, tma)."""
-    from .widen_ptx import pair_asm, word_asm
-
     batch, num_heads, _ = q.shape
     _, kv_heads, _, _ = cache.k.shape
     tokens_per_split, num_splits, (pm, pl, pacc) = splits
@@ -219,8 +219,6 @@ def launch(q, cache, block_tables, seq_lens, qk_scale: float, out, splits: tuple
     res = cache.k_residual
     ring = (kw, vw, cache.v_scale, cache.v_zero)
     if plan.stages and plan.tma:
-        from .launch import ring_descriptors
-
         kd, vd, vzd, vsd = ring_descriptors(kw, vw, (cache.v_zero, cache.v_scale))
         ring = (kd, vd, vsd, vzd)
     _decode_channel_keys_gluon[(batch, kv_heads, num_splits)](

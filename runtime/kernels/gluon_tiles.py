@@ -6,6 +6,8 @@ per-token scales / zero points, loaded into registers a step ahead or copied int
 
 from __future__ import annotations
 
+import torch
+
 from . import codes
 
 try:  # Gluon ships with Triton >= 3.5 (decode_gluon.py falls back without it)
@@ -15,6 +17,35 @@ try:  # Gluon ships with Triton >= 3.5 (decode_gluon.py falls back without it)
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
+
+# The TMA ring's shared layouts: K unswizzled (a lane reads 16 bytes of rows g and g + 8: conflict-free); V 64-byte
+# swizzled (its reads of rows 2t, 2t + 1 would fall 4 to a bank unswizzled, 2 with it: TMA's swizzles move 16-byte
+# chunks by row bits 1-2, where `gluon_tiles.RING_V` moves them by bits 1-2 onto bits 5-6).
+TMA_SWIZZLE_K = 0
+TMA_SWIZZLE_V = 64
+
+
+def ring_descriptors(kw: torch.Tensor, vw: torch.Tensor, scales: tuple = ()) -> tuple:
+    """TMA descriptors of the int4 pages' rows (16 words: a token's 128 values of one KV head), a 16-token tile a
+    copy, and of `scales` (per-token scales / zero points [blocks, kv_heads, block_size]) in rows of 16, a tile's
+    16 a copy. Needs rows stored whole and in order (a cache made by `runtime`, int4, head_dim 128)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tensors = (kw, vw, *scales)
+    if kw.shape[-1] != 16 or not all(t.is_contiguous() and t.numel() % 16 == 0 for t in tensors) \
+            or kw.numel() // 16 >= 2**31:
+        raise ValueError(f"the TMA ring needs contiguous int4 pages of 16-word rows (< 2^31 of them) and contiguous "
+                         f"per-token scales; got pages {tuple(kw.shape)}: use a DecodePlan with tma=False")
+
+    def rows(t: torch.Tensor, box: list[int], swizzle: int):
+        bits = t.element_size() * 8
+        return TensorDescriptor.from_tensor(t.view(-1, 16), box, gl.NVMMASharedLayout(
+            swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2))
+
+    return (rows(kw, [16, 16], TMA_SWIZZLE_K), rows(vw, [16, 16], TMA_SWIZZLE_V),
+            *(rows(t, [1, 16], 0) for t in scales))
+
 
 if gluon is not None:
     from .gluon_operands import MMA
@@ -93,7 +124,7 @@ if gluon is not None:
         KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh, bars = metas
         if TMA:
             bar = bars.index(stage)
-            row = (base // 16).to(gl.int32)  # rows of 16 words (`decode_gluon.ring_descriptors` checks the stride)
+            row = (base // 16).to(gl.int32)  # rows of 16 words (`ring_descriptors` checks the stride)
             if SCALE_MODE == codes.PER_TOKEN:
                 nbytes: gl.constexpr = KS.dtype.primitive_bitwidth // 8 * 16 * (4 if ASYM else 2)
                 mbarrier.expect(bar, 2 * 16 * 64 + nbytes)

@@ -27,6 +27,7 @@ from .formats import (
     scale_tensors,
     served_by_mixed,
 )
+from .gluon_tiles import ring_descriptors
 from .plan import (
     KERNELS,
     DecodePlan,
@@ -47,13 +48,6 @@ from .widen_ptx import widen_asm
 from .write_kv import _write_kv_kernel
 
 _LOG2E = 1.4426950408889634
-
-# The TMA ring's shared layouts: K unswizzled (a lane reads 16 bytes of rows g and g + 8: conflict-free); V 64-byte
-# swizzled (its reads of rows 2t, 2t + 1 would fall 4 to a bank unswizzled, 2 with it: TMA's swizzles move 16-byte
-# chunks by row bits 1-2, where `gluon_tiles.RING_V` moves them by bits 1-2 onto bits 5-6).
-TMA_SWIZZLE_K = 0
-TMA_SWIZZLE_V = 64
-
 
 def _bad_plan(plan, field: str, why: str) -> ValueError:
     return ValueError(f"{type(plan).__name__}.{field}={getattr(plan, field)!r}: {why}; make the plan with "
@@ -185,28 +179,6 @@ def _check_gluon_plan(plan: DecodePlan, kf, q: torch.Tensor, block_size: int, gr
     if not decode_gluon.supported(kf, q, block_size, group):
         raise _bad_plan(plan, "kernel", "the Gluon kernel serves CUDA fp16 / bf16 q, head_dim 128, <= 8 query heads "
                         "per KV head, pages of 16k tokens and quantized formats; choose warps or tiles")
-
-
-def ring_descriptors(kw: torch.Tensor, vw: torch.Tensor, scales: tuple = ()) -> tuple:
-    """TMA descriptors of the int4 pages' rows (16 words: a token's 128 values of one KV head), a 16-token tile a
-    copy, and of `scales` (per-token scales / zero points [blocks, kv_heads, block_size]) in rows of 16, a tile's
-    16 a copy. Needs rows stored whole and in order (a cache made by `runtime`, int4, head_dim 128)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    tensors = (kw, vw, *scales)
-    if kw.shape[-1] != 16 or not all(t.is_contiguous() and t.numel() % 16 == 0 for t in tensors) \
-            or kw.numel() // 16 >= 2**31:
-        raise ValueError(f"the TMA ring needs contiguous int4 pages of 16-word rows (< 2^31 of them) and contiguous "
-                         f"per-token scales; got pages {tuple(kw.shape)}: use a DecodePlan with tma=False")
-
-    def rows(t: torch.Tensor, box: list[int], swizzle: int):
-        bits = t.element_size() * 8
-        return TensorDescriptor.from_tensor(t.view(-1, 16), box, gl.NVMMASharedLayout(
-            swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2))
-
-    return (rows(kw, [16, 16], TMA_SWIZZLE_K), rows(vw, [16, 16], TMA_SWIZZLE_V),
-            *(rows(t, [1, 16], 0) for t in scales))
 
 
 def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: float, out: torch.Tensor,
