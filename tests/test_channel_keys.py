@@ -155,18 +155,22 @@ def test_engine_score_equals_decode_and_batched_equals_alone(tiny_model):
 
 def test_decode_bursts_give_the_tokens_of_single_steps_across_block_ends(tiny_model):
     """Bursts of 7 steps (the host plans every step's residual slots before the burst) over prompts that end
-    inside, at and just before a block's end, decoding across two more block ends: the single steps' tokens."""
+    inside, at and just before a block's end, decoding across two more block ends, then again over the same
+    prompts and some of their tokens (full pages from the prefix cache): the single steps' tokens."""
     prompts = [_prompt(i, n) for i, n in enumerate([3, 64, 63, 100])]
     outs = {}
     for steps in (0, 7):
         eng = _engine(tiny_model, burst_steps=steps, num_blocks=40)
         try:
-            outs[steps] = [g.token_ids for g in eng.generate(prompts, max_tokens=140, ignore_eos=True)]
+            first = [g.token_ids for g in eng.generate(prompts, max_tokens=140, ignore_eos=True)]
+            again = [p + t[:10] for p, t in zip(prompts, first)]
+            outs[steps] = first, [g.token_ids for g in eng.generate(again, max_tokens=70, ignore_eos=True)]
             ran = eng.steps.burst.steps_run if eng.steps.burst is not None else 0
+            assert eng.stats.reused_tokens >= 64, eng.stats.reused_tokens
             assert all(not c.residual.of_block for c in eng.runner.caches)
         finally:
             eng.shutdown()
-        assert (ran > 100) == (steps > 0), ran
+        assert (ran > 150) == (steps > 0), ran
     assert outs[7] == outs[0]
 
 
