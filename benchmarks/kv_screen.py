@@ -120,23 +120,24 @@ def kivi_rule(tokens: int = 32, symmetric: bool = False, bits: int = 4):
             s = round_up_to((xg.abs().amax(1, keepdim=True) / (qmax // 2)).clamp_min(1e-8), torch.float16).float()
             y = torch.round(xg / s).clamp(-(qmax // 2), qmax // 2) * s
         else:
-            lo = round_down_to(xg.amin(1, keepdim=True), torch.float16).float()
-            s = round_up_to(((xg.amax(1, keepdim=True) - lo) / qmax).clamp_min(1e-8), torch.float16).float()
-            y = torch.round((xg - lo) / s).clamp(0, qmax) * s + lo
+            y = _asym_round_trip(xg, 1, qmax)
         return torch.cat((y.flatten(0, 1), x[full:]))
     return rule
+
+
+def _asym_round_trip(x: torch.Tensor, dim: int, qmax: int) -> torch.Tensor:
+    """Asymmetric integers 0..qmax over `dim`: zero = the fp16 min rounded down, scale = the range / qmax rounded
+    up to fp16; the values they give back."""
+    lo = round_down_to(x.amin(dim, keepdim=True), torch.float16).float()
+    s = round_up_to(((x.amax(dim, keepdim=True) - lo) / qmax).clamp_min(1e-8), torch.float16).float()
+    return torch.round((x - lo) / s).clamp(0, qmax) * s + lo
 
 
 def asym_rule(bits: int, group: int):
     """Per-token asymmetric integers of `bits` over groups of `group` channels, fp16 scale and zero (rounded
     outward): bits + 32/group bits per element. The formats below 4 bits kvq does not store."""
-    qmax = 2 ** bits - 1
-
     def rule(x: torch.Tensor) -> torch.Tensor:
-        xg = _groups(x, group)
-        lo = round_down_to(xg.amin(-1, keepdim=True), torch.float16).float()
-        s = round_up_to(((xg.amax(-1, keepdim=True) - lo) / qmax).clamp_min(1e-8), torch.float16).float()
-        return (torch.round((xg - lo) / s).clamp(0, qmax) * s + lo).flatten(-2)
+        return _asym_round_trip(_groups(x, group), -1, 2 ** bits - 1).flatten(-2)
     return rule
 
 

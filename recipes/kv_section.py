@@ -129,6 +129,14 @@ class SearchSection(Section):
         return [parse_kv_format_name(n) for n in self.formats]
 
 
+def parse_layer_format(rng: str, name: str, where: str = "kv.layers") -> KVFormat:
+    """The format a kv.layers entry names, or a ValueError naming the entry."""
+    try:
+        return parse_kv_format_name(name)
+    except KvqError as e:
+        raise ValueError(f"{where}[{rng!r}]: {e}") from None
+
+
 def parse_layer_ranges(layers: dict[str, str], num_layers: int, where: str = "kv.layers") -> tuple[KVFormat, ...]:
     """{'0-1': 'int8-per_token', '2': ...} -> one KVFormat per layer; every layer exactly once."""
     out: list[KVFormat | None] = [None] * num_layers
@@ -140,10 +148,7 @@ def parse_layer_ranges(layers: dict[str, str], num_layers: int, where: str = "kv
             raise ValueError(f"{where}: {rng!r} is not a layer range; write 'FIRST-LAST' or 'LAYER', e.g. '0-1'.") from None
         if not 0 <= first <= last < num_layers:
             raise ValueError(f"{where}: range {rng!r} is outside the model's layers 0-{num_layers - 1}.")
-        try:
-            fmt = parse_kv_format_name(name)
-        except KvqError as e:
-            raise ValueError(f"{where}[{rng!r}]: {e}") from None
+        fmt = parse_layer_format(rng, name, where)
         for i in range(first, last + 1):
             if out[i] is not None:
                 raise ValueError(f"{where}: layer {i} is given twice ({rng!r}); give every layer once.")

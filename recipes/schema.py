@@ -12,12 +12,11 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from runtime.config import PRESETS, ModelConfig
-from runtime.engine_dir import parse_kv_format_name
 from runtime.errors import KvqError, UnsupportedError
 from runtime.kv_format import PER_CHANNEL_TOKENS, KVFormat
 from runtime.parallel.sharding import check_parallelism
 
-from .kv_section import KVSection, SearchSection, Section, parse_layer_ranges
+from .kv_section import KVSection, SearchSection, Section, parse_layer_format, parse_layer_ranges
 
 # TensorRT-LLM's engine path stores one per-tensor scale per layer and knows only
 # INT8 and FP8 (e4m3) KV besides the unquantized baseline (trtllm.md §1.1-1.3).
@@ -243,13 +242,7 @@ class Recipe(Section):
         if kv.dtype == "auto":
             return self.search.candidates()
         if kv.layers is not None:
-            out = set()
-            for rng, name in kv.layers.items():
-                try:
-                    out.add(parse_kv_format_name(name))
-                except KvqError as e:
-                    raise ValueError(f"kv.layers[{rng!r}]: {e}") from None
-            return sorted(out, key=lambda f: f.name)
+            return sorted({parse_layer_format(rng, name) for rng, name in kv.layers.items()}, key=lambda f: f.name)
         return [kv.to_format()]
 
     def _check_per_channel_keys(self) -> None:

@@ -230,13 +230,16 @@ class DecodeBurst:
         b.input_ids.copy_(torch.tensor(input_ids + [0] * pad))
         b.positions.copy_(torch.tensor(positions + [0] * pad))
         b.seq_lens.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
-        b.slot_mapping.copy_(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [-1] * pad))
+
+        def slots(step: int) -> list[int]:  # the KV slot each sequence writes at the burst's step
+            return [t[(p + step) // bs] * bs + (p + step) % bs for t, p in zip(tables, positions)]
+
+        b.slot_mapping.copy_(torch.tensor(slots(0) + [-1] * pad))
         buf.active.copy_(torch.tensor([1] * n + [0] * pad))
         # per-channel keys: the host's part of every step's write, before the first (runtime/channel_keys.py)
         prepare = getattr(self.backend, "prepare_burst", None)
         if prepare is not None:
-            prepare(self.caches, [[t[(p + j) // bs] * bs + (p + j) % bs for t, p in zip(tables, positions)]
-                                  for j in range(steps)])
+            prepare(self.caches, [slots(j) for j in range(steps)])
         try:
             if self.use_graphs and self.failure is None and buf.graph is None:
                 try:

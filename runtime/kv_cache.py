@@ -47,7 +47,6 @@ class ResidualSlots:
         # a decode burst's writes, planned before it (channel_keys.kernels_backend's prepare_burst): its steps run
         # on the device with `slot_of` as planned for all of them, and the blocks it gives back keep their device
         # entries until the burst's steps have run (`end_burst`), since its earlier steps still read them
-        self.planned_ahead = False
         self._held_clears: list[int] | None = None
 
     def take(self, block: int, required: bool = True) -> int | None:
@@ -85,14 +84,19 @@ class ResidualSlots:
             elif block < self.slot_of.numel():
                 self.slot_of[block] = -1
 
+    @property
+    def planned_ahead(self) -> bool:
+        """Whether writes are planned before they run (inside a decode burst)."""
+        return self._held_clears is not None
+
     def plan_ahead(self) -> None:
         """From now on writes are planned before they run (a decode burst): hold the device map's clears."""
-        self.planned_ahead, self._held_clears = True, []
+        self._held_clears = []
 
     def end_burst(self) -> None:
         """The burst's steps are enqueued: clear the device entries of the blocks it gave back (on the pool's
         stream, after those steps), but for blocks that hold a slot again."""
-        held, self.planned_ahead, self._held_clears = self._held_clears or [], False, None
+        held, self._held_clears = self._held_clears or [], None
         for block in held:
             if block not in self.of_block and block < self.slot_of.numel():
                 self.slot_of[block] = -1

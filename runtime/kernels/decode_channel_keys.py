@@ -27,7 +27,7 @@ from ..kv_format import PER_CHANNEL_TOKENS
 from . import codes, decode_channel_keys_gluon
 from .dequant import _dot, _operand, _unpack
 from .group_io import _program_tokens, _softmax_step, _store_group
-from .plan import CHANNEL_KEYS, CHANNEL_KEYS_GLUON, DecodePlan, channel_keys_gluon_serves, device_of, dot_mode
+from .plan import CHANNEL_KEYS, CHANNEL_KEYS_GLUON, DecodePlan, device_of, dot_mode
 from .split_k import merge_partials, split_plan, splits_write_partials
 from .widen_ptx import widen_asm
 
@@ -175,7 +175,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
     tokens_per_split, launch_splits, (pm, pl, pacc) = splits
     group = num_heads // kv_heads
     if plan.kernel == CHANNEL_KEYS_GLUON:
-        if not channel_keys_gluon_serves(device_of(q.device), q.dtype, group, head_dim):
+        if not decode_channel_keys_gluon.serves(device_of(q.device), q.dtype, group, head_dim):
             raise ValueError(f"DecodePlan.kernel={CHANNEL_KEYS_GLUON!r} needs fp16 / bf16 q on CUDA, head_dim 128 and "
                              f"<= 8 query heads per KV head (got {q.dtype}, head_dim {head_dim}, group {group}); make "
                              "the plan with runtime.kernels.decode_plan")

@@ -18,7 +18,7 @@ its per-token format's K scales), otherwise in registers a tile ahead. A block's
 block's fp16 keys are A operands in the same column order, against q / 16.
 
 Needs head_dim 128, a GQA group of <= 8 heads and fp16 / bf16 q on CUDA outside the interpreter
-(`decode_channel_keys.gluon_serves`); decode_channel_keys.py's Triton kernel serves the rest.
+(`serves`); decode_channel_keys.py's Triton kernel serves the rest.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 HEAD_DIM = 128
 MAX_GROUP = 8
 
+
+def serves(device, q_dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """Whether this kernel can run a per-channel-key launch on `device` (a plan.Device): Gluon on CUDA outside the
+    interpreter, fp16 / bf16 q, head_dim 128, <= 8 query heads per KV head."""
+    return (gluon is not None and device.cuda and not device.interpret
+            and q_dtype in (torch.float16, torch.bfloat16) and head_dim == HEAD_DIM and group <= MAX_GROUP)
+
 if gluon is not None:
     from .decode_gluon import _store_output
     from .gluon_attend import _attend_scored
@@ -60,11 +67,6 @@ if gluon is not None:
         vw = gl.load(V + base + voffs)
         meta = page * stride_mb + kvh * stride_mh + slot + ts
         return kw, vw, gl.load(VS + meta).to(gl.float32), gl.load(VZ + meta).to(gl.float32)
-
-    @gluon.jit
-    def _block_page(bt_row, n0, stop):
-        """The page of the block at n0 (page 0 from `stop` on: a readable address, never attended)."""
-        return gl.load(bt_row + (n0.to(gl.uint32) // 64).to(gl.int32), mask=n0 < stop, other=0).to(gl.int64)
 
     @gluon.jit
     def _block_scales(KS, KZ, page, kvh, stride_sb, stride_sh, dc):
@@ -142,7 +144,7 @@ if gluon is not None:
 
         # complete blocks: quantized keys. The next block's page and the next tiles' words load while this tile
         # computes; the block's scales at the block (loaded a block ahead they spill in the loop)
-        page = _block_page(bt_row, start, stop)
+        page = _page(bt_row, start, stop, 64, False)
         if STAGES > 0:
             # the words and V's per-token scales through decode_gluon.py's ring of tiles in shared memory (TMA on
             # sm_90, else cp.async), its per-token format without zero points: V's zero points take the place of
@@ -158,7 +160,7 @@ if gluon is not None:
         for n0 in range(start, stop, 64):
             ks, kz = _block_scales(KS, KZ, page, kvh, stride_sb, stride_sh, dr)
             qt, bias = _block_fold(qn, ks, kz, K_CHAINS)
-            page_next = _block_page(bt_row, n0 + 64, stop)
+            page_next = _page(bt_row, n0 + 64, stop, 64, False)
             bias = bias * qk_scale
             if STAGES > 0:
                 for t in gl.static_range(4):

@@ -275,14 +275,6 @@ def mixed_gluon_serves(fmt: KVFormat, device: Device, q_dtype: torch.dtype, bloc
                                           block_size, group))
 
 
-def channel_keys_gluon_serves(device: Device, q_dtype: torch.dtype, group: int, head_dim: int) -> bool:
-    """Whether decode_channel_keys_gluon.py can run a per-channel-key launch: Gluon on CUDA outside the
-    interpreter, fp16 / bf16 q, head_dim 128, <= 8 query heads per KV head."""
-    kernel = decode_channel_keys_gluon
-    return (kernel.gluon is not None and device.cuda and not device.interpret
-            and q_dtype in (torch.float16, torch.bfloat16) and head_dim == kernel.HEAD_DIM and group <= kernel.MAX_GROUP)
-
-
 def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens: int,
                 device: Device | torch.device | str = DEVICE_H200, *, head_dim: int = 128, block_size: int = 16,
                 q_dtype: torch.dtype = torch.bfloat16,
@@ -293,7 +285,7 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     and benchmarks that compare kernels."""
     device = device if isinstance(device, Device) else device_of(device)
     if fmt.per_channel_keys:
-        if kernel != "triton" and channel_keys_gluon_serves(device, q_dtype, heads // kv_heads, head_dim):
+        if kernel != "triton" and decode_channel_keys_gluon.serves(device, q_dtype, heads // kv_heads, head_dim):
             splits = choose_num_splits(batch, kv_heads, max_tokens, block_size, device.sms,
                                        tuning.programs_per_sm(CHANNEL_KEYS_GLUON_REGISTERS),
                                        decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
