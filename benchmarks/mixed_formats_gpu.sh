@@ -17,7 +17,7 @@ status=0
 # the new paths first (the Gluon kernel on the mixed formats, the e8m0 formats that failed to compile, Llama-3-8B
 # shapes), then the single formats' Gluon decode at one shape (the kernel they share): 2.3 minutes at most
 tests="python3 -m pytest -v --noconftest -p no:cacheprovider"
-timeout 110 $tests tests/test_kernel_mixed.py -k "gluon_mixed_formats or se8m0 or llama8b" 2>&1 \
+timeout 110 $tests tests/test_kernel_mixed.py -k "gluon_mixed_formats or tma_ring or se8m0 or llama8b" 2>&1 \
     | tee "$out/gpu_tests_mixed.log" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout 30 $tests tests/test_kernel_gluon.py -k "test_decode_gluon_kernel and gqa4-page16 and split-k" 2>&1 \

@@ -60,8 +60,9 @@ GLUON = SPLIT + [GROUP64, KVFormat("int4", "per_token", True, group_size=64),
 
 
 def test_the_formats_here_take_the_mixed_kernels():
-    """The K/V-split formats, INT4 / INT8 group 64 and INT4 group 32 take the Gluon kernel on the H200 (registers,
-    no ring); the other group-scale and the e8m0 formats, and every format in the interpreter, decode_mixed.py."""
+    """The K/V-split formats, INT4 / INT8 group 64 and INT4 group 32 take the Gluon kernel on the H200 (INT4 group
+    scales through the TMA ring, the others from registers); the other group-scale and the e8m0 formats, and every
+    format in the interpreter, decode_mixed.py."""
     from runtime.kernels.formats import served_by_mixed
     from runtime.kernels.plan import Device
 
@@ -69,7 +70,8 @@ def test_the_formats_here_take_the_mixed_kernels():
     assert not served_by_mixed(KVFormat("int4", "per_token", False))  # the tuned int4 kernels keep theirs
     for fmt in GLUON:
         plan = K.decode_plan(fmt, 16, 32, 8, 32768)
-        assert plan.kernel == "gluon" and plan.stages == 0 and not plan.tma and plan.splits > 1
+        ring = fmt.group_size > 0 and fmt.dtype == "int4"
+        assert plan.kernel == "gluon" and plan.tma == ring and bool(plan.stages) == ring and plan.splits > 1
         assert K.decode_plan(fmt, 16, 32, 8, 32768, kernel="triton").kernel == "mixed"
         assert K.decode_plan(fmt, 16, 32, 8, 32768, head_dim=64).kernel == "mixed"  # the Gluon kernel's is 128
         assert K.decode_plan(fmt, 16, 32, 8, 32768, q_dtype=torch.float32).kernel == "mixed"
@@ -159,15 +161,16 @@ def mixed_sm90_builds():
 @pytest.mark.parametrize("fmt", COMPILED_FORMATS, ids=[f.name for f in COMPILED_FORMATS])
 def test_builds_compile_for_sm90(mixed_sm90_builds, fmt):
     """Every kernel the format's decode and write launch on the H200 compiles for sm_90 (the e8m0 write once read a
-    non-constexpr global: fine in the interpreter, a NameError on the GPU); the K/V-split formats' Gluon builds keep
-    K and V in registers (no shared memory) without spilling, within the register cap the split rule counts on
-    (the plan's cap, `tuning.programs_per_sm`; uncapped: 168 and below, 12 programs an SM)."""
+    non-constexpr global: fine in the interpreter, a NameError on the GPU); the Gluon builds do not spill and stay
+    within the register cap the split rule counts on (the plan's cap, `tuning.programs_per_sm`; uncapped: 168 and
+    below, 12 programs an SM), with K and V in registers (no shared memory) except where the plan takes the TMA ring."""
     mine = [b for b in mixed_sm90_builds if b["build"].split(" ")[0] == fmt.name]
     assert {"decode", "write"} <= {b["build"].split(" ")[1] for b in mine}, mine
+    ring = K.decode_plan(fmt, 16, 32, 8, 32768).stages > 0
     for build in mine:
         assert build["ok"], f"{build['build']}: {build.get('error')}"
         if "gluon" in build["build"]:
-            assert build["stack"] == 0 and build["shared"] == 0, build
+            assert build["stack"] == 0 and (build["shared"] > 0) == ring, build
             assert build["regs"] <= (K.decode_plan(fmt, 16, 32, 8, 32768).registers or 168), build
     assert any("gluon" in b["build"] for b in mine) == (fmt in GLUON)
 
@@ -281,3 +284,26 @@ def test_decode_gluon_mixed_formats_meet_the_oracle(fmt, q_dtype, splits):
         out = decode_with(q, cache, block_tables, lens, 0.25, "gluon", splits=splits)
         assert out.dtype == q_dtype and out.shape == q.shape
         assert_meets_oracle(out, q, cache, block_tables, lens, q_dtype)
+
+
+# the group-scale formats the TMA ring takes: int4 (its pages' rows are the ring's 16 words)
+GROUP_RING = [f for f in GLUON if f.group_size and f.dtype == "int4"]
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="the TMA unit is sm_90's (Gluon kernels run on the GPU only)")
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("fmt", GROUP_RING, ids=[f.name for f in GROUP_RING])
+def test_decode_gluon_group_scales_through_the_tma_ring_meet_the_oracle(fmt, stages):
+    """INT4 group scales with the tiles (words, scales, zero points) through the TMA ring: pages from randperm, lengths
+    not multiples of the tile, pages of 16 and 32 tokens, with and without split-K, against the fp64 attention over
+    the stored bytes; and the same output as from registers up to the fp32 sum's order."""
+    for (heads, kv_heads, seq_lens), bs, splits in (((32, 8, [1000, 1, 17, 3001]), 16, 5),
+                                                    ((16, 2, [4099, 255]), 32, 1)):
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt.name}{heads}{stages}".encode()))
+        cache, block_tables, lens = fill_cache(fmt, len(seq_lens), kv_heads, 128, bs, seq_lens, gen)
+        q = torch.randn(len(seq_lens), heads, 128, generator=gen).to(torch.bfloat16).to(DEV)
+        out = decode_with(q, cache, block_tables, lens, 0.25, "gluon", splits=splits, stages=stages, tma=True)
+        assert_meets_oracle(out, q, cache, block_tables, lens, torch.bfloat16)
+        registers = decode_with(q, cache, block_tables, lens, 0.25, "gluon", splits=splits)
+        assert relerr(out.float().cpu(), registers.float().cpu().double()) <= 2.0 ** -8  # bf16 rounding

@@ -67,6 +67,52 @@ def test_gluon_widening_exact_for_every_byte(kind, fp8, symmetric):
 
 
 @pytest.mark.skipif(not CUDA, reason="inline PTX compiles for the GPU only; the interpreter has no PTX")
+@pytest.mark.parametrize("kind,symmetric", [(1, True), (1, False), (2, True), (2, False)],
+                         ids=["int8", "uint8", "int4", "uint4"])
+def test_gluon_scaled_widening_rounds_once(kind, symmetric):
+    """widen_ptx.word_scaled_asm (K of group scales: a word, its scale and zero point -> its values) and
+    pair_scaled_asm (V: two tokens' words, scales and zero points -> their values interleaved) give s n + z for every
+    byte in every position, n the centred value, rounded once to fp16 (the fp64 product and sum, then one rounding)."""
+    import triton
+    import triton.language as tl
+
+    from runtime.kernels import widen_ptx
+
+    @triton.jit
+    def widen(A, B, SA, SB, ZA, ZB, Y, ASM: tl.constexpr, PAIR: tl.constexpr, N: tl.constexpr,
+              CONSTRAINTS: tl.constexpr):
+        offs = tl.arange(0, 256)
+        if PAIR:
+            args = [tl.load(A + offs), tl.load(B + offs), tl.load(SA + offs), tl.load(SB + offs), tl.load(ZA + offs),
+                    tl.load(ZB + offs)]
+        else:
+            args = [tl.load(A + offs), tl.load(SA + offs), tl.load(ZA + offs)]
+        out = tl.inline_asm_elementwise(ASM, CONSTRAINTS, args, dtype=(tl.float16,) * N, is_pure=True, pack=1)
+        for i in tl.static_range(N):
+            tl.store(Y + offs * N + i, out[i].to(tl.float32))
+
+    per_word = 8 if kind == 2 else 4
+    i = torch.arange(256, dtype=torch.int32)
+    a = torch.stack([i, (i + 85) % 256, (i + 170) % 256, (i + 37) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
+    b = torch.stack([(i + 3) % 256, (i + 101) % 256, (255 - i), (i * 7) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
+    gen = torch.Generator().manual_seed(kind * 2 + symmetric)
+    # scales over four decades, zero points of either sign (fp16 values: what the kernel passes)
+    sa, sb = ((10.0 ** (torch.rand(256, generator=gen) * 4 - 3)).half() for _ in range(2))
+    za, zb = ((torch.randn(256, generator=gen) * 3).half() for _ in range(2))
+    va, vb = (_stored_values(w, kind, None, symmetric).double() for w in (a, b))
+    want_a = (sa.double()[:, None] * va + za.double()[:, None]).half().float()
+    want_b = (sb.double()[:, None] * vb + zb.double()[:, None]).half().float()
+    for pair in (False, True):
+        n = 2 * per_word if pair else per_word
+        asm = (widen_ptx.pair_scaled_asm(kind, symmetric) if pair else widen_ptx.word_scaled_asm(kind, symmetric))
+        y = torch.empty(256, n, dtype=torch.float32, device=DEV)
+        widen[(1,)](*(t.to(DEV) for t in (a, b, sa, sb, za, zb)), y, ASM=asm, PAIR=pair, N=n,
+                    CONSTRAINTS="=h," * n + ("r,r,h,h,h,h" if pair else "r,h,h"))
+        want = torch.stack([want_a, want_b], -1).reshape(256, n) if pair else want_a
+        assert torch.equal(y.cpu(), want), f"pair={pair}: first mismatch at {(y.cpu() != want).nonzero()[0].tolist()}"
+
+
+@pytest.mark.skipif(not CUDA, reason="inline PTX compiles for the GPU only; the interpreter has no PTX")
 @pytest.mark.parametrize("bits,dtype,symmetric", [(4, torch.bfloat16, True), (4, torch.bfloat16, False),
                                                   (4, torch.float16, True), (4, torch.float16, False),
                                                   (8, torch.float16, True), (8, torch.float16, False)])

@@ -56,7 +56,7 @@ import torch
 from . import codes
 from .formats import KernelFormat
 from .group_io import _program_tokens, _static_folds
-from .widen_ptx import pair_asm, pair_scaled_asm, word_asm
+from .widen_ptx import pair_asm, pair_scaled_asm, word_asm, word_scaled_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every format
     from triton.experimental import gluon
@@ -90,8 +90,8 @@ def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) ->
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
-# group scales the kernel serves (`gluon_groups.py`): 2 (an accumulator a group) for int4 / int8, 4 (V dequantized as
-# it is widened) for int4
+# group scales the kernel serves (`gluon_groups.py`: K and V dequantized as they are widened, a lane's words in one
+# group): 2 for int4 / int8, 4 for int4
 GROUPS_SERVED = (2, 4)
 
 
@@ -110,15 +110,16 @@ def serves_mixed(kf_k: KernelFormat, kf_v: KernelFormat, block_size: int, group:
 
 def widening(kf: KernelFormat, kf_v: KernelFormat | None = None) -> dict[str, str]:
     """The kernel's PTX constants for this format: K's word widening and V's token-pair widening (V's format: kf_v
-    where K and V differ)."""
+    where K and V differ); group scales' dequantize as they widen."""
     kf_v = kf if kf_v is None else kf_v
-    vasm = pair_scaled_asm(kf_v.kind, not kf_v.asym) if kf_v.groups > 2 else pair_asm(kf_v.kind, kf_v.fp8, not kf_v.asym)
-    return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=vasm)
+    if kf.groups > 1:
+        return dict(ASM=word_scaled_asm(kf.kind, not kf.asym), VASM=pair_scaled_asm(kf.kind, not kf.asym))
+    return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=pair_asm(kf_v.kind, kf_v.fp8, not kf_v.asym))
 
 
 if gluon is not None:
     from .gluon_attend import _attend, _attend_pair, _p_dot_v
-    from .gluon_groups import _group_attend, _group_output, _group_q, _group_state, _group_tile
+    from .gluon_groups import _group_attend, _group_ring_tile, _group_tile
     from .gluon_operands import K_W4, K_W8, MMA, ROWS, V_W4, V_W8, _out_rows, _q_operands
     from .gluon_tiles import (
         _allocate_ring,
@@ -149,7 +150,8 @@ if gluon is not None:
         KZ, VZ of the per-token scales' rows of 16). KIND, ASYM, stride_c*: K's format and pages, and V's too unless
         V_KIND >= 0: then V is stored as V_KIND / V_ASYM with its pages' strides stride_vc* (the K/V-split formats,
         per-token scales of one dtype, loaded from registers: STAGES 0). GROUPS > 1: that many scales (and zero
-        points) per token-head, integer K and V of one format, STAGES 0 (`gluon_groups.py`)."""
+        points) per token-head, integer K and V of one format dequantized as they widen (`gluon_groups.py`); int4
+        through the TMA ring (STAGES, TMA; not PAIRS), int8 from registers."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
         if V_KIND < 0:  # one format for K and V
             VK: gl.constexpr = KIND
@@ -167,16 +169,18 @@ if gluon is not None:
         hmask_r = hr < GROUP
         q = gl.load(Q + b * stride_qb + (kvh * GROUP + hr)[:, None] * stride_qh + dr[None, :],
                     mask=hmask_r[:, None], other=0.0)
+        # K's values as the dots see them: dequantized (group scales, float formats) or the stored integers
+        K_VALUES: gl.constexpr = KIND == codes.FLOAT or GROUPS > 1
         nibble = gl.full([1, 128], 1.0, gl.float32, layout=ROWS)
-        if KIND == codes.INT4:
+        if KIND == codes.INT4 and not K_VALUES:
             nibble = gl.where(dr[None, :] % 2 == 1, 16.0, 1.0)
         q16 = (q.to(gl.float32) * (0.0625 / nibble)).to(gl.float16)
         qt = _q_operands(q16, KIND, K_CHAINS)
-        # the dots' unit: q / 16, and for int8 / int4 K the subnormal 2^-24 (`word_asm`)
-        k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625 if KIND == codes.FLOAT else 0.0625 / 16777216.0,
+        # the dots' unit: q / 16, and for stored int8 / int4 K the subnormal 2^-24 (`word_asm`)
+        k_fold, v_fold = _static_folds(KS, VS, kvh, qk_scale, 0.0625 if K_VALUES else 0.0625 / 16777216.0,
                                        SCALE_MODE)
         qsum = 0.0  # sum(q) of the rounded q the dots see, in the dots' unit: centres and zero points
-        if KIND != codes.FLOAT:
+        if not K_VALUES:
             qsum = gl.convert_layout(gl.sum(q16.to(gl.float32) * (nibble / 16777216.0), 1), gl.SliceLayout(0, MMA))
 
         # centres of the stored integers: K's (`word_asm` does not centre) and V's (`pair_asm` widens centred)
@@ -203,8 +207,6 @@ if gluon is not None:
         voffs = tv[:, None] * v_strides[2] + gl.arange(0, V_WORDS, layout=gl.SliceLayout(0, VL))[None, :]
         bt_row = BT + b * stride_btb
 
-        if GROUPS > 1:
-            qts, qsums = _group_q(q16, dr, nibble, KIND, K_CHAINS, GROUPS)
         m_i = gl.full([8], -1e30, gl.float32, layout=gl.SliceLayout(0, MMA))  # finite: no NaN from -inf - -inf
         l_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # row sums of p, reduced at the end
         z_t = gl.zeros([16, 8], gl.float32, layout=MMA)  # sum_n p_n z_n (asymmetric per-token V)
@@ -215,17 +217,16 @@ if gluon is not None:
                  stride_mh, koffs, voffs, tk, tv, ts)
         state = (m_i, l_t, z_t, acc, c_v)
         consts = (end, qt, qsum, k_fold, K_CENTER * qsum * k_fold, ts)
-        if GROUPS > 1:
-            z_g, acc_g = _group_state(z_t, acc, GROUPS)
-            state = (m_i, l_t, z_g, acc_g, c_v)
+        if GROUPS > 1 and STAGES == 0:
             gwords = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
-                      koffs, voffs, ts, tv, gl.arange(0, V_WORDS, layout=gl.SliceLayout(0, VL)))
-            nxt = _group_tile(start, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
+                      koffs, voffs)
+            nxt = _group_tile(start, *gwords, KIND, KL, VL, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
             for n0 in range(start, end, 16):
                 cur = nxt
-                nxt = _group_tile(n0 + 16, *gwords, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
-                state = _group_attend(n0, *cur, *state, end, qts, qsums, k_fold, ts, KIND, ASYM, ASM, VASM, CENTER,
-                                      K_CENTER, K_CHAINS, GROUPS)
+                nxt = _group_tile(n0 + 16, *gwords, KIND, KL, VL, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
+                m_i, l_t, acc = _group_attend(n0, *cur, m_i, l_t, acc, end, qt, k_fold, ts, KIND, ASM, VASM, K_CHAINS,
+                                              SKIP_RESCALE)
+            state = (m_i, l_t, z_t, acc, c_v)
         elif STAGES > 0:
             # int4: a ring of STAGES tiles in shared memory (words, per-token scales and zero points), filled
             # by cp.async STAGES - 1 tiles ahead (bytes in flight that hold no registers); each tile's page
@@ -234,7 +235,7 @@ if gluon is not None:
                                                    ASYM, TMA)
             # PAIRS: two tiles a step (`_attend_pair`), the ring STAGES - 2 tiles ahead
             ahead, page = _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct,
-                                     koffs, metas, STAGES - 1 - PAIRS, BLOCK_SIZE, SCALE_MODE, ASYM, OFF32, TMA)
+                                     koffs, metas, STAGES - 1 - PAIRS, BLOCK_SIZE, SCALE_MODE, ASYM, OFF32, TMA, GROUPS)
             stage = 0
             if PAIRS:
                 page1 = _page(bt_row, ahead + 16, end, BLOCK_SIZE, OFF32)
@@ -268,15 +269,23 @@ if gluon is not None:
                     # is free
                     _await_ring(metas, n0, start, STAGES - 2, STAGES, False, TMA)
                     _copy_tile(ahead, page, K, V, k_ring, v_ring, (stage + STAGES - 1) % STAGES, kvh, stride_cb,
-                               stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA)
+                               stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA, GROUPS)
                     ahead += 16
                     page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)  # after its last use: no register move
-                    kw = k_ring.index(stage).load(KL)
-                    vw = v_ring.index(stage).load(VL)
-                    ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM, TMA)
-                    stage = (stage + 1) % STAGES
-                    state = _attend(n0, kw, vw, ks, vs, kz, vz, *state, *consts, KIND, SCALE_MODE, ASYM, ASM, VASM,
-                                    CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS, VK, VA)
+                    if GROUPS > 1:  # int4 group scales through the TMA ring (`gluon_groups.py`)
+                        cur = _group_ring_tile(n0, end, k_ring, v_ring, metas, stage, KL, VL, ASYM, GROUPS, CENTER)
+                        stage = (stage + 1) % STAGES
+                        m_i, l_t, z_t, acc, c_v = state
+                        m_i, l_t, acc = _group_attend(n0, *cur, m_i, l_t, acc, end, qt, k_fold, ts, KIND, ASM, VASM,
+                                                      K_CHAINS, SKIP_RESCALE)
+                        state = (m_i, l_t, z_t, acc, c_v)
+                    else:
+                        kw = k_ring.index(stage).load(KL)
+                        vw = v_ring.index(stage).load(VL)
+                        ks, vs, kz, vz = _ring_metas(n0, end, metas, stage, ts, SCALE_MODE, ASYM, TMA)
+                        stage = (stage + 1) % STAGES
+                        state = _attend(n0, kw, vw, ks, vs, kz, vz, *state, *consts, KIND, SCALE_MODE, ASYM, ASM,
+                                        VASM, CENTER, K_CENTER, SKIP_RESCALE, K_CHAINS, VK, VA)
             _drain_ring(metas, start, end, STAGES - 1 - PAIRS, STAGES, PAIRS, TMA)
         else:
             # the next tile's words load while this one computes
@@ -289,8 +298,8 @@ if gluon is not None:
         m_i, l_t, z_t, acc, c_v = state
 
         l_i = gl.sum(l_t, 0)
-        if GROUPS > 1:
-            o = _group_output(z_t, acc, c_v, ASYM, GROUPS)
+        if GROUPS > 1:  # the dequantized values' own sum
+            o = acc
         elif SCALE_MODE == codes.PER_TOKEN:
             o = acc * c_v
             if VA:

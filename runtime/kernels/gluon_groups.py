@@ -1,23 +1,22 @@
 """The Gluon decode kernel's tiles for group scales (`decode_gluon.py` with GROUPS > 1: GROUPS scales and zero points
 per token-head, each over head_dim / GROUPS channels; integer K and V of one format, tiles loaded into registers).
 
-The words, their widening and the mma operands are the per-token formats' (`gluon_operands`); the scales enter where
-the per-token ones do, once per group, so the dots stay on the exact stored values:
+K and V are dequantized as they are widened: a lane's words lie in one group of one token (K: lane (g, t) holds
+channels [32t, 32t + 32) of two tokens; V: channels [16g, 16g + 16) of four), so each register pair takes one packed
+fma, s n + z' in fp16 (`widen_ptx.word_scaled_asm`, `pair_scaled_asm`), with n the centred stored value and z' the
+zero point plus the centre times s. The scores are then one mma chain against q as it is (q / 16, the float formats'
+unit) and p . V one accumulator, as for fp8: the per-token formats' scale and zero-point terms are not needed. A
+token's group scales and zero points load once a lane in a layout of the words split by group (`_by_group`) and are
+broadcast over its words in registers (`_lane_scales`).
 
-* scores: q . k = sum_g s_g (q_g . k_g) (+ z_g sum(q_g) for asymmetric K), with q_g the query masked to group g's
-  channels: one mma chain a group against the tile's one K operand (`group_q`: q's operands and sums a group);
-* p . V, two groups (group 64): the accumulator's rows are head_dim channels, and every 16-row mma tile holds
-  channels of every group (lane g's rows are channels 16g .. 16g + 15), so each group has an accumulator of its
-  own, acc_g += V^T (p s_g / c)^T, and the output takes group g's rows from acc_g (`group_output`). V's zero
-  points add sum_n p_n z_n,g to group g's rows. The softmax bound c on the V scales is the largest of any group's
-  seen so far, as for per-token V.
-* p . V, four groups (int4 group 32, where four accumulators would not fit the registers): V is dequantized as it
-  is widened, s n + z' in fp16 by one packed fma a register pair (`widen_ptx.pair_scaled_asm`; a lane's 16
-  channels lie in one group, its scales loaded in the words' layout), and p . V runs on those values with one
-  accumulator (GROUPS > 2).
+The values the dots see are rounded to fp16 once (a relative 2^-11, against the 1/15 or 1/255 of a group's range
+the format itself rounds to), and so are the scales and zero points: a key or value beyond fp16's range (65504) would
+overflow, one below its normal range (6e-5) loses bits (real models' keys and values lie far inside).
 """
 
 from __future__ import annotations
+
+from . import codes
 
 try:  # Gluon ships with Triton >= 3.5 (decode_gluon.py falls back without it)
     from triton.experimental import gluon
@@ -27,143 +26,142 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 if gluon is not None:
-    from .gluon_operands import B_OP, MMA, _k_operands, _q_operands, _v_operand, _v_operand_scaled
+    from .gluon_attend import _rescale
+    from .gluon_operands import B_OP, MMA, _k_operands_scaled, _v_operand_scaled
     from .gluon_tiles import _page, _tile_base
 
-    @gluon.jit
-    def _group_state(z_t, acc, GROUPS: gl.constexpr):
-        """The initial (z_t, acc) tuples: one a group, or one in all where V is dequantized (GROUPS > 2)."""
-        z_g = ()
-        acc_g = ()
-        for _ in gl.static_range(1 if GROUPS > 2 else GROUPS):
-            z_g = z_g + (z_t,)
-            acc_g = acc_g + (acc,)
-        return z_g, acc_g
+    def _by_group(reg: list, lane: list, words: int, groups: int):
+        """A words layout [16 tokens, words] (its register and lane bases) split into [16, groups, words / groups]:
+        a tile's scales [16, groups] load in its slice along the last axis, each lane holding its tokens' groups (a
+        lane's words lie in one group), and broadcast back over the words in registers (`_lane_scales`)."""
+        per = words // groups
+        split = [[[r, c // per, c % per] for r, c in bases] for bases in (reg, lane)]
+        return gl.DistributedLinearLayout(reg_bases=split[0], lane_bases=split[1], warp_bases=[], block_bases=[],
+                                          shape=[16, groups, per])
+
+    # `gluon_operands.K_W4`, `K_W8`, `V_W4`, `V_W8` as bases (register, lane) -> by group: int4 K / V in groups of 32
+    # (4) or 64 (2) channels, int8 in groups of 64
+    _K4 = ([[0, 1], [0, 2], [8, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]])
+    _K8 = ([[0, 1], [0, 2], [0, 4], [8, 0]], [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]])
+    _V4 = ([[0, 1], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]])
+    _V8 = ([[0, 1], [0, 2], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]])
+    K4_G4 = gl.constexpr(_by_group(*_K4, 16, 4))
+    K4_G2 = gl.constexpr(_by_group(*_K4, 16, 2))
+    K8_G2 = gl.constexpr(_by_group(*_K8, 32, 2))
+    V4_G4 = gl.constexpr(_by_group(*_V4, 16, 4))
+    V4_G2 = gl.constexpr(_by_group(*_V4, 16, 2))
+    V8_G2 = gl.constexpr(_by_group(*_V8, 32, 2))
+    # a TMA scale ring's stages read as [64 / GROUPS, GROUPS] (`_ring_rows`)
+    RING_GROUPS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @gluon.jit
-    def _group_q(q16, dr, nibble, KIND: gl.constexpr, K_CHAINS: gl.constexpr, GROUPS: gl.constexpr):
-        """Per group: q's B operands masked to the group's channels (`_q_operands`), and the masked q's sums in the
-        dots' unit (`decode_gluon`'s qsum); two tuples of GROUPS."""
-        GS: gl.constexpr = 128 // GROUPS
-        qts = ()
-        qsums = ()
-        for g in gl.static_range(GROUPS):
-            qg = gl.where((dr[None, :] // GS) == g, q16, gl.zeros_like(q16))
-            qts = qts + (_q_operands(qg, KIND, K_CHAINS),)
-            qsums = qsums + (gl.convert_layout(gl.sum(qg.to(gl.float32) * (nibble / 16777216.0), 1),
-                                               gl.SliceLayout(0, MMA)),)
-        return qts, qsums
+    def _lane_scales(S, Z, rows, n0, end, L3: gl.constexpr, WL: gl.constexpr, GROUPS: gl.constexpr,
+                     WORDS: gl.constexpr, ASYM: gl.constexpr, CENTER: gl.constexpr, MASK: gl.constexpr):
+        """A tile's scales and zero points from global memory into `_words_scales`: a token's GROUPS load into the
+        slice of L3 (`_by_group`). rows: the tile's first scale row (token-head). MASK: 0 past `end` (V: a stale
+        scale could be NaN, and p = 0 times NaN is NaN; K's scores are masked instead)."""
+        tok = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        off = ((rows + tok) * GROUPS)[:, None] + grp[None, :]
+        valid = ((n0 + tok) < end)[:, None]
+        if MASK:
+            s = gl.load(S + off, mask=valid, other=0.0)
+        else:
+            s = gl.load(S + off)
+        z = s
+        if ASYM:
+            if MASK:
+                z = gl.load(Z + off, mask=valid, other=0.0)
+            else:
+                z = gl.load(Z + off)
+        return _words_scales(s, z, L3, WL, GROUPS, WORDS, ASYM, CENTER)
+
+    @gluon.jit
+    def _ring_scales(s_ring, z_ring, stage, n0, end, L3: gl.constexpr, WL: gl.constexpr, GROUPS: gl.constexpr,
+                     WORDS: gl.constexpr, ASYM: gl.constexpr, CENTER: gl.constexpr, MASK: gl.constexpr):
+        """`_lane_scales` from ring stage `stage` (`gluon_tiles._copy_tile` with GROUPS: a row of the tile's 16 x
+        GROUPS in a TMA stage of 64)."""
+        L2: gl.constexpr = gl.SliceLayout(2, L3)
+        tok = gl.arange(0, 16, layout=gl.SliceLayout(1, L2))
+        valid = ((n0 + tok) < end)[:, None]
+        s = _ring_rows(s_ring, stage, GROUPS).load(L2)
+        if MASK:
+            s = gl.where(valid, s, gl.zeros_like(s))
+        z = s
+        if ASYM:
+            z = _ring_rows(z_ring, stage, GROUPS).load(L2)
+            if MASK:
+                z = gl.where(valid, z, gl.zeros_like(z))
+        return _words_scales(s, z, L3, WL, GROUPS, WORDS, ASYM, CENTER)
+
+    @gluon.jit
+    def _ring_rows(ring, stage, GROUPS: gl.constexpr):
+        """A TMA scale ring's stage [1, 64] as the tile's [16 tokens, GROUPS]."""
+        STAGES: gl.constexpr = ring.shape[0]
+        return ring._reinterpret(ring.dtype, [STAGES, 64 // GROUPS, GROUPS], RING_GROUPS).index(stage).slice(0, 16)
+
+    @gluon.jit
+    def _words_scales(s, z, L3: gl.constexpr, WL: gl.constexpr, GROUPS: gl.constexpr, WORDS: gl.constexpr,
+                      ASYM: gl.constexpr, CENTER: gl.constexpr):
+        """Scales s and zero points z [16 tokens, GROUPS] in the slice of L3 -> each word's scale and centred zero
+        point (z + CENTER s; 0 for symmetric formats), fp16 [16, WORDS] in the words' layout WL, broadcast over
+        the lanes' words in registers."""
+        s = s.to(gl.float32)
+        z = z.to(gl.float32) + CENTER * s if ASYM else gl.zeros_like(s)
+        words = gl.zeros([16, GROUPS, WORDS // GROUPS], gl.float16, layout=L3)
+        s3, _ = gl.broadcast(gl.expand_dims(s.to(gl.float16), 2), words)
+        z3, _ = gl.broadcast(gl.expand_dims(z.to(gl.float16), 2), words)
+        return (gl.convert_layout(gl.reshape(s3, [16, WORDS]), WL, assert_trivial=True),
+                gl.convert_layout(gl.reshape(z3, [16, WORDS]), WL, assert_trivial=True))
 
     @gluon.jit
     def _group_tile(n0, K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
-                    koffs, voffs, ts, tv, vcols, BLOCK_SIZE: gl.constexpr, ASYM: gl.constexpr, OFF32: gl.constexpr,
-                    GROUPS: gl.constexpr, CENTER: gl.constexpr):
-        """A tile's K/V words (integer pages: unmasked, as `_tile_words`) and its scales and zero points, a tuple of
-        GROUPS [16] vectors each (0 past `end`); where V is dequantized (GROUPS > 2), V's as one-tuples of [16, W]
-        fp16 in the words' layout (tv, vcols: its token and word indices): each word's scale and centred zero point
-        z + CENTER s."""
+                    koffs, voffs, KIND: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                    ASYM: gl.constexpr, OFF32: gl.constexpr, GROUPS: gl.constexpr, CENTER: gl.constexpr):
+        """A tile's K/V words (integer pages: unmasked, as `_tile_words`) and each word's scale and centred zero
+        point, K's and V's (`_lane_scales`)."""
         page = _page(bt_row, n0, end, BLOCK_SIZE, OFF32)
         base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
         kw = gl.load(K + base + koffs)
         vw = gl.load(V + base + voffs)
-        meta = (page * stride_mb + kvh * stride_mh + slot + ts) * GROUPS
-        tmask = (n0 + ts) < end
-        ks = ()
-        vs = ()
-        kz = ()
-        vz = ()
-        for g in gl.static_range(GROUPS):
-            ks = ks + (gl.load(KS + meta + g, mask=tmask, other=0.0).to(gl.float32),)
-            if ASYM:
-                kz = kz + (gl.load(KZ + meta + g, mask=tmask, other=0.0).to(gl.float32),)
-            else:
-                kz = kz + (0.0,)
-            if GROUPS <= 2:
-                vs = vs + (gl.load(VS + meta + g, mask=tmask, other=0.0).to(gl.float32),)
-                if ASYM:
-                    vz = vz + (gl.load(VZ + meta + g, mask=tmask, other=0.0).to(gl.float32),)
-                else:
-                    vz = vz + (0.0,)
-        if GROUPS > 2:  # int4 words: 8 channels each, inside one group
-            voff = ((page * stride_mb + kvh * stride_mh + slot + tv) * GROUPS)[:, None] + (vcols * 8 // (128 // GROUPS)
-                                                                                        )[None, :]
-            vmask = ((n0 + tv) < end)[:, None]
-            s_w = gl.load(VS + voff, mask=vmask, other=0.0).to(gl.float32)
-            z_w = gl.zeros_like(s_w)
-            if ASYM:
-                z_w = gl.load(VZ + voff, mask=vmask, other=0.0).to(gl.float32) + CENTER * s_w
-            vs = (s_w.to(gl.float16),)
-            vz = (z_w.to(gl.float16),)
-        return kw, vw, ks, vs, kz, vz
-
-    @gluon.jit
-    def _group_scores(n0, kw, ks, kz, end, qts, qsums, k_fold, ts, KIND: gl.constexpr, ASYM: gl.constexpr,
-                      ASM: gl.constexpr, K_CENTER: gl.constexpr, K_CHAINS: gl.constexpr, GROUPS: gl.constexpr):
-        """A tile's scores s^T [16 tokens, 8 heads] in log2 units, -inf past `end`: sum_g s_g (q_g . k_g)."""
-        a = _k_operands(kw, KIND, ASM, K_CHAINS)
-        s = gl.zeros([16, 8], gl.float32, layout=MMA)
-        for g in gl.static_range(GROUPS):
-            qt = qts[g]
-            sg = mma_v2(a[0], qt[0], gl.zeros([16, 8], gl.float32, layout=MMA))
-            for i in gl.static_range(1, K_CHAINS):
-                sg += mma_v2(a[i], qt[i], gl.zeros([16, 8], gl.float32, layout=MMA))
-            if K_CENTER != 0:  # k = s_g (n - K_CENTER) for stored n
-                sg = sg - K_CENTER * qsums[g][None, :]
-            s += sg * ks[g][:, None]
-            if ASYM:
-                s += kz[g][:, None] * qsums[g][None, :]
-        return gl.where(((n0 + ts) < end)[:, None], s * k_fold, float("-inf"))
-
-    @gluon.jit
-    def _group_attend(n0, kw, vw, ks, vs, kz, vz, m_i, l_t, z_t, acc, c_v, end, qts, qsums, k_fold, ts,
-                      KIND: gl.constexpr, ASYM: gl.constexpr, ASM: gl.constexpr, VASM: gl.constexpr,
-                      CENTER: gl.constexpr, K_CENTER: gl.constexpr, K_CHAINS: gl.constexpr, GROUPS: gl.constexpr):
-        """One 16-token tile into the state (m_i, l_t, z_t, acc, c_v); z_t and acc: a tuple of GROUPS."""
-        s = _group_scores(n0, kw, ks, kz, end, qts, qsums, k_fold, ts, KIND, ASYM, ASM, K_CENTER, K_CHAINS, GROUPS)
-        if GROUPS > 2:  # V's values dequantized: p as it is, one accumulator
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            p = gl.exp2(s - m_new[None, :])
-            alpha = gl.exp2(m_i - m_new)
-            pt = gl.convert_layout(p.to(gl.float16), B_OP)
-            acc_new = (mma_v2(_v_operand_scaled(vw, vs[0], vz[0], VASM), pt, acc[0] * alpha[None, :]),)
-            l_t = l_t * alpha[None, :] + p
-            z_new = z_t
-            c_new = c_v
+        rows = page * stride_mb + kvh * stride_mh + slot
+        if KIND == codes.INT8:  # group 64
+            ks, kz = _lane_scales(KS, KZ, rows, n0, end, K8_G2, KL, 2, 32, ASYM, CENTER, False)
+            vs, vz = _lane_scales(VS, VZ, rows, n0, end, V8_G2, VL, 2, 32, ASYM, CENTER, True)
+        elif GROUPS == 2:
+            ks, kz = _lane_scales(KS, KZ, rows, n0, end, K4_G2, KL, 2, 16, ASYM, CENTER, False)
+            vs, vz = _lane_scales(VS, VZ, rows, n0, end, V4_G2, VL, 2, 16, ASYM, CENTER, True)
         else:
-            c_new = c_v
-            for g in gl.static_range(GROUPS):
-                c_new = gl.maximum(c_new, gl.max(vs[g], 0))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            p = gl.exp2(s - m_new[None, :])
-            alpha = gl.exp2(m_i - m_new)
-            l_t = l_t * alpha[None, :] + p
-            a_acc = alpha * (c_v / c_new)
-            vop = _v_operand(vw, KIND, VASM)
-            z_new = ()
-            acc_new = ()
-            for g in gl.static_range(GROUPS):
-                pt = gl.convert_layout((p * (vs[g] / c_new)[:, None]).to(gl.float16), B_OP)
-                acc_new = acc_new + (mma_v2(vop, pt, acc[g] * a_acc[None, :]),)
-                if ASYM:
-                    z_new = z_new + (z_t[g] * alpha[None, :] + p * (vz[g] + CENTER * vs[g])[:, None],)
-                else:
-                    z_new = z_new + (z_t[g],)
-        return m_new, l_t, z_new, acc_new, c_new
+            ks, kz = _lane_scales(KS, KZ, rows, n0, end, K4_G4, KL, 4, 16, ASYM, CENTER, False)
+            vs, vz = _lane_scales(VS, VZ, rows, n0, end, V4_G4, VL, 4, 16, ASYM, CENTER, True)
+        return kw, vw, ks, kz, vs, vz
 
     @gluon.jit
-    def _group_output(z_t, acc, c_v, ASYM: gl.constexpr, GROUPS: gl.constexpr):
-        """o^T [128 m, 8] from the groups' accumulators: row m (channel d = 16 (m % 8) + 2 (m // 16) + (m // 8) % 2,
-        `gluon_operands._v_operand`) from its group's."""
-        if GROUPS > 2:  # V dequantized: one accumulator of the values themselves
-            o = acc[0]
+    def _group_ring_tile(n0, end, k_ring, v_ring, metas, stage, KL: gl.constexpr, VL: gl.constexpr,
+                         ASYM: gl.constexpr, GROUPS: gl.constexpr, CENTER: gl.constexpr):
+        """`_group_tile` of an int4 tile from ring stage `stage` (`gluon_tiles._copy_tile` with GROUPS)."""
+        _, _, _, _, ks_ring, vs_ring, kz_ring, vz_ring, _, _, _ = metas
+        kw = k_ring.index(stage).load(KL)
+        vw = v_ring.index(stage).load(VL)
+        if GROUPS == 2:
+            ks, kz = _ring_scales(ks_ring, kz_ring, stage, n0, end, K4_G2, KL, 2, 16, ASYM, CENTER, False)
+            vs, vz = _ring_scales(vs_ring, vz_ring, stage, n0, end, V4_G2, VL, 2, 16, ASYM, CENTER, True)
         else:
-            GS: gl.constexpr = 128 // GROUPS
-            m = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-            grp = ((m % 8) * 16 + (m // 16) * 2 + (m // 8) % 2) // GS
-            o = gl.zeros([128, 8], gl.float32, layout=MMA)
-            for g in gl.static_range(GROUPS):
-                og = acc[g] * c_v
-                if ASYM:
-                    og += gl.sum(z_t[g], 0)[None, :]
-                o = gl.where((grp == g)[:, None], og, o)
-        return o
+            ks, kz = _ring_scales(ks_ring, kz_ring, stage, n0, end, K4_G4, KL, 4, 16, ASYM, CENTER, False)
+            vs, vz = _ring_scales(vs_ring, vz_ring, stage, n0, end, V4_G4, VL, 4, 16, ASYM, CENTER, True)
+        return kw, vw, ks, kz, vs, vz
+
+    @gluon.jit
+    def _group_attend(n0, kw, vw, ks, kz, vs, vz, m_i, l_t, acc, end, qt, k_fold, ts, KIND: gl.constexpr,
+                      ASM: gl.constexpr, VASM: gl.constexpr, K_CHAINS: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+        """One 16-token tile into the state (m_i, l_t, acc): scores s^T [16 tokens, 8 heads] in log2 units (-inf past
+        `end`) from the dequantized K, then the online softmax (`_rescale` as for static scales: no V scale bound)
+        and p . V on the dequantized V."""
+        a = _k_operands_scaled(kw, ks, kz, KIND, ASM, K_CHAINS)
+        s = mma_v2(a[0], qt[0], gl.zeros([16, 8], gl.float32, layout=MMA))
+        for i in gl.static_range(1, K_CHAINS):
+            s += mma_v2(a[i], qt[i], gl.zeros([16, 8], gl.float32, layout=MMA))
+        s = gl.where(((n0 + ts) < end)[:, None], s * k_fold, float("-inf"))
+        m_new, p, l_t, _, acc = _rescale(s, m_i, 1.0, 1.0, l_t, l_t, acc, codes.PER_TENSOR, False, SKIP_RESCALE)
+        acc = mma_v2(_v_operand_scaled(vw, vs, vz, KIND, VASM), gl.convert_layout(p.to(gl.float16), B_OP), acc)
+        return m_new, l_t + p, acc

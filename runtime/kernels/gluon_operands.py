@@ -37,21 +37,38 @@ if gluon is not None:
 
     @gluon.jit
     def _widen(w, KIND: gl.constexpr, ASM: gl.constexpr):
-        """Words [R, C] -> fp16 values [R, 4C] (8-bit) or [R, 8C] (int4) in storage order.
-
-        `word_asm` returns value i of a word as output i; join puts its second operand on a new
-        last axis, so joining (even, odd) pairs outermost-last rebuilds the storage order."""
-        R: gl.constexpr = w.shape[0]
-        C: gl.constexpr = w.shape[1]
+        """Words [R, C] -> fp16 values [R, 4C] (8-bit) or [R, 8C] (int4) in storage order (`word_asm`)."""
         if KIND == codes.INT4:
-            x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
-                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-            y = gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
+            x = gl.inline_asm_elementwise(ASM, "=h," * 8 + "r", [w], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 4 + "r", [w], dtype=(gl.float16,) * 4, is_pure=True, pack=1)
+        return _word_values(x, KIND)
+
+    @gluon.jit
+    def _widen_scaled(w, s, z, KIND: gl.constexpr, ASM: gl.constexpr):
+        """`_widen` of integer words dequantized on the way (`widen_ptx.word_scaled_asm`): s, z [R, C] fp16, each
+        word's scale and centred zero point, in the words' layout."""
+        if KIND == codes.INT4:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 8 + "r,h,h", [w, s, z], dtype=(gl.float16,) * 8, is_pure=True,
+                                          pack=1)
+        else:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 4 + "r,h,h", [w, s, z], dtype=(gl.float16,) * 4, is_pure=True,
+                                          pack=1)
+        return _word_values(x, KIND)
+
+    @gluon.jit
+    def _word_values(x, KIND: gl.constexpr):
+        """A word's widened values, output i = value i (a tuple of 8 or 4 [R, C]) -> [R, 8C] / [R, 4C] in storage
+        order: join puts its second operand on a new last axis, so joining (even, odd) pairs outermost-last rebuilds
+        the storage order."""
+        R: gl.constexpr = x[0].shape[0]
+        C: gl.constexpr = x[0].shape[1]
+        if KIND == codes.INT4:
+            y = gl.join(gl.join(gl.join(x[0], x[4]), gl.join(x[2], x[6])), gl.join(gl.join(x[1], x[5]),
+                                                                                gl.join(x[3], x[7])))
             return gl.reshape(y, [R, 8 * C])
         else:
-            x0, x1, x2, x3 = gl.inline_asm_elementwise(
-                ASM, "=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 4, is_pure=True, pack=1)
-            return gl.reshape(gl.join(gl.join(x0, x2), gl.join(x1, x3)), [R, 4 * C])
+            return gl.reshape(gl.join(gl.join(x[0], x[2]), gl.join(x[1], x[3])), [R, 4 * C])
 
     @gluon.jit
     def _k_columns(x, KIND: gl.constexpr):
@@ -94,6 +111,11 @@ if gluon is not None:
         return _a_operands(_widen(w, KIND, ASM), KIND, PARTS)
 
     @gluon.jit
+    def _k_operands_scaled(w, s, z, KIND: gl.constexpr, ASM: gl.constexpr, PARTS: gl.constexpr):
+        """`_k_operands` of integer K dequantized on the way (`_widen_scaled`): the A operands hold s n + z'."""
+        return _a_operands(_widen_scaled(w, s, z, KIND, ASM), KIND, PARTS)
+
+    @gluon.jit
     def _a_operands(x, KIND: gl.constexpr, PARTS: gl.constexpr):
         """fp16 K rows [16, 128] in head_dim order, lane (g, t) holding columns [32t, 32t + 32) of rows g and g + 8
         (widened words, or rows loaded so) -> the scores' A operands in KIND's column order (`_k_operands`)."""
@@ -117,11 +139,27 @@ if gluon is not None:
     def _widen_pairs(w, KIND: gl.constexpr, ASM: gl.constexpr):
         """V words [16, C] -> fp16 values [16, 4C] (8-bit) or [16, 8C] (int4) in storage order, through
         `pair_asm` on the words of tokens 2i and 2i + 1 (the token-parity axis is in registers)."""
-        C: gl.constexpr = w.shape[1]
-        even, odd = gl.split(gl.permute(gl.reshape(w, [8, 2, C]), (0, 2, 1)))
+        even, odd = _token_pairs(w)
         if KIND == codes.INT4:
             x = gl.inline_asm_elementwise(ASM, "=h," * 16 + "r,r", [even, odd], dtype=(gl.float16,) * 16,
                                           is_pure=True, pack=1)
+        else:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 8 + "r,r", [even, odd], dtype=(gl.float16,) * 8,
+                                          is_pure=True, pack=1)
+        return _pair_values(x, KIND)
+
+    @gluon.jit
+    def _token_pairs(x):
+        """[16, C] -> its even and odd tokens' rows, [8, C] each."""
+        C: gl.constexpr = x.shape[1]
+        return gl.split(gl.permute(gl.reshape(x, [8, 2, C]), (0, 2, 1)))
+
+    @gluon.jit
+    def _pair_values(x, KIND: gl.constexpr):
+        """`pair_asm`'s outputs (a tuple of 16 (int4) or 8 [8, C]: output 2i the even token's value i, 2i + 1 the
+        odd one's) -> [16, 8C] / [16, 4C] in storage order."""
+        C: gl.constexpr = x[0].shape[1]
+        if KIND == codes.INT4:
             p0, p1, p2, p3, p4, p5, p6, p7 = (gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]),
                                               gl.join(x[6], x[7]), gl.join(x[8], x[9]), gl.join(x[10], x[11]),
                                               gl.join(x[12], x[13]), gl.join(x[14], x[15]))
@@ -129,8 +167,6 @@ if gluon is not None:
             y = gl.permute(y, (0, 2, 1, 3, 4, 5))  # (token pair, parity, word, value bits high to low)
             return gl.reshape(y, [16, 8 * C])
         else:
-            x = gl.inline_asm_elementwise(ASM, "=h," * 8 + "r,r", [even, odd], dtype=(gl.float16,) * 8,
-                                          is_pure=True, pack=1)
             p0, p1, p2, p3 = gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]), gl.join(x[6], x[7])
             y = gl.permute(gl.join(gl.join(p0, p2), gl.join(p1, p3)), (0, 2, 1, 3, 4))
             return gl.reshape(y, [16, 4 * C])
@@ -149,21 +185,19 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(y, [128, 16]), A_OP, assert_trivial=True)
 
     @gluon.jit
-    def _v_operand_scaled(w, s, z, ASM: gl.constexpr):
-        """`_v_operand` of int4 V dequantized on the way (`widen_ptx.pair_scaled_asm`): s, z [16, W] fp16, each word's
-        scale and centred zero point, in the words' layout."""
-        C: gl.constexpr = w.shape[1]
-        even, odd = gl.split(gl.permute(gl.reshape(w, [8, 2, C]), (0, 2, 1)))
-        s_even, s_odd = gl.split(gl.permute(gl.reshape(s, [8, 2, C]), (0, 2, 1)))
-        z_even, z_odd = gl.split(gl.permute(gl.reshape(z, [8, 2, C]), (0, 2, 1)))
-        x = gl.inline_asm_elementwise(ASM, "=h," * 16 + "r,r,h,h,h,h", [even, odd, s_even, s_odd, z_even, z_odd],
-                                      dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-        p0, p1, p2, p3, p4, p5, p6, p7 = (gl.join(x[0], x[1]), gl.join(x[2], x[3]), gl.join(x[4], x[5]),
-                                          gl.join(x[6], x[7]), gl.join(x[8], x[9]), gl.join(x[10], x[11]),
-                                          gl.join(x[12], x[13]), gl.join(x[14], x[15]))
-        y = gl.join(gl.join(gl.join(p0, p4), gl.join(p2, p6)), gl.join(gl.join(p1, p5), gl.join(p3, p7)))
-        y = gl.permute(y, (0, 2, 1, 3, 4, 5))  # as `_widen_pairs`
-        return _v_rows(gl.reshape(y, [16, 8 * C]))
+    def _v_operand_scaled(w, s, z, KIND: gl.constexpr, ASM: gl.constexpr):
+        """`_v_operand` of integer V dequantized on the way (`widen_ptx.pair_scaled_asm`): s, z [16, W] fp16, each
+        word's scale and centred zero point, in the words' layout."""
+        even, odd = _token_pairs(w)
+        s_even, s_odd = _token_pairs(s)
+        z_even, z_odd = _token_pairs(z)
+        if KIND == codes.INT4:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 16 + "r,r,h,h,h,h", [even, odd, s_even, s_odd, z_even, z_odd],
+                                          dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+        else:
+            x = gl.inline_asm_elementwise(ASM, "=h," * 8 + "r,r,h,h,h,h", [even, odd, s_even, s_odd, z_even, z_odd],
+                                          dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        return _v_rows(_pair_values(x, KIND))
 
     @gluon.jit
     def _out_rows(acc):

@@ -25,26 +25,28 @@ TMA_SWIZZLE_K = 0
 TMA_SWIZZLE_V = 64
 
 
-def ring_descriptors(kw: torch.Tensor, vw: torch.Tensor, scales: tuple = ()) -> tuple:
+def ring_descriptors(kw: torch.Tensor, vw: torch.Tensor, scales: tuple = (), groups: int = 1) -> tuple:
     """TMA descriptors of the int4 pages' rows (16 words: a token's 128 values of one KV head), a 16-token tile a
-    copy, and of `scales` (per-token scales / zero points [blocks, kv_heads, block_size]) in rows of 16, a tile's
-    16 a copy. Needs rows stored whole and in order (a cache made by `runtime`, int4, head_dim 128)."""
+    copy, and of `scales` (per-token scales / zero points [blocks, kv_heads, block_size], or [..., groups] for group
+    scales) in rows of a tile's 16 tokens, a row a copy. Needs rows stored whole and in order (a cache made by
+    `runtime`, int4, head_dim 128)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tensors = (kw, vw, *scales)
-    if kw.shape[-1] != 16 or not all(t.is_contiguous() and t.numel() % 16 == 0 for t in tensors) \
+    row = 16 * groups
+    if kw.shape[-1] != 16 or not all(t.is_contiguous() and t.numel() % row == 0 for t in tensors) \
             or kw.numel() // 16 >= 2**31:
         raise ValueError(f"the TMA ring needs contiguous int4 pages of 16-word rows (< 2^31 of them) and contiguous "
                          f"per-token scales; got pages {tuple(kw.shape)}: use a DecodePlan with tma=False")
 
-    def rows(t: torch.Tensor, box: list[int], swizzle: int):
+    def rows(t: torch.Tensor, width: int, box: list[int], swizzle: int):
         bits = t.element_size() * 8
-        return TensorDescriptor.from_tensor(t.view(-1, 16), box, gl.NVMMASharedLayout(
+        return TensorDescriptor.from_tensor(t.view(-1, width), box, gl.NVMMASharedLayout(
             swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2))
 
-    return (rows(kw, [16, 16], TMA_SWIZZLE_K), rows(vw, [16, 16], TMA_SWIZZLE_V),
-            *(rows(t, [1, 16], 0) for t in scales))
+    return (rows(kw, 16, [16, 16], TMA_SWIZZLE_K), rows(vw, 16, [16, 16], TMA_SWIZZLE_V),
+            *(rows(t, row, [1, row], 0) for t in scales))
 
 
 if gluon is not None:
@@ -116,24 +118,26 @@ if gluon is not None:
 
     @gluon.jit
     def _copy_tile(n0, page, K, V, k_ring, v_ring, stage, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
-                   BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, TMA: gl.constexpr = False):
+                   BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr, TMA: gl.constexpr = False,
+                   GROUPS: gl.constexpr = 1):
         """Start the asynchronous copy of a tile's K and V words (and per-token scales, zero points: `metas`)
         into ring stage `stage` (one cp.async group). TMA: K and V are tensor descriptors of the pages' 16-word
-        rows, copied by the TMA unit (one instruction a tensor) onto the stage's mbarrier (`metas[-1]`)."""
+        rows, copied by the TMA unit (one instruction a tensor) onto the stage's mbarrier (`metas[-1]`). GROUPS:
+        scales a token-head (group scales: TMA only)."""
         base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
         KS, VS, KZ, VZ, ks_ring, vs_ring, kz_ring, vz_ring, stride_mb, stride_mh, bars = metas
         if TMA:
             bar = bars.index(stage)
             row = (base // 16).to(gl.int32)  # rows of 16 words (`ring_descriptors` checks the stride)
             if SCALE_MODE == codes.PER_TOKEN:
-                nbytes: gl.constexpr = KS.dtype.primitive_bitwidth // 8 * 16 * (4 if ASYM else 2)
+                nbytes: gl.constexpr = KS.dtype.primitive_bitwidth // 8 * 16 * GROUPS * (4 if ASYM else 2)
                 mbarrier.expect(bar, 2 * 16 * 64 + nbytes)
-                mrow = ((page * stride_mb + kvh * stride_mh + slot) // 16).to(gl.int32)  # rows of 16 scales
-                tma.async_copy_global_to_shared(KS, [mrow, 0], bar, _meta_dest(ks_ring, stage))
-                tma.async_copy_global_to_shared(VS, [mrow, 0], bar, _meta_dest(vs_ring, stage))
+                mrow = ((page * stride_mb + kvh * stride_mh + slot) // 16).to(gl.int32)  # rows of 16 tokens' scales
+                tma.async_copy_global_to_shared(KS, [mrow, 0], bar, _meta_dest(ks_ring, stage, GROUPS))
+                tma.async_copy_global_to_shared(VS, [mrow, 0], bar, _meta_dest(vs_ring, stage, GROUPS))
                 if ASYM:
-                    tma.async_copy_global_to_shared(KZ, [mrow, 0], bar, _meta_dest(kz_ring, stage))
-                    tma.async_copy_global_to_shared(VZ, [mrow, 0], bar, _meta_dest(vz_ring, stage))
+                    tma.async_copy_global_to_shared(KZ, [mrow, 0], bar, _meta_dest(kz_ring, stage, GROUPS))
+                    tma.async_copy_global_to_shared(VZ, [mrow, 0], bar, _meta_dest(vz_ring, stage, GROUPS))
             else:
                 mbarrier.expect(bar, 2 * 16 * 64)
             tma.async_copy_global_to_shared(K, [row, 0], bar, k_ring.index(stage))
@@ -153,9 +157,10 @@ if gluon is not None:
             async_copy.commit_group()
 
     @gluon.jit
-    def _meta_dest(ring, stage):
-        """Stage `stage` of a TMA scale ring ([STAGES, 1, 64]: 128-byte aligned stages) as the copy's [1, 16] box."""
-        return ring.index(stage).slice(0, 16, dim=1)
+    def _meta_dest(ring, stage, GROUPS: gl.constexpr = 1):
+        """Stage `stage` of a TMA scale ring ([STAGES, 1, 64]: 128-byte aligned stages) as the copy's [1, 16 GROUPS]
+        box."""
+        return ring.index(stage).slice(0, 16 * GROUPS, dim=1)
 
     @gluon.jit
     def _meta_row(ring, stage, TMA: gl.constexpr):
@@ -206,12 +211,12 @@ if gluon is not None:
     @gluon.jit
     def _fill_ring(start, end, bt_row, K, V, k_ring, v_ring, kvh, stride_cb, stride_ch, stride_ct, coffs, metas,
                    AHEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr, ASYM: gl.constexpr,
-                   OFF32: gl.constexpr, TMA: gl.constexpr = False):
+                   OFF32: gl.constexpr, TMA: gl.constexpr = False, GROUPS: gl.constexpr = 1):
         """Start the copies of the split's first AHEAD tiles into stages 0 .. AHEAD - 1; returns the next tile's
         first token and page (loaded a step before its copy)."""
         for i in gl.static_range(AHEAD):
             _copy_tile(start + 16 * i, _page(bt_row, start + 16 * i, end, BLOCK_SIZE, OFF32), K, V, k_ring, v_ring, i,
-                       kvh, stride_cb, stride_ch, stride_ct, coffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA)
+                       kvh, stride_cb, stride_ch, stride_ct, coffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA, GROUPS)
         ahead = start + 16 * AHEAD
         return ahead, _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)
 

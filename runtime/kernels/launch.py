@@ -148,9 +148,9 @@ def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch
         return launch_mixed.decode_attention(q, cache, block_tables, seq_lens, sm_scale, plan)
     batch, num_heads, _ = q.shape
     group = num_heads // kv_heads
-    if plan.stages or plan.tma or plan.pairs:
-        raise _bad_plan(plan, "stages", "the mixed formats load their tiles into registers; use stages=0, "
-                        "pairs=False, tma=False")
+    if plan.pairs or (plan.stages or plan.tma) and not (kf_k.groups > 1 and plan.tma and plan.stages):
+        raise _bad_plan(plan, "stages", "the mixed formats load their tiles into registers, int4 group scales also "
+                        "through the TMA ring (stages > 0 with tma=True); use stages=0, pairs=False, tma=False")
     if not (decode_gluon.supported(kf_k, q, bs, group) and decode_gluon.serves_mixed(kf_k, kf_v, bs, group)):
         raise _bad_plan(plan, "kernel", "the Gluon kernel serves K/V-split formats of per-token scales and integer "
                         f"formats of {decode_gluon.GROUPS_SERVED} group scales (no e8m0), on CUDA with fp16 / bf16 q, "
@@ -196,7 +196,7 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
         metas = scale_args if kf.scale_mode == codes.PER_TOKEN else ()
         # formats without zero points pass the scales' descriptors in their places (never read)
         metas = metas[:2] * 2 if metas and not kf.asym else metas
-        described = ring_descriptors(kw, vw, metas)
+        described = ring_descriptors(kw, vw, metas, kf.groups)
         pages = described + pages[len(described):]
     decode_gluon._decode_kernel_gluon[(batch, kv_heads, num_splits)](
         q, *pages, block_tables, seq_lens, out, pm, pl, pacc,

@@ -305,9 +305,17 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
         group = heads // kv_heads
         if kernel == "gluon" or (kernel is None and tuned.gluon
                                  and mixed_gluon_serves(fmt, device, q_dtype, block_size, group, head_dim)):
+            kf = format_codes(fmt.side("k"), head_dim)
+            if tuning.gluon_group_ring(kf, device.capability):  # int4 group scales: the TMA ring
+                cap = tuned.ring_registers or None
+                splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, device.sms,
+                                           tuning.programs_per_sm(cap), decode_gluon.MIN_TOKENS_PER_SPLIT,
+                                           decode_gluon.MAX_SPLITS, refine_tolerance=tuning.GLUON_SPLIT_TOLERANCE)
+                return DecodePlan("gluon", splits, cap, tuning.GROUP_RING_STAGES, tma=True, k_chains=tuned.k_chains,
+                                  skip_rescale=tuned.skip_rescale, offsets32=tuned.offsets32)
             # K's codes drive the rules (its register cap, the split count); the tiles load into registers
-            cap, splits, _, _ = tuning.gluon_plan(format_codes(fmt.side("k"), head_dim), batch, kv_heads, max_tokens,
-                                                  device.sms, group, False, tuned.registers, tuned.registers)
+            cap, splits, _, _ = tuning.gluon_plan(kf, batch, kv_heads, max_tokens, device.sms, group, False,
+                                                  tuned.registers, tuned.registers)
             return DecodePlan("gluon", splits, cap, k_chains=tuned.k_chains, skip_rescale=tuned.skip_rescale,
                               offsets32=tuned.offsets32)
         splits = choose_num_splits(batch, kv_heads, max_tokens, tuned.block_n, device.sms, tuned.resident_per_sm)

@@ -22,6 +22,7 @@ RING_MIN_TOKENS_ONE_HEAD = 2048
 RING_FEW_PROGRAMS = 512  # the ring for few programs makes at least this many (`_few_splits`) ...
 RING_MAX_SPLITS = 512  # ... with at most this many splits (the split rule's own limit is decode_gluon.MAX_SPLITS)
 GLUON_PAIR_STAGES = 4  # a ring with tiles two a step: two stages read while two fill
+GROUP_RING_STAGES = 2  # the group-scale formats' TMA ring (`gluon_group_ring`)
 # why: one sequence's 1024-token splits through the ring beat the registers at 1024 programs (Llama-3-8B 1 x 131072,
 # 7.8 programs an SM of the H200's 132: asym 0.0492 against 0.0524 ms); the ONE_WARP_PROGRAMS threshold sent the
 # legacy step's table at 130000 tokens (1016 programs) to the registers; measured:
@@ -62,6 +63,15 @@ def gluon_tma_for(kf: KernelFormat, capability: int) -> bool:
     why: faster on sm_90 at every measured shape; Ampere has no TMA; measured:
     benchmarks/results/kernel_variants.jsonl (rule=gluon_tma_for)"""
     return kf.kind == codes.INT4 and capability >= 9
+
+
+def gluon_group_ring(kf: KernelFormat, capability: int) -> bool:
+    """Whether the Gluon kernel's group-scale tiles (`gluon_groups.py`) go through the TMA ring of GROUP_RING_STAGES
+    (int4 on sm_90; elsewhere, and for int8, they load into registers a step ahead).
+    why: at Llama-3-8B 16 x 32768 on an H100 the ring of 2 stages took INT4 group 32 / 64 to 2.90x / 3.24x cuDNN BF16
+    against 2.63x / 2.74x from registers (3, 4 and 6 stages: slower); measured:
+    benchmarks/results/kernels_group_scales_variants.jsonl"""
+    return kf.groups > 1 and kf.kind == codes.INT4 and capability >= 9
 
 
 def gluon_stages_for(kf: KernelFormat, tokens_per_split: int, kv_heads: int) -> int:

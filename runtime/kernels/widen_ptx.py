@@ -1,6 +1,7 @@
 """PTX that widens stored 8-/4-bit KV values to 16-bit floats exactly, for every kernel that
 inlines it: the Triton decode kernels (`widen_asm`: 4 stored bytes -> 4 values, through
-`dequant._unpack`) and the Gluon decode kernel (`word_asm` for K, `pair_asm` for V). The
+`dequant._unpack`) and the Gluon decode kernel (`word_asm` for K, `pair_asm` for V; `word_scaled_asm`,
+`pair_scaled_asm` for group scales, where the values are dequantized as they are widened). The
 strings are built once per format and passed to the kernels as constexprs."""
 
 from __future__ import annotations
@@ -117,6 +118,23 @@ def pair_asm(kind: int, fp8: int, symmetric: bool) -> str:
     per word, int4: four)."""
     body, n = _pair_body(kind, fp8, symmetric)
     return body + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i}; " for i in range(n)) + "}"
+
+
+@functools.cache
+def word_scaled_asm(kind: int, symmetric: bool) -> str:
+    """`word_asm` for integer K of group scales, dequantized: inputs the word, then its fp16 scale and centred zero
+    point (z + centre x s: a lane's word lies in one group of one token); each centred value n (`_int_widen`) becomes
+    s n + z' by one packed fma (rounded once to fp16). Outputs in `word_asm`'s order: register i holds values
+    (i, i + n / 2)."""
+    n = 8 if kind == codes.INT4 else 4
+    regs = [f"r{i}" for i in range(n // 2)]
+    per = n // 4  # fp16 pairs a byte position gives: int8 1, int4 2 (low and high nibble)
+    body = (f"{{ .reg .b32 u, sp, zp, {', '.join(regs)}; "
+            + (_INT4_CONSTANTS if kind == codes.INT4 else _INT8_CONSTANTS)
+            + f"shr.b32 u, ${n}, 8; mov.b32 sp, {{${n + 1}, ${n + 1}}}; mov.b32 zp, {{${n + 2}, ${n + 2}}}; "
+            + _int_widen(kind, symmetric, f"${n}", regs[:per]) + _int_widen(kind, symmetric, "u", regs[per:])
+            + "".join(f"fma.rn.f16x2 {r}, {r}, sp, zp; " for r in regs))
+    return body + "".join(f"mov.b32 {{${i}, ${i + n // 2}}}, r{i}; " for i in range(n // 2)) + "}"
 
 
 @functools.cache
