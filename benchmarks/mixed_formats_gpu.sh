@@ -36,7 +36,7 @@ fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     CUDA_HOME=/usr/local/cuda PYTHONPATH=.:/tmp/site timeout 60 python3 -m benchmarks.peers --shapes llama3-8b:16x32768 \
-        --formats bf16,fp8_e4m3,k8v4,int4-g64-asym --out "$out/peers" || status=1
+        --formats bf16,fp8_e4m3,k8v4,int4-g64-asym,int4-g32-asym --out "$out/peers" || status=1
 else
     echo "no .whl/: the peers' rows are left out (benchmarks/README.md says how the wheels travel)"
 fi

@@ -41,7 +41,8 @@ FORMATS = {"bf16": KVFormat("bf16"), "fp8_e4m3": KVFormat("fp8_e4m3", "per_tenso
            # kvq's own formats (docs/kv-formats.md): no peer reads them, so only kvq runs there (its row beside the
            # peers' BF16 / FP8 rows of the same shape and the cuDNN baseline)
            "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
-           "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64)}
+           "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64),
+           "int4-g32-asym": KVFormat("int4", "per_token", symmetric=False, group_size=32)}
 PEER_FORMATS = ("bf16", "fp8_e4m3")  # what FlashInfer and XQA read in kvq's layout
 # Tolerance: twice the unit roundoff u of the narrowest type a kernel may round to on the way: bf16
 # for BF16 KV; for FP8 KV its own e4m3, since XQA rounds q and P to e4m3 for its FP8 MMAs. A kernel
@@ -49,7 +50,7 @@ PEER_FORMATS = ("bf16", "fp8_e4m3")  # what FlashInfer and XQA read in kvq's lay
 # error of u / sqrt(3): about u together, so 2u bounds a correct kernel's norm-wise error over a finite
 # sample, while a wrong page, scale or mask costs an error of order 1.
 PRODUCT_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "k8v4": torch.bfloat16,
-                 "int4-g64-asym": torch.bfloat16}
+                 "int4-g64-asym": torch.bfloat16, "int4-g32-asym": torch.bfloat16}
 TOLERANCE = {name: torch.finfo(dt).eps for name, dt in PRODUCT_DTYPE.items()}  # eps = 2u
 PAGE_SIZE = 16  # kvq's engine default, and XQA's smallest (XQA takes 16, 32, 64 or 128)
 SHAPES = ["llama3-8b:16x32768", "llama3-8b:64x8192", "llama3-8b:128x4096", "llama3-8b:1x131072",
@@ -327,7 +328,7 @@ def markdown(rows: list[dict]) -> str:
         "fp64 attention over the stored values, the larger of a check before and one after the timing; the "
         "tolerance is twice the unit roundoff of the narrowest type a kernel may round to "
         f"(bf16 for BF16 KV: {TOLERANCE['bf16']:.1e}; e4m3 for FP8 KV: {TOLERANCE['fp8_e4m3']:.1e}, as XQA's FP8 "
-        "MMAs round q and P to e4m3; bf16 for kvq's own formats k8v4 and int4-g64-asym, which no peer reads: '-').",
+        "MMAs round q and P to e4m3; bf16 for kvq's own formats k8v4 and int4 group 64 / 32 asym, which no peer reads: '-').",
         "",
         "| model | batch x ctx | KV | " + " | ".join(f"{LABELS[i]} error" for i in impls) + " |",
         "|---" * (3 + len(impls)) + "|",
