@@ -1,5 +1,6 @@
 """The Gluon decode kernel's tiles for group scales (`decode_gluon.py` with GROUPS > 1: GROUPS scales and zero points
-per token-head, each over head_dim / GROUPS channels; integer K and V of one format, tiles loaded into registers).
+per token-head, each over head_dim / GROUPS channels; integer K and V of one format; int4 tiles through the TMA ring
+of `gluon_tiles.py` on sm_90 (`_group_ring_tile`), else loaded into registers a step ahead (`_group_tile`)).
 
 K and V are dequantized as they are widened: a lane's words lie in one group of one token (K: lane (g, t) holds
 channels [32t, 32t + 32) of two tokens; V: channels [16g, 16g + 16) of four), so each register pair takes one packed
