@@ -23,6 +23,15 @@ def _stored_values(words: torch.Tensor, kind: int, fp8_dtype, symmetric: bool) -
     return (nib - 8).to(torch.float32)
 
 
+def _every_byte_words() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two sets of 256 int32 words (two tokens' words for the pair widening), each holding every byte value in every
+    position: word i of the first holds bytes i, i + 85, i + 170, i + 37 (mod 256)."""
+    i = torch.arange(256, dtype=torch.int32)
+    a = torch.stack([i, (i + 85) % 256, (i + 170) % 256, (i + 37) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
+    b = torch.stack([(i + 3) % 256, (i + 101) % 256, (255 - i), (i * 7) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
+    return a, b
+
+
 @pytest.mark.skipif(not CUDA, reason="inline PTX compiles for the GPU only; the interpreter has no PTX")
 @pytest.mark.parametrize("kind,fp8,symmetric", [(0, 1, True), (0, 2, True), (1, 0, True), (1, 0, False),
                                                 (2, 0, True), (2, 0, False)],
@@ -45,10 +54,7 @@ def test_gluon_widening_exact_for_every_byte(kind, fp8, symmetric):
             tl.store(Y + offs * N + i, out[i].to(tl.float32))
 
     per_word = 8 if kind == 2 else 4
-    i = torch.arange(256, dtype=torch.int32)
-    # word i holds bytes i, i + 85, i + 170, i + 37 (mod 256): every byte value in every position
-    a = torch.stack([i, (i + 85) % 256, (i + 170) % 256, (i + 37) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
-    b = torch.stack([(i + 3) % 256, (i + 101) % 256, (255 - i), (i * 7) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
+    a, b = _every_byte_words()
     fp8_dtype = torch.float8_e4m3fn if fp8 == codes.FP8_E4M3 else torch.float8_e5m2
     want_a, want_b = (_stored_values(w, kind, fp8_dtype, symmetric) for w in (a, b))
     want_k = want_a
@@ -92,9 +98,7 @@ def test_gluon_scaled_widening_rounds_once(kind, symmetric):
             tl.store(Y + offs * N + i, out[i].to(tl.float32))
 
     per_word = 8 if kind == 2 else 4
-    i = torch.arange(256, dtype=torch.int32)
-    a = torch.stack([i, (i + 85) % 256, (i + 170) % 256, (i + 37) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
-    b = torch.stack([(i + 3) % 256, (i + 101) % 256, (255 - i), (i * 7) % 256], -1).to(torch.uint8).view(torch.int32)[:, 0]
+    a, b = _every_byte_words()
     gen = torch.Generator().manual_seed(kind * 2 + symmetric)
     # scales over four decades, zero points of either sign (fp16 values: what the kernel passes)
     sa, sb = ((10.0 ** (torch.rand(256, generator=gen) * 4 - 3)).half() for _ in range(2))

@@ -52,15 +52,24 @@ if gluon is not None:
     V4_G4 = gl.constexpr(_by_group(*_V4, 16, 4))
     V4_G2 = gl.constexpr(_by_group(*_V4, 16, 2))
     V8_G2 = gl.constexpr(_by_group(*_V8, 32, 2))
+    @gluon.constexpr_function
+    def _scale_layout(kind, groups, side):
+        """The layout a tile's scales load in (`_by_group`) for K (side 0) or V (side 1) of an integer format of
+        `groups` group scales."""
+        if kind == codes.INT8:  # group 64
+            return (K8_G2, V8_G2)[side]
+        return ((K4_G2, V4_G2) if groups == 2 else (K4_G4, V4_G4))[side]
+
     # a TMA scale ring's stages read as [64 / GROUPS, GROUPS] (`_ring_rows`)
     RING_GROUPS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @gluon.jit
-    def _lane_scales(S, Z, rows, n0, end, L3: gl.constexpr, WL: gl.constexpr, GROUPS: gl.constexpr,
-                     WORDS: gl.constexpr, ASYM: gl.constexpr, CENTER: gl.constexpr, MASK: gl.constexpr):
+    def _lane_scales(S, Z, rows, n0, end, L3: gl.constexpr, WL: gl.constexpr, ASYM: gl.constexpr,
+                     CENTER: gl.constexpr, MASK: gl.constexpr):
         """A tile's scales and zero points from global memory into `_words_scales`: a token's GROUPS load into the
         slice of L3 (`_by_group`). rows: the tile's first scale row (token-head). MASK: 0 past `end` (V: a stale
         scale could be NaN, and p = 0 times NaN is NaN; K's scores are masked instead)."""
+        GROUPS: gl.constexpr = L3.shape[1]
         tok = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
         off = ((rows + tok) * GROUPS)[:, None] + grp[None, :]
@@ -75,13 +84,14 @@ if gluon is not None:
                 z = gl.load(Z + off, mask=valid, other=0.0)
             else:
                 z = gl.load(Z + off)
-        return _words_scales(s, z, L3, WL, GROUPS, WORDS, ASYM, CENTER)
+        return _words_scales(s, z, L3, WL, ASYM, CENTER)
 
     @gluon.jit
-    def _ring_scales(s_ring, z_ring, stage, n0, end, L3: gl.constexpr, WL: gl.constexpr, GROUPS: gl.constexpr,
-                     WORDS: gl.constexpr, ASYM: gl.constexpr, CENTER: gl.constexpr, MASK: gl.constexpr):
+    def _ring_scales(s_ring, z_ring, stage, n0, end, L3: gl.constexpr, WL: gl.constexpr, ASYM: gl.constexpr,
+                     CENTER: gl.constexpr, MASK: gl.constexpr):
         """`_lane_scales` from ring stage `stage` (`gluon_tiles._copy_tile` with GROUPS: a row of the tile's 16 x
         GROUPS in a TMA stage of 64)."""
+        GROUPS: gl.constexpr = L3.shape[1]
         L2: gl.constexpr = gl.SliceLayout(2, L3)
         tok = gl.arange(0, 16, layout=gl.SliceLayout(1, L2))
         valid = ((n0 + tok) < end)[:, None]
@@ -93,7 +103,7 @@ if gluon is not None:
             z = _ring_rows(z_ring, stage, GROUPS).load(L2)
             if MASK:
                 z = gl.where(valid, z, gl.zeros_like(z))
-        return _words_scales(s, z, L3, WL, GROUPS, WORDS, ASYM, CENTER)
+        return _words_scales(s, z, L3, WL, ASYM, CENTER)
 
     @gluon.jit
     def _ring_rows(ring, stage, GROUPS: gl.constexpr):
@@ -102,11 +112,12 @@ if gluon is not None:
         return ring._reinterpret(ring.dtype, [STAGES, 64 // GROUPS, GROUPS], RING_GROUPS).index(stage).slice(0, 16)
 
     @gluon.jit
-    def _words_scales(s, z, L3: gl.constexpr, WL: gl.constexpr, GROUPS: gl.constexpr, WORDS: gl.constexpr,
-                      ASYM: gl.constexpr, CENTER: gl.constexpr):
-        """Scales s and zero points z [16 tokens, GROUPS] in the slice of L3 -> each word's scale and centred zero
-        point (z + CENTER s; 0 for symmetric formats), fp16 [16, WORDS] in the words' layout WL, broadcast over
-        the lanes' words in registers."""
+    def _words_scales(s, z, L3: gl.constexpr, WL: gl.constexpr, ASYM: gl.constexpr, CENTER: gl.constexpr):
+        """Scales s and zero points z [16 tokens, GROUPS] in the slice of L3 ([16, GROUPS, words a group]) -> each
+        word's scale and centred zero point (z + CENTER s; 0 for symmetric formats), fp16 [16, words] in the words'
+        layout WL, broadcast over the lanes' words in registers."""
+        GROUPS: gl.constexpr = L3.shape[1]
+        WORDS: gl.constexpr = L3.shape[1] * L3.shape[2]
         s = s.to(gl.float32)
         z = z.to(gl.float32) + CENTER * s if ASYM else gl.zeros_like(s)
         words = gl.zeros([16, GROUPS, WORDS // GROUPS], gl.float16, layout=L3)
@@ -126,15 +137,8 @@ if gluon is not None:
         kw = gl.load(K + base + koffs)
         vw = gl.load(V + base + voffs)
         rows = page * stride_mb + kvh * stride_mh + slot
-        if KIND == codes.INT8:  # group 64
-            ks, kz = _lane_scales(KS, KZ, rows, n0, end, K8_G2, KL, 2, 32, ASYM, CENTER, False)
-            vs, vz = _lane_scales(VS, VZ, rows, n0, end, V8_G2, VL, 2, 32, ASYM, CENTER, True)
-        elif GROUPS == 2:
-            ks, kz = _lane_scales(KS, KZ, rows, n0, end, K4_G2, KL, 2, 16, ASYM, CENTER, False)
-            vs, vz = _lane_scales(VS, VZ, rows, n0, end, V4_G2, VL, 2, 16, ASYM, CENTER, True)
-        else:
-            ks, kz = _lane_scales(KS, KZ, rows, n0, end, K4_G4, KL, 4, 16, ASYM, CENTER, False)
-            vs, vz = _lane_scales(VS, VZ, rows, n0, end, V4_G4, VL, 4, 16, ASYM, CENTER, True)
+        ks, kz = _lane_scales(KS, KZ, rows, n0, end, _scale_layout(KIND, GROUPS, 0), KL, ASYM, CENTER, False)
+        vs, vz = _lane_scales(VS, VZ, rows, n0, end, _scale_layout(KIND, GROUPS, 1), VL, ASYM, CENTER, True)
         return kw, vw, ks, kz, vs, vz
 
     @gluon.jit
@@ -144,12 +148,10 @@ if gluon is not None:
         _, _, _, _, ks_ring, vs_ring, kz_ring, vz_ring, _, _, _ = metas
         kw = k_ring.index(stage).load(KL)
         vw = v_ring.index(stage).load(VL)
-        if GROUPS == 2:
-            ks, kz = _ring_scales(ks_ring, kz_ring, stage, n0, end, K4_G2, KL, 2, 16, ASYM, CENTER, False)
-            vs, vz = _ring_scales(vs_ring, vz_ring, stage, n0, end, V4_G2, VL, 2, 16, ASYM, CENTER, True)
-        else:
-            ks, kz = _ring_scales(ks_ring, kz_ring, stage, n0, end, K4_G4, KL, 4, 16, ASYM, CENTER, False)
-            vs, vz = _ring_scales(vs_ring, vz_ring, stage, n0, end, V4_G4, VL, 4, 16, ASYM, CENTER, True)
+        L_K: gl.constexpr = _scale_layout(codes.INT4, GROUPS, 0)
+        L_V: gl.constexpr = _scale_layout(codes.INT4, GROUPS, 1)
+        ks, kz = _ring_scales(ks_ring, kz_ring, stage, n0, end, L_K, KL, ASYM, CENTER, False)
+        vs, vz = _ring_scales(vs_ring, vz_ring, stage, n0, end, L_V, VL, ASYM, CENTER, True)
         return kw, vw, ks, kz, vs, vz
 
     @gluon.jit

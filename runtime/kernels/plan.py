@@ -286,10 +286,8 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
     device = device if isinstance(device, Device) else device_of(device)
     if fmt.per_channel_keys:
         if kernel != "triton" and decode_channel_keys_gluon.serves(device, q_dtype, heads // kv_heads, head_dim):
-            splits = choose_num_splits(batch, kv_heads, max_tokens, block_size, device.sms,
-                                       tuning.programs_per_sm(CHANNEL_KEYS_GLUON_REGISTERS),
-                                       decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
-                                       refine_tolerance=tuning.GLUON_SPLIT_TOLERANCE)
+            splits = tuning.gluon_splits(batch, kv_heads, max_tokens, block_size, device.sms,
+                                         CHANNEL_KEYS_GLUON_REGISTERS)
             tma = device.capability >= 9  # elsewhere the tiles stay in registers (a cp.async ring is unmeasured)
             return DecodePlan(CHANNEL_KEYS_GLUON, splits, CHANNEL_KEYS_GLUON_REGISTERS,
                               CHANNEL_KEYS_GLUON_STAGES if tma else 0, tma=tma, block_n=block_size,
@@ -308,9 +306,7 @@ def decode_plan(fmt: KVFormat, batch: int, heads: int, kv_heads: int, max_tokens
             kf = format_codes(fmt.side("k"), head_dim)
             if tuning.gluon_group_ring(kf, device.capability):  # int4 group scales: the TMA ring
                 cap = tuned.ring_registers or None
-                splits = choose_num_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, device.sms,
-                                           tuning.programs_per_sm(cap), decode_gluon.MIN_TOKENS_PER_SPLIT,
-                                           decode_gluon.MAX_SPLITS, refine_tolerance=tuning.GLUON_SPLIT_TOLERANCE)
+                splits = tuning.gluon_splits(batch, kv_heads, max_tokens, decode_gluon.TILE, device.sms, cap)
                 return DecodePlan("gluon", splits, cap, tuning.GROUP_RING_STAGES, tma=True, k_chains=tuned.k_chains,
                                   skip_rescale=tuned.skip_rescale, offsets32=tuned.offsets32)
             # K's codes drive the rules (its register cap, the split count); the tiles load into registers

@@ -99,6 +99,14 @@ def programs_per_sm(registers: int | None) -> int:
     return min(32, 4 * (16384 // per_warp))
 
 
+def gluon_splits(batch: int, kv_heads: int, max_tokens: int, tile: int, sms: int, registers: int | None) -> int:
+    """The split rule's count for one-warp Gluon programs of `tile` tokens a step under a cap of `registers` (the
+    programs an SM holds, `programs_per_sm`)."""
+    return choose_num_splits(batch, kv_heads, max_tokens, tile, sms, programs_per_sm(registers),
+                             decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
+                             refine_tolerance=GLUON_SPLIT_TOLERANCE)
+
+
 def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms: int, group: int, tma: bool,
                registers: int, ring_registers: int) -> tuple[int | None, int, int, bool]:
     """The Gluon kernel's (register cap, split count, ring stages, tiles two a step). int4 is planned for the ring
@@ -113,9 +121,7 @@ def gluon_plan(kf: KernelFormat, batch: int, kv_heads: int, max_tokens: int, sms
         tile = decode_gluon.TILE * (2 if two else 1)
         cap = gluon_registers(kf, registers, ring_registers, ring, group)
         if splits is None:
-            splits = choose_num_splits(batch, kv_heads, max_tokens, tile, sms, programs_per_sm(cap),
-                                       decode_gluon.MIN_TOKENS_PER_SPLIT, decode_gluon.MAX_SPLITS,
-                                       refine_tolerance=GLUON_SPLIT_TOLERANCE)
+            splits = gluon_splits(batch, kv_heads, max_tokens, tile, sms, cap)
         stages = 0 if not ring else GLUON_STAGES if short else gluon_stages_for(
             kf, split_tokens(max_tokens, splits, tile), kv_heads)
         stages = max(stages, GLUON_PAIR_STAGES) if two and stages else stages
