@@ -52,6 +52,9 @@ FORMATS = {
     # K INT8 / V INT4 asym and the all-INT4 group-64 format (docs/kv-formats.md)
     "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
     "int4-per_token-asym-g64": KVFormat("int4", "per_token", symmetric=False, group_size=64),
+    # the bundled Llama recipes' K8V4 and INT4 (with kv.rotation: hadamard): V, or K and V, in groups of 32
+    "k8v4-g32": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False, v_group_size=32),
+    "int4-per_token-asym-g32": KVFormat("int4", "per_token", symmetric=False, group_size=32),
 }
 # "<format>+hadamard": the same format with kv.rotation: hadamard (one more small GEMM per layer over q/k)
 ROTATED = "+hadamard"

@@ -59,6 +59,7 @@ FORMATS = {
     "int4-tok-asym": KVFormat("int4", "per_token", symmetric=False),
     # K and V of their own formats, group scales (docs/kv-formats.md): the mixed-format kernels
     "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
+    "k8v4-g32": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False, v_group_size=32),
     "kfp8v4": KVFormat("fp8_e4m3", "per_token", v_dtype="int4", v_symmetric=False),
     "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64),
     "int4-g32-asym": KVFormat("int4", "per_token", symmetric=False, group_size=32),

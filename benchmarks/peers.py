@@ -41,6 +41,8 @@ FORMATS = {"bf16": KVFormat("bf16"), "fp8_e4m3": KVFormat("fp8_e4m3", "per_tenso
            # kvq's own formats (docs/kv-formats.md): no peer reads them, so only kvq runs there (its row beside the
            # peers' BF16 / FP8 rows of the same shape and the cuDNN baseline)
            "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
+           "k8v4-g32": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False, v_group_size=32),
+           "int4-tok-asym": KVFormat("int4", "per_token", symmetric=False),
            "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64),
            "int4-g32-asym": KVFormat("int4", "per_token", symmetric=False, group_size=32)}
 PEER_FORMATS = ("bf16", "fp8_e4m3")  # what FlashInfer and XQA read in kvq's layout
@@ -49,8 +51,8 @@ PEER_FORMATS = ("bf16", "fp8_e4m3")  # what FlashInfer and XQA read in kvq's lay
 # may round P, its split-K partials (XQA keeps them in bf16) and the output, each with an rms relative
 # error of u / sqrt(3): about u together, so 2u bounds a correct kernel's norm-wise error over a finite
 # sample, while a wrong page, scale or mask costs an error of order 1.
-PRODUCT_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "k8v4": torch.bfloat16,
-                 "int4-g64-asym": torch.bfloat16, "int4-g32-asym": torch.bfloat16}
+PRODUCT_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+                 **{name: torch.bfloat16 for name in FORMATS if name not in PEER_FORMATS}}
 TOLERANCE = {name: torch.finfo(dt).eps for name, dt in PRODUCT_DTYPE.items()}  # eps = 2u
 PAGE_SIZE = 16  # kvq's engine default, and XQA's smallest (XQA takes 16, 32, 64 or 128)
 SHAPES = ["llama3-8b:16x32768", "llama3-8b:64x8192", "llama3-8b:128x4096", "llama3-8b:1x131072",
@@ -328,7 +330,7 @@ def markdown(rows: list[dict]) -> str:
         "fp64 attention over the stored values, the larger of a check before and one after the timing; the "
         "tolerance is twice the unit roundoff of the narrowest type a kernel may round to "
         f"(bf16 for BF16 KV: {TOLERANCE['bf16']:.1e}; e4m3 for FP8 KV: {TOLERANCE['fp8_e4m3']:.1e}, as XQA's FP8 "
-        "MMAs round q and P to e4m3; bf16 for kvq's own formats k8v4 and int4 group 64 / 32 asym, which no peer reads: '-').",
+        "MMAs round q and P to e4m3; bf16 for kvq's own formats (K8V4, its V in groups of 32, INT4 per-token and group 64 / 32 asym), which no peer reads: '-').",
         "",
         "| model | batch x ctx | KV | " + " | ".join(f"{LABELS[i]} error" for i in impls) + " |",
         "|---" * (3 + len(impls)) + "|",

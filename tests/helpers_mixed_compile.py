@@ -18,6 +18,7 @@ from tests.helpers_launch_record import _cache, recording, write_launches
 COMPILED_FORMATS = [
     KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),  # K8V4
     KVFormat("fp8_e4m3", "per_token", v_dtype="int4", v_symmetric=False),  # KFP8V4
+    KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False, v_group_size=32),  # K8V4-g32 (bundled)
     KVFormat("int4", "per_token", False, group_size=64),
     KVFormat("int4", "per_token", False, group_size=32),
     KVFormat("int4", "per_token", True, group_size=64),

@@ -56,13 +56,14 @@ GROUP64 = KVFormat("int4", "per_token", False, group_size=64)
 # the Gluon kernel's on the GPU (`decode_gluon.serves_mixed`)
 GLUON = SPLIT + [GROUP64, KVFormat("int4", "per_token", True, group_size=64),
                  KVFormat("int8", "per_token", True, group_size=64), KVFormat("int8", "per_token", False, "bfloat16", 64),
-                 KVFormat("int4", "per_token", False, group_size=32), KVFormat("int4", "per_token", True, group_size=32)]
+                 KVFormat("int4", "per_token", False, group_size=32), KVFormat("int4", "per_token", True, group_size=32),
+                 KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False, v_group_size=32)]  # K8V4-g32
 
 
 def test_the_formats_here_take_the_mixed_kernels():
-    """The K/V-split formats, INT4 / INT8 group 64 and INT4 group 32 take the Gluon kernel on the H200 (INT4 group
-    scales through the TMA ring, the others from registers); the other group-scale and the e8m0 formats, and every
-    format in the interpreter, decode_mixed.py."""
+    """The K/V-split formats (K8V4 also with V in groups of 32), INT4 / INT8 group 64 and INT4 group 32 take the Gluon
+    kernel on the H200 (INT4 group scales through the TMA ring, the others from registers); the other group-scale and
+    the e8m0 formats, and every format in the interpreter, decode_mixed.py."""
     from runtime.kernels.formats import served_by_mixed
     from runtime.kernels.plan import Device
 
@@ -307,3 +308,4 @@ def test_decode_gluon_group_scales_through_the_tma_ring_meet_the_oracle(fmt, sta
         assert_meets_oracle(out, q, cache, block_tables, lens, torch.bfloat16)
         registers = decode_with(q, cache, block_tables, lens, 0.25, "gluon", splits=splits)
         assert relerr(out.float().cpu(), registers.float().cpu().double()) <= 2.0 ** -8  # bf16 rounding
+

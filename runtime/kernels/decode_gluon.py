@@ -95,25 +95,36 @@ def supported(kf: KernelFormat, q: torch.Tensor, block_size: int, group: int) ->
 GROUPS_SERVED = (2, 4)
 
 
+def _groups_served(kf: KernelFormat) -> bool:
+    return kf.kind != codes.FLOAT and kf.groups in GROUPS_SERVED and (kf.groups == 2 or kf.kind == codes.INT4)
+
+
 def serves_mixed(kf_k: KernelFormat, kf_v: KernelFormat, block_size: int, group: int) -> bool:
     """Whether the kernel is written for a format of `formats.served_by_mixed`: each side `serves`, per-token scales
     in fp16 / bf16 / fp32 (not e8m0); K and V of their own dtype and symmetry with a scale a token-head (`V_KIND`),
-    or integer K and V of one format with GROUPS_SERVED group scales (`GROUPS`)."""
+    integer K and V of one format with GROUPS_SERVED group scales (`GROUPS`), or int8 K of a scale a token-head with
+    integer V of GROUPS_SERVED group scales (K8V4 with V groups: `V_GROUPS`)."""
     if not all(serves(kf, block_size, group) and kf.scale_mode == codes.PER_TOKEN
                and kf.scale_dtype != codes.SCALE_E8M0 for kf in (kf_k, kf_v)):
         return False
     if kf_k.groups == 1 and kf_v.groups == 1:
         return True
-    return kf_k == kf_v and kf_k.kind != codes.FLOAT and kf_k.groups in GROUPS_SERVED and (
-        kf_k.groups == 2 or kf_k.kind == codes.INT4)
+    if kf_k == kf_v:
+        return _groups_served(kf_k)
+    return kf_k.kind == codes.INT8 and kf_k.groups == 1 and _groups_served(kf_v)
+
+
+def dequantized(kf_k: KernelFormat, kf_v: KernelFormat) -> bool:
+    """Whether K and V are dequantized as they are widened (`gluon_groups.py`): wherever a side has group scales."""
+    return kf_k.groups > 1 or kf_v.groups > 1
 
 
 def widening(kf: KernelFormat, kf_v: KernelFormat | None = None) -> dict[str, str]:
     """The kernel's PTX constants for this format: K's word widening and V's token-pair widening (V's format: kf_v
-    where K and V differ); group scales' dequantize as they widen."""
+    where K and V differ); each side dequantizes as it widens where a side has group scales (`dequantized`)."""
     kf_v = kf if kf_v is None else kf_v
-    if kf.groups > 1:
-        return dict(ASM=word_scaled_asm(kf.kind, not kf.asym), VASM=pair_scaled_asm(kf.kind, not kf.asym))
+    if dequantized(kf, kf_v):
+        return dict(ASM=word_scaled_asm(kf.kind, not kf.asym), VASM=pair_scaled_asm(kf_v.kind, not kf_v.asym))
     return dict(ASM=word_asm(kf.kind, kf.fp8, not kf.asym), VASM=pair_asm(kf_v.kind, kf_v.fp8, not kf_v.asym))
 
 
@@ -144,14 +155,15 @@ if gluon is not None:
         SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
         OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False, K_CHAINS: gl.constexpr = 1,
         TMA: gl.constexpr = False, V_KIND: gl.constexpr = -1, V_ASYM: gl.constexpr = False,
-        GROUPS: gl.constexpr = 1,
+        GROUPS: gl.constexpr = 1, DEQUANT: gl.constexpr = False, V_GROUPS: gl.constexpr = 0,
     ):
         """K, V: the pages as int32 words, strides in words (TMA: tensor descriptors of their 16-word rows, and KS, VS,
         KZ, VZ of the per-token scales' rows of 16). KIND, ASYM, stride_c*: K's format and pages, and V's too unless
         V_KIND >= 0: then V is stored as V_KIND / V_ASYM with its pages' strides stride_vc* (the K/V-split formats,
         per-token scales of one dtype, loaded from registers: STAGES 0). GROUPS > 1: that many scales (and zero
-        points) per token-head, integer K and V of one format dequantized as they widen (`gluon_groups.py`); int4
-        through the TMA ring (STAGES, TMA; not PAIRS), int8 from registers."""
+        points) per token-head. DEQUANT (a side with group scales, `dequantized`): integer K and V dequantized as they widen
+        (`gluon_groups.py`), V of V_GROUPS scales a token-head where it differs from K (0: K's); int4 of one format
+        through the TMA ring (STAGES, TMA; not PAIRS), the others from registers."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
         if V_KIND < 0:  # one format for K and V
             VK: gl.constexpr = KIND
@@ -170,7 +182,7 @@ if gluon is not None:
         q = gl.load(Q + b * stride_qb + (kvh * GROUP + hr)[:, None] * stride_qh + dr[None, :],
                     mask=hmask_r[:, None], other=0.0)
         # K's values as the dots see them: dequantized (group scales, float formats) or the stored integers
-        K_VALUES: gl.constexpr = KIND == codes.FLOAT or GROUPS > 1
+        K_VALUES: gl.constexpr = KIND == codes.FLOAT or DEQUANT
         nibble = gl.full([1, 128], 1.0, gl.float32, layout=ROWS)
         if KIND == codes.INT4 and not K_VALUES:
             nibble = gl.where(dr[None, :] % 2 == 1, 16.0, 1.0)
@@ -217,15 +229,19 @@ if gluon is not None:
                  stride_mh, koffs, voffs, tk, tv, ts)
         state = (m_i, l_t, z_t, acc, c_v)
         consts = (end, qt, qsum, k_fold, K_CENTER * qsum * k_fold, ts)
-        if GROUPS > 1 and STAGES == 0:
-            gwords = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
-                      koffs, voffs)
-            nxt = _group_tile(start, *gwords, KIND, KL, VL, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
+        if DEQUANT and STAGES == 0:
+            gwords = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, v_strides, stride_mb,
+                      stride_mh, koffs, voffs)
+            # each side its own kind, symmetry, groups (V_GROUPS 0: K's) and centre
+            KC: gl.constexpr = 8.0 if KIND == codes.INT4 else 128.0
+            VG: gl.constexpr = GROUPS if V_GROUPS == 0 else V_GROUPS
+            nxt = _group_tile(start, *gwords, KL, VL, BLOCK_SIZE, OFF32, KIND, ASYM, GROUPS, KC, VK, VA, VG, CENTER)
             for n0 in range(start, end, 16):
                 cur = nxt
-                nxt = _group_tile(n0 + 16, *gwords, KIND, KL, VL, BLOCK_SIZE, ASYM, OFF32, GROUPS, CENTER)
+                nxt = _group_tile(n0 + 16, *gwords, KL, VL, BLOCK_SIZE, OFF32, KIND, ASYM, GROUPS, KC, VK, VA, VG,
+                                  CENTER)
                 m_i, l_t, acc = _group_attend(n0, *cur, m_i, l_t, acc, end, qt, k_fold, ts, KIND, ASM, VASM, K_CHAINS,
-                                              SKIP_RESCALE)
+                                              SKIP_RESCALE, VK)
             state = (m_i, l_t, z_t, acc, c_v)
         elif STAGES > 0:
             # int4: a ring of STAGES tiles in shared memory (words, per-token scales and zero points), filled
@@ -272,12 +288,12 @@ if gluon is not None:
                                stride_ch, stride_ct, koffs, metas, BLOCK_SIZE, SCALE_MODE, ASYM, TMA, GROUPS)
                     ahead += 16
                     page = _page(bt_row, ahead, end, BLOCK_SIZE, OFF32)  # after its last use: no register move
-                    if GROUPS > 1:  # int4 group scales through the TMA ring (`gluon_groups.py`)
+                    if DEQUANT:  # int4 group scales through the TMA ring (`gluon_groups.py`)
                         cur = _group_ring_tile(n0, end, k_ring, v_ring, metas, stage, KL, VL, ASYM, GROUPS, CENTER)
                         stage = (stage + 1) % STAGES
                         m_i, l_t, z_t, acc, c_v = state
                         m_i, l_t, acc = _group_attend(n0, *cur, m_i, l_t, acc, end, qt, k_fold, ts, KIND, ASM, VASM,
-                                                      K_CHAINS, SKIP_RESCALE)
+                                                      K_CHAINS, SKIP_RESCALE, KIND)
                         state = (m_i, l_t, z_t, acc, c_v)
                     else:
                         kw = k_ring.index(stage).load(KL)
@@ -298,7 +314,7 @@ if gluon is not None:
         m_i, l_t, z_t, acc, c_v = state
 
         l_i = gl.sum(l_t, 0)
-        if GROUPS > 1:  # the dequantized values' own sum
+        if DEQUANT:  # the dequantized values' own sum
             o = acc
         elif SCALE_MODE == codes.PER_TOKEN:
             o = acc * c_v

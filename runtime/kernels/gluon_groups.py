@@ -46,19 +46,23 @@ if gluon is not None:
     _K8 = ([[0, 1], [0, 2], [0, 4], [8, 0]], [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]])
     _V4 = ([[0, 1], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]])
     _V8 = ([[0, 1], [0, 2], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]])
+    K4_G1 = gl.constexpr(_by_group(*_K4, 16, 1))
     K4_G4 = gl.constexpr(_by_group(*_K4, 16, 4))
     K4_G2 = gl.constexpr(_by_group(*_K4, 16, 2))
     K8_G2 = gl.constexpr(_by_group(*_K8, 32, 2))
+    V4_G1 = gl.constexpr(_by_group(*_V4, 16, 1))
     V4_G4 = gl.constexpr(_by_group(*_V4, 16, 4))
     V4_G2 = gl.constexpr(_by_group(*_V4, 16, 2))
     V8_G2 = gl.constexpr(_by_group(*_V8, 32, 2))
+    K8_G1 = gl.constexpr(_by_group(*_K8, 32, 1))
+
     @gluon.constexpr_function
     def _scale_layout(kind, groups, side):
         """The layout a tile's scales load in (`_by_group`) for K (side 0) or V (side 1) of an integer format of
-        `groups` group scales."""
-        if kind == codes.INT8:  # group 64
-            return (K8_G2, V8_G2)[side]
-        return ((K4_G2, V4_G2) if groups == 2 else (K4_G4, V4_G4))[side]
+        `groups` scales a token-head (int8: K per token, or K and V in groups of 64; int4: 1, 2 or 4 groups)."""
+        if kind == codes.INT8:
+            return K8_G1 if groups == 1 and side == 0 else (K8_G2, V8_G2)[side]
+        return {1: (K4_G1, V4_G1), 2: (K4_G2, V4_G2), 4: (K4_G4, V4_G4)}[groups][side]
 
     # a TMA scale ring's stages read as [64 / GROUPS, GROUPS] (`_ring_rows`)
     RING_GROUPS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -127,18 +131,23 @@ if gluon is not None:
                 gl.convert_layout(gl.reshape(z3, [16, WORDS]), WL, assert_trivial=True))
 
     @gluon.jit
-    def _group_tile(n0, K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, stride_mb, stride_mh,
-                    koffs, voffs, KIND: gl.constexpr, KL: gl.constexpr, VL: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                    ASYM: gl.constexpr, OFF32: gl.constexpr, GROUPS: gl.constexpr, CENTER: gl.constexpr):
-        """A tile's K/V words (integer pages: unmasked, as `_tile_words`) and each word's scale and centred zero
-        point, K's and V's (`_lane_scales`)."""
+    def _group_tile(n0, K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, v_strides, stride_mb,
+                    stride_mh, koffs, voffs, KL: gl.constexpr, VL: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                    OFF32: gl.constexpr, K_KIND: gl.constexpr, K_ASYM: gl.constexpr, K_GROUPS: gl.constexpr,
+                    K_CENTER: gl.constexpr, V_KIND: gl.constexpr, V_ASYM: gl.constexpr, V_GROUPS: gl.constexpr,
+                    V_CENTER: gl.constexpr):
+        """A tile's K/V words (integer pages: unmasked, as `_tile_words`; V's pages of their own strides
+        `v_strides`) and each word's scale and centred zero point, K's and V's (`_lane_scales`), each side of its own
+        kind, symmetry, groups and centre."""
         page = _page(bt_row, n0, end, BLOCK_SIZE, OFF32)
         base, slot = _tile_base(n0, page, kvh, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
+        vbase, _ = _tile_base(n0, page, kvh, v_strides[0], v_strides[1], v_strides[2], BLOCK_SIZE)
         kw = gl.load(K + base + koffs)
-        vw = gl.load(V + base + voffs)
+        vw = gl.load(V + vbase + voffs)
         rows = page * stride_mb + kvh * stride_mh + slot
-        ks, kz = _lane_scales(KS, KZ, rows, n0, end, _scale_layout(KIND, GROUPS, 0), KL, ASYM, CENTER, False)
-        vs, vz = _lane_scales(VS, VZ, rows, n0, end, _scale_layout(KIND, GROUPS, 1), VL, ASYM, CENTER, True)
+        ks, kz = _lane_scales(KS, KZ, rows, n0, end, _scale_layout(K_KIND, K_GROUPS, 0), KL, K_ASYM, K_CENTER,
+                              False)
+        vs, vz = _lane_scales(VS, VZ, rows, n0, end, _scale_layout(V_KIND, V_GROUPS, 1), VL, V_ASYM, V_CENTER, True)
         return kw, vw, ks, kz, vs, vz
 
     @gluon.jit
@@ -156,15 +165,16 @@ if gluon is not None:
 
     @gluon.jit
     def _group_attend(n0, kw, vw, ks, kz, vs, vz, m_i, l_t, acc, end, qt, k_fold, ts, KIND: gl.constexpr,
-                      ASM: gl.constexpr, VASM: gl.constexpr, K_CHAINS: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+                      ASM: gl.constexpr, VASM: gl.constexpr, K_CHAINS: gl.constexpr, SKIP_RESCALE: gl.constexpr,
+                      V_KIND: gl.constexpr):
         """One 16-token tile into the state (m_i, l_t, acc): scores s^T [16 tokens, 8 heads] in log2 units (-inf past
         `end`) from the dequantized K, then the online softmax (`_rescale` as for static scales: no V scale bound)
-        and p . V on the dequantized V."""
+        and p . V on the dequantized V (KIND, V_KIND: K's and V's)."""
         a = _k_operands_scaled(kw, ks, kz, KIND, ASM, K_CHAINS)
         s = mma_v2(a[0], qt[0], gl.zeros([16, 8], gl.float32, layout=MMA))
         for i in gl.static_range(1, K_CHAINS):
             s += mma_v2(a[i], qt[i], gl.zeros([16, 8], gl.float32, layout=MMA))
         s = gl.where(((n0 + ts) < end)[:, None], s * k_fold, float("-inf"))
         m_new, p, l_t, _, acc = _rescale(s, m_i, 1.0, 1.0, l_t, l_t, acc, codes.PER_TENSOR, False, SKIP_RESCALE)
-        acc = mma_v2(_v_operand_scaled(vw, vs, vz, KIND, VASM), gl.convert_layout(p.to(gl.float16), B_OP), acc)
+        acc = mma_v2(_v_operand_scaled(vw, vs, vz, V_KIND, VASM), gl.convert_layout(p.to(gl.float16), B_OP), acc)
         return m_new, l_t + p, acc
