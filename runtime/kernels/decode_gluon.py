@@ -96,6 +96,7 @@ GROUPS_SERVED = (2, 4)
 
 
 def _groups_served(kf: KernelFormat) -> bool:
+    """An integer side whose group scales the dequantizing tiles load (`gluon_groups._scale_layout`)."""
     return kf.kind != codes.FLOAT and kf.groups in GROUPS_SERVED and (kf.groups == 2 or kf.kind == codes.INT4)
 
 
@@ -161,9 +162,9 @@ if gluon is not None:
         KZ, VZ of the per-token scales' rows of 16). KIND, ASYM, stride_c*: K's format and pages, and V's too unless
         V_KIND >= 0: then V is stored as V_KIND / V_ASYM with its pages' strides stride_vc* (the K/V-split formats,
         per-token scales of one dtype, loaded from registers: STAGES 0). GROUPS > 1: that many scales (and zero
-        points) per token-head. DEQUANT (a side with group scales, `dequantized`): integer K and V dequantized as they widen
-        (`gluon_groups.py`), V of V_GROUPS scales a token-head where it differs from K (0: K's); int4 of one format
-        through the TMA ring (STAGES, TMA; not PAIRS), the others from registers."""
+        points) per token-head. DEQUANT (a side with group scales, `dequantized`): integer K and V dequantized as they
+        widen (`gluon_groups.py`), V of V_GROUPS scales a token-head where it differs from K (0: K's); int4 of one
+        format through the TMA ring (STAGES, TMA; not PAIRS), the others from registers."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
         if V_KIND < 0:  # one format for K and V
             VK: gl.constexpr = KIND

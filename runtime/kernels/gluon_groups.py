@@ -46,23 +46,21 @@ if gluon is not None:
     _K8 = ([[0, 1], [0, 2], [0, 4], [8, 0]], [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]])
     _V4 = ([[0, 1], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]])
     _V8 = ([[0, 1], [0, 2], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]])
-    K4_G1 = gl.constexpr(_by_group(*_K4, 16, 1))
     K4_G4 = gl.constexpr(_by_group(*_K4, 16, 4))
     K4_G2 = gl.constexpr(_by_group(*_K4, 16, 2))
+    K8_G1 = gl.constexpr(_by_group(*_K8, 32, 1))
     K8_G2 = gl.constexpr(_by_group(*_K8, 32, 2))
-    V4_G1 = gl.constexpr(_by_group(*_V4, 16, 1))
     V4_G4 = gl.constexpr(_by_group(*_V4, 16, 4))
     V4_G2 = gl.constexpr(_by_group(*_V4, 16, 2))
     V8_G2 = gl.constexpr(_by_group(*_V8, 32, 2))
-    K8_G1 = gl.constexpr(_by_group(*_K8, 32, 1))
 
     @gluon.constexpr_function
     def _scale_layout(kind, groups, side):
         """The layout a tile's scales load in (`_by_group`) for K (side 0) or V (side 1) of an integer format of
-        `groups` scales a token-head (int8: K per token, or K and V in groups of 64; int4: 1, 2 or 4 groups)."""
+        `groups` scales a token-head (int8: K per token, or K and V in groups of 64; int4: 2 or 4 groups)."""
         if kind == codes.INT8:
             return K8_G1 if groups == 1 and side == 0 else (K8_G2, V8_G2)[side]
-        return {1: (K4_G1, V4_G1), 2: (K4_G2, V4_G2), 4: (K4_G4, V4_G4)}[groups][side]
+        return ((K4_G2, V4_G2) if groups == 2 else (K4_G4, V4_G4))[side]
 
     # a TMA scale ring's stages read as [64 / GROUPS, GROUPS] (`_ring_rows`)
     RING_GROUPS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
