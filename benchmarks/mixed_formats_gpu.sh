@@ -7,7 +7,8 @@
 #   2. benchmarks/kernels.py at Llama-3-8B 16 x 32768 for those formats beside BF16, FP8 and INT4 per-token asym,
 #      cuDNN BF16 SDPA timed in the same run -> OUT/kernels_mixed_formats.{md,jsonl};
 #   3. benchmarks/peers.py at the same shape (FlashInfer and XQA on BF16 / FP8, kvq on the same and on K8V4 (also V
-#      in groups of 32), INT4 per-token and groups of 64 / 32) -> OUT/peers/peers.{md,jsonl}, where the carried wheels (.whl/, benchmarks/README.md) install.
+#      in groups of 32), INT4 per-token and groups of 64 / 32) -> OUT/peers/peers.{md,jsonl}, where the carried
+#      wheels (.whl/, benchmarks/README.md) install.
 # Usage (repository root): bash benchmarks/mixed_formats_gpu.sh OUT
 set -uo pipefail
 out=${1:?usage: bash benchmarks/mixed_formats_gpu.sh OUT}

@@ -35,24 +35,21 @@ from runtime.kv_format import KVFormat
 
 from . import peer_kernels
 from .gpu_timing import env_line
+from .kernels import FORMATS as KERNEL_FORMATS
 from .peer_kernels import IMPLEMENTATIONS, LABELS
 
-FORMATS = {"bf16": KVFormat("bf16"), "fp8_e4m3": KVFormat("fp8_e4m3", "per_tensor"),
-           # kvq's own formats (docs/kv-formats.md): no peer reads them, so only kvq runs there (its row beside the
-           # peers' BF16 / FP8 rows of the same shape and the cuDNN baseline)
-           "k8v4": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False),
-           "k8v4-g32": KVFormat("int8", "per_token", v_dtype="int4", v_symmetric=False, v_group_size=32),
-           "int4-tok-asym": KVFormat("int4", "per_token", symmetric=False),
-           "int4-g64-asym": KVFormat("int4", "per_token", symmetric=False, group_size=64),
-           "int4-g32-asym": KVFormat("int4", "per_token", symmetric=False, group_size=32)}
 PEER_FORMATS = ("bf16", "fp8_e4m3")  # what FlashInfer and XQA read in kvq's layout
+# and kvq's own formats (docs/kv-formats.md): no peer reads them, so only kvq runs there (its row beside the peers'
+# BF16 / FP8 rows of the same shape and the cuDNN baseline); benchmarks/kernels.py's formats of those names
+OWN_FORMATS = ("k8v4", "k8v4-g32", "int4-tok-asym", "int4-g64-asym", "int4-g32-asym")
+FORMATS = {name: KERNEL_FORMATS[name] for name in (*PEER_FORMATS, *OWN_FORMATS)}
 # Tolerance: twice the unit roundoff u of the narrowest type a kernel may round to on the way: bf16
 # for BF16 KV; for FP8 KV its own e4m3, since XQA rounds q and P to e4m3 for its FP8 MMAs. A kernel
 # may round P, its split-K partials (XQA keeps them in bf16) and the output, each with an rms relative
 # error of u / sqrt(3): about u together, so 2u bounds a correct kernel's norm-wise error over a finite
 # sample, while a wrong page, scale or mask costs an error of order 1.
 PRODUCT_DTYPE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
-                 **{name: torch.bfloat16 for name in FORMATS if name not in PEER_FORMATS}}
+                 **{name: torch.bfloat16 for name in OWN_FORMATS}}
 TOLERANCE = {name: torch.finfo(dt).eps for name, dt in PRODUCT_DTYPE.items()}  # eps = 2u
 PAGE_SIZE = 16  # kvq's engine default, and XQA's smallest (XQA takes 16, 32, 64 or 128)
 SHAPES = ["llama3-8b:16x32768", "llama3-8b:64x8192", "llama3-8b:128x4096", "llama3-8b:1x131072",

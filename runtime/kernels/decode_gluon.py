@@ -156,15 +156,15 @@ if gluon is not None:
         SKIP_RESCALE: gl.constexpr, STAGES: gl.constexpr = 0,
         OFF32: gl.constexpr = False, PAIRS: gl.constexpr = False, K_CHAINS: gl.constexpr = 1,
         TMA: gl.constexpr = False, V_KIND: gl.constexpr = -1, V_ASYM: gl.constexpr = False,
-        GROUPS: gl.constexpr = 1, DEQUANT: gl.constexpr = False, V_GROUPS: gl.constexpr = 0,
+        GROUPS: gl.constexpr = 1, DEQUANT: gl.constexpr = False, V_GROUPS: gl.constexpr = 1,
     ):
         """K, V: the pages as int32 words, strides in words (TMA: tensor descriptors of their 16-word rows, and KS, VS,
         KZ, VZ of the per-token scales' rows of 16). KIND, ASYM, stride_c*: K's format and pages, and V's too unless
         V_KIND >= 0: then V is stored as V_KIND / V_ASYM with its pages' strides stride_vc* (the K/V-split formats,
         per-token scales of one dtype, loaded from registers: STAGES 0). GROUPS > 1: that many scales (and zero
         points) per token-head. DEQUANT (a side with group scales, `dequantized`): integer K and V dequantized as they
-        widen (`gluon_groups.py`), V of V_GROUPS scales a token-head where it differs from K (0: K's); int4 of one
-        format through the TMA ring (STAGES, TMA; not PAIRS), the others from registers."""
+        widen (`gluon_groups.py`), V of V_GROUPS scales a token-head; int4 of one format through the TMA ring
+        (STAGES, TMA; not PAIRS), the others from registers."""
         b, kvh, sp, start, end = _program_tokens(SEQ, tokens_per_split)
         if V_KIND < 0:  # one format for K and V
             VK: gl.constexpr = KIND
@@ -196,13 +196,16 @@ if gluon is not None:
         if not K_VALUES:
             qsum = gl.convert_layout(gl.sum(q16.to(gl.float32) * (nibble / 16777216.0), 1), gl.SliceLayout(0, MMA))
 
-        # centres of the stored integers: K's (`word_asm` does not centre) and V's (`pair_asm` widens centred)
+        # centres of the stored integers: K's (`word_asm` does not centre; K_MID: the dequantizing widening's) and
+        # V's (`pair_asm` widens centred)
         if KIND == codes.INT4:
             K_CENTER: gl.constexpr = 0.0 if ASYM else 8.0
+            K_MID: gl.constexpr = 8.0
             KL: gl.constexpr = K_W4
             K_WORDS: gl.constexpr = 16
         else:
             K_CENTER: gl.constexpr = 0.0 if ASYM or KIND == codes.FLOAT else 128.0
+            K_MID: gl.constexpr = 128.0
             KL: gl.constexpr = K_W8
             K_WORDS: gl.constexpr = 32
         if VK == codes.INT4:
@@ -233,14 +236,13 @@ if gluon is not None:
         if DEQUANT and STAGES == 0:
             gwords = (K, V, KS, VS, KZ, VZ, bt_row, end, kvh, stride_cb, stride_ch, stride_ct, v_strides, stride_mb,
                       stride_mh, koffs, voffs)
-            # each side its own kind, symmetry, groups (V_GROUPS 0: K's) and centre
-            KC: gl.constexpr = 8.0 if KIND == codes.INT4 else 128.0
-            VG: gl.constexpr = GROUPS if V_GROUPS == 0 else V_GROUPS
-            nxt = _group_tile(start, *gwords, KL, VL, BLOCK_SIZE, OFF32, KIND, ASYM, GROUPS, KC, VK, VA, VG, CENTER)
+            # each side its own kind, symmetry, groups and centre (constexprs: passed one by one, not in a tuple)
+            nxt = _group_tile(start, *gwords, KL, VL, BLOCK_SIZE, OFF32, KIND, ASYM, GROUPS, K_MID, VK, VA, V_GROUPS,
+                              CENTER)
             for n0 in range(start, end, 16):
                 cur = nxt
-                nxt = _group_tile(n0 + 16, *gwords, KL, VL, BLOCK_SIZE, OFF32, KIND, ASYM, GROUPS, KC, VK, VA, VG,
-                                  CENTER)
+                nxt = _group_tile(n0 + 16, *gwords, KL, VL, BLOCK_SIZE, OFF32, KIND, ASYM, GROUPS, K_MID, VK, VA,
+                                  V_GROUPS, CENTER)
                 m_i, l_t, acc = _group_attend(n0, *cur, m_i, l_t, acc, end, qt, k_fold, ts, KIND, ASM, VASM, K_CHAINS,
                                               SKIP_RESCALE, VK)
             state = (m_i, l_t, z_t, acc, c_v)

@@ -190,7 +190,8 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
     tokens_per_split, num_splits, (pm, pl, pacc) = splits
     split = splits_write_partials(splits, bool(plan.split_tokens))
     kw, vw = cache.k.view(torch.int32), cache.v.view(torch.int32)
-    dequant = decode_gluon.dequantized(kf, kf if kf_v is None else kf_v)
+    v_format = kf if kf_v is None else kf_v
+    dequant = decode_gluon.dequantized(kf, v_format)
     scale_args = scale_tensors(cache, cache.k)
     pages = (kw, vw, *scale_args)
     if plan.tma:
@@ -209,8 +210,7 @@ def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: fl
         SKIP_RESCALE=plan.skip_rescale, STAGES=plan.stages,
         OFF32=plan.offsets32 and cache.k.numel() // 4 < 2**31, PAIRS=plan.pairs, K_CHAINS=plan.k_chains,
         TMA=plan.tma, **({"V_KIND": kf_v.kind, "V_ASYM": kf_v.asym} if kf_v is not None else {}),
-        **({"GROUPS": kf.groups, "DEQUANT": True, "V_GROUPS": kf_v.groups if kf_v is not None else 0}
-           if dequant else {}),
+        **({"GROUPS": kf.groups, "DEQUANT": True, "V_GROUPS": v_format.groups} if dequant else {}),
         num_warps=1, **({"maxnreg": plan.registers} if plan.registers else {}),
     )
     merge_partials(splits, out, seq_lens, bool(plan.split_tokens))
