@@ -33,6 +33,8 @@ from .plan import (
     DecodePlan,
     PrefillPlan,
     WritePlan,
+    bad_plan,
+    check_fast_write,
     decode_plan,
     device_of,
     dot_mode,
@@ -48,12 +50,6 @@ from .widen_ptx import widen_asm
 from .write_kv import _write_kv_kernel
 
 _LOG2E = 1.4426950408889634
-
-def _bad_plan(plan, field: str, why: str) -> ValueError:
-    return ValueError(f"{type(plan).__name__}.{field}={getattr(plan, field)!r}: {why}; make the plan with "
-                      f"runtime.kernels.{type(plan).__name__.lower().replace('plan', '_plan')} and change it with "
-                      f"dataclasses.replace")
-
 
 def decode_plan_for(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor) -> DecodePlan:
     """The default plan of a `decode_attention` call with these tensors."""
@@ -92,24 +88,24 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
         _launch_gluon(q, cache, kf, block_tables, seq_lens, qk_scale, out, splits, plan)
         return out
     if plan.kernel not in KERNELS:
-        raise _bad_plan(plan, "kernel", f"choose {', '.join(KERNELS)}")
+        raise bad_plan(plan, "kernel", f"choose {', '.join(KERNELS)}")
     if (plan.kernel == "tiles") != (kf.scale_mode == codes.NO_SCALE):
-        raise _bad_plan(plan, "kernel", f"the {cache.fmt.name} format runs on "
+        raise bad_plan(plan, "kernel", f"the {cache.fmt.name} format runs on "
                         f"{'tiles' if kf.scale_mode == codes.NO_SCALE else 'warps or gluon'}")
     if plan.kernel == "warps" and (plan.block_n < 16 or plan.block_n % plan.num_warps
                                    or plan.block_n // plan.num_warps < 16):
-        raise _bad_plan(plan, "block_n", "the per-warp kernel needs >= 16 tokens a warp (block_n / num_warps)")
+        raise bad_plan(plan, "block_n", "the per-warp kernel needs >= 16 tokens a warp (block_n / num_warps)")
     if plan.kernel == "warps" and plan.warp_page and not warp_page_fits(plan.block_n, plan.num_warps, bs):
-        raise _bad_plan(plan, "warp_page", f"a warp's {plan.block_n // plan.num_warps} tokens do not divide pages "
+        raise bad_plan(plan, "warp_page", f"a warp's {plan.block_n // plan.num_warps} tokens do not divide pages "
                         f"of {bs}")
     cuda = q.device.type == "cuda"
     dot = dot_mode(q.dtype, device_of(q.device))
     if plan.dot_fp16 and dot != codes.DOT_NATIVE:
-        raise _bad_plan(plan, "dot_fp16", "fp16 dots need fp16 / bf16 q on the GPU's tensor cores")
+        raise bad_plan(plan, "dot_fp16", "fp16 dots need fp16 / bf16 q on the GPU's tensor cores")
     asm = ("", "")
     if plan.widen_ptx:
         if not (cuda and dot == codes.DOT_NATIVE and kf.kind != codes.FLOAT):
-            raise _bad_plan(plan, "widen_ptx", "the PTX widening serves int8 / int4 pages on the GPU")
+            raise bad_plan(plan, "widen_ptx", "the PTX widening serves int8 / int4 pages on the GPU")
         asm = widen_asm(4 if kf.kind == codes.INT4 else 8, torch.float16 if plan.dot_fp16 else q.dtype, not kf.asym)
     splits = split_plan(out, max_tokens, plan.splits, split_tile(plan), cache, plan.split_tokens)
     tokens_per_split, num_splits, (pm, pl, pacc) = splits
@@ -149,10 +145,10 @@ def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch
     batch, num_heads, _ = q.shape
     group = num_heads // kv_heads
     if plan.pairs or (plan.stages or plan.tma) and not (kf_k.groups > 1 and plan.tma and plan.stages):
-        raise _bad_plan(plan, "stages", "the mixed formats load their tiles into registers, int4 group scales also "
+        raise bad_plan(plan, "stages", "the mixed formats load their tiles into registers, int4 group scales also "
                         "through the TMA ring (stages > 0 with tma=True); use stages=0, pairs=False, tma=False")
     if not (decode_gluon.supported(kf_k, q, bs, group) and decode_gluon.serves_mixed(kf_k, kf_v, bs, group)):
-        raise _bad_plan(plan, "kernel", "the Gluon kernel serves K/V-split formats of per-token scales and integer "
+        raise bad_plan(plan, "kernel", "the Gluon kernel serves K/V-split formats of per-token scales and integer "
                         f"formats of {decode_gluon.GROUPS_SERVED} group scales (no e8m0), on CUDA with fp16 / bf16 q, "
                         "head_dim 128, <= 8 query heads per KV head and pages of 16k tokens; choose mixed")
     _check_gluon_plan(plan, kf_k, q, bs, group)
@@ -169,15 +165,15 @@ def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch
 
 def _check_gluon_plan(plan: DecodePlan, kf, q: torch.Tensor, block_size: int, group: int) -> None:
     if plan.stages and kf.kind != codes.INT4:
-        raise _bad_plan(plan, "stages", "the shared-memory ring serves int4 formats only; use 0")
+        raise bad_plan(plan, "stages", "the shared-memory ring serves int4 formats only; use 0")
     if plan.pairs and plan.stages < 4:
-        raise _bad_plan(plan, "pairs", "tiles two a step need a ring of >= 4 stages")
+        raise bad_plan(plan, "pairs", "tiles two a step need a ring of >= 4 stages")
     if plan.tma and not plan.stages:
-        raise _bad_plan(plan, "tma", "the TMA unit fills the ring: it needs stages > 0")
+        raise bad_plan(plan, "tma", "the TMA unit fills the ring: it needs stages > 0")
     if plan.k_chains not in (1, 2):
-        raise _bad_plan(plan, "k_chains", "use 1 or 2")
+        raise bad_plan(plan, "k_chains", "use 1 or 2")
     if not decode_gluon.supported(kf, q, block_size, group):
-        raise _bad_plan(plan, "kernel", "the Gluon kernel serves CUDA fp16 / bf16 q, head_dim 128, <= 8 query heads "
+        raise bad_plan(plan, "kernel", "the Gluon kernel serves CUDA fp16 / bf16 q, head_dim 128, <= 8 query heads "
                         "per KV head, pages of 16k tokens and quantized formats; choose warps or tiles")
 
 
@@ -266,16 +262,15 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 
 
 def _check_write_plan(plan: WritePlan, kf, k: torch.Tensor) -> None:
-    if plan.fast and (k.device.type != "cuda" or device_of(k.device).interpret):
-        raise _bad_plan(plan, "fast", "the GPU's shortcuts need CUDA outside the interpreter")
+    check_fast_write(plan, k.device)
     if plan.lanes not in (0, 2, 4, 8, 16) or (plan.lanes and not rows_fit(kf.head_dim, plan.lanes)):
-        raise _bad_plan(plan, "lanes", f"use 0, or 2 / 4 / 8 / 16 with >= 8 columns a lane of head_dim {kf.head_dim}")
+        raise bad_plan(plan, "lanes", f"use 0, or 2 / 4 / 8 / 16 with >= 8 columns a lane of head_dim {kf.head_dim}")
     words = plan.fast and k.dtype == torch.bfloat16 and kf.scale_mode == codes.PER_TOKEN \
         and kf.scale_dtype == codes.SCALE_FP16
     if plan.packed and not (plan.lanes and words):
-        raise _bad_plan(plan, "packed", "packed rows need lanes, fast, bf16 k / v and fp16 per-token scales")
+        raise bad_plan(plan, "packed", "packed rows need lanes, fast, bf16 k / v and fp16 per-token scales")
     if plan.lanes and kf.kind != codes.INT4 and not plan.packed:
-        raise _bad_plan(plan, "lanes", "int8 / fp8 rows are stored from words (packed=True)")
+        raise bad_plan(plan, "lanes", "int8 / fp8 rows are stored from words (packed=True)")
 
 
 def prefill_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -310,9 +305,9 @@ def prefill_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for name in ("block_m", "block_n"):
         val = getattr(plan, name)
         if val < 16 or val & (val - 1):
-            raise _bad_plan(plan, name, "use a power of two >= 16 (a tensor-core tile)")
+            raise bad_plan(plan, name, "use a power of two >= 16 (a tensor-core tile)")
     if plan.p_scale and not (kf.scale_mode == codes.PER_TOKEN and not kf.asym and q.dtype == torch.bfloat16):
-        raise _bad_plan(plan, "p_scale", "V's scales on p serve symmetric per-token formats with bf16 q")
+        raise bad_plan(plan, "p_scale", "V's scales on p serve symmetric per-token formats with bf16 q")
     group = num_heads // kv_heads
     rows = max(plan.block_m, triton.next_power_of_2(group))
     tile_m = rows // group

@@ -16,13 +16,24 @@ from ..kv_cache import LayerCache
 from ..kv_format import KVFormat
 from .decode_mixed import _decode_mixed_kernel
 from .formats import (
+    FP8_HARDWARE,
     KernelFormat,
     check_decode_inputs,
     check_write_inputs,
     kernel_formats,
     out_dtype,
 )
-from .plan import MIXED, DecodePlan, WritePlan, decode_plan, device_of, dot_mode, write_plan
+from .plan import (
+    MIXED,
+    DecodePlan,
+    WritePlan,
+    bad_plan,
+    check_fast_write,
+    decode_plan,
+    device_of,
+    dot_mode,
+    write_plan,
+)
 from .split_k import merge_partials, split_plan, splits_write_partials
 from .write_mixed import _write_mixed_kernel
 
@@ -63,19 +74,24 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
         return
     plan = write_plan(cache.fmt, num_tokens, heads, device_of(k.device), head_dim=head_dim,
                       k_dtype=k.dtype) if plan is None else plan
-    if plan.fast or plan.lanes or plan.packed:
-        raise ValueError(f"WritePlan {plan}: the mixed-format write has no fast / lanes / packed variants; make the "
-                         "plan with runtime.kernels.write_plan")
+    for field in ("lanes", "packed"):
+        if getattr(plan, field):
+            raise bad_plan(plan, field, "the mixed-format write has the [tokens, head_dim] tile only")
+    check_fast_write(plan, k.device)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     kc, vc = _pages(cache)
+
+    def fp8(kf: KernelFormat) -> int:  # the hardware's conversion where the plan is fast (same bytes)
+        return FP8_HARDWARE.get(kf.fp8, kf.fp8) if plan.fast else kf.fp8
+
     _write_mixed_kernel[(triton.cdiv(num_tokens, plan.block_t), heads, 2)](
         k, v, kc, vc, *_meta(cache), slot_mapping.contiguous(), num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *kc.stride()[:3], *vc.stride()[:3], heads * bs, bs,
         BLOCK_SIZE=bs, HEAD_DIM=head_dim, BLOCK_D=max(2, triton.next_power_of_2(head_dim)), BLOCK_T=plan.block_t,
-        K_KIND=kf_k.kind, K_ASYM=kf_k.asym, K_FP8=kf_k.fp8, K_QMIN=kf_k.qmin, K_QMAX=kf_k.qmax, K_GROUPS=kf_k.groups,
-        V_KIND=kf_v.kind, V_ASYM=kf_v.asym, V_FP8=kf_v.fp8, V_QMIN=kf_v.qmin, V_QMAX=kf_v.qmax, V_GROUPS=kf_v.groups,
-        SCALE_DT=kf_k.scale_dtype, num_warps=plan.num_warps,
+        K_KIND=kf_k.kind, K_ASYM=kf_k.asym, K_FP8=fp8(kf_k), K_QMIN=kf_k.qmin, K_QMAX=kf_k.qmax, K_GROUPS=kf_k.groups,
+        V_KIND=kf_v.kind, V_ASYM=kf_v.asym, V_FP8=fp8(kf_v), V_QMIN=kf_v.qmin, V_QMAX=kf_v.qmax, V_GROUPS=kf_v.groups,
+        SCALE_DT=kf_k.scale_dtype, FAST=plan.fast, num_warps=plan.num_warps,
     )
 
 

@@ -375,6 +375,17 @@ class WritePlan:
     packed: bool = False
 
 
+def bad_plan(plan, field: str, why: str) -> ValueError:
+    return ValueError(f"{type(plan).__name__}.{field}={getattr(plan, field)!r}: {why}; make the plan with "
+                      f"runtime.kernels.{type(plan).__name__.lower().replace('plan', '_plan')} and change it with "
+                      f"dataclasses.replace")
+
+
+def check_fast_write(plan: WritePlan, device: torch.device) -> None:
+    if plan.fast and (device.type != "cuda" or device_of(device).interpret):
+        raise bad_plan(plan, "fast", "the GPU's shortcuts need CUDA outside the interpreter")
+
+
 def rows_fit(head_dim: int, lanes: int) -> bool:
     """Whether rows over `lanes` lanes fit head_dim: a power of two of >= 8 columns a lane."""
     return head_dim & (head_dim - 1) == 0 and head_dim >= 8 * lanes
@@ -387,8 +398,8 @@ def write_plan(fmt: KVFormat, tokens: int, kv_heads: int, device: Device | torch
     tuned = _format_tuned(fmt, device).write
     fast = device.cuda and not device.interpret
     block_t = 16 if tokens >= 16 * kv_heads else 4
-    if served_by_mixed(fmt):  # write_mixed.py: the [tokens, head_dim] tile, IEEE division everywhere
-        return WritePlan(block_t, write_warps(0, block_t), False)
+    if served_by_mixed(fmt):  # write_mixed.py: the [tokens, head_dim] tile
+        return WritePlan(block_t, write_warps(0, block_t), fast)
     kf = format_codes(fmt, head_dim)
     words = fast and k_dtype == torch.bfloat16 and kf.scale_mode == codes.PER_TOKEN and kf.scale_dtype == 0
     if kf.kind == codes.INT4:

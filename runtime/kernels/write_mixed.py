@@ -10,7 +10,10 @@ own compile-time format, so a K8V4 cache is written by one launch. The rounding 
   to it; e8m0 scales round up to the next power of two (the exponent field, + 0x7FFFFF masked), stored as the
   exponent byte;
 * values: (x - zero) / s with IEEE division, NaN -> 0, clamped, rounded half to even (integers) or encoded by the
-  integer fp8 encoder (`exact_round._fp8_byte`).
+  integer fp8 encoder (`exact_round._fp8_byte`). On the GPU (FAST, `WritePlan.fast`) the division goes through each
+  group's correctly rounded reciprocal and fma corrections (`exact_round._quotient`), integers round with one
+  `cvt.rni` and fp8 takes the hardware's conversion: the same bytes, without the ~11 instructions of a `div.rn` per
+  value that make the write compute-bound.
 
 Groups are an axis of the [tokens, head_dim] tile where head_dim is a power of two (one reduction a row of groups),
 else a mask over the columns looped over at compile time.
@@ -22,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import codes
-from .exact_round import _clamp_round, _fp8_byte
+from .exact_round import _clamp_round, _fp8_byte, _quotient, _reciprocal
 from .write_kv import _to_int
 
 E8M0_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126: e8m0 scales are kept normal in fp32 (kv_quant.dynamic_scales)
@@ -65,19 +68,25 @@ def _scales_of(x, real, AX: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr
 
 
 @triton.jit
-def _group_scales(x, real, S, Z, meta, mask_t, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, ASYM: tl.constexpr,
-                  QMAX: tl.constexpr, SCALE_DT: tl.constexpr, GROUPS: tl.constexpr, GS: tl.constexpr):
+def _per_channel(t, BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, GS: tl.constexpr):
+    """[BLOCK_T, GROUPS] -> [BLOCK_T, GROUPS * GS]: each group's value on each of its channels."""
+    return tl.reshape(tl.broadcast_to(t[:, :, None], (BLOCK_T, GROUPS, GS)), (BLOCK_T, GROUPS * GS))
+
+
+@triton.jit
+def _group_scales(x, real, S, Z, meta, mask_t, BLOCK_T: tl.constexpr, ASYM: tl.constexpr, QMAX: tl.constexpr,
+                  SCALE_DT: tl.constexpr, GROUPS: tl.constexpr, GS: tl.constexpr):
     """Scales and zero points of [BLOCK_T, HEAD_DIM] rows (a power of two) as [BLOCK_T, GROUPS, GS] groups, stored,
-    and broadcast back to every channel (s_el, z_el)."""
+    and broadcast back to every channel with the scales' reciprocals: (s', 1 / s', k, zero) of each channel."""
     s, z = _scales_of(tl.reshape(x, (BLOCK_T, GROUPS, GS)), tl.reshape(real, (BLOCK_T, GROUPS, GS)), 2, ASYM, QMAX,
                       SCALE_DT)
     off = meta[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
     _store_scale(S, off, s, mask_t[:, None], SCALE_DT)
     if ASYM:
         _store_scale(Z, off, z, mask_t[:, None], SCALE_DT)
-    s_el = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_T, GROUPS, GS)), (BLOCK_T, HEAD_DIM))
-    z_el = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_T, GROUPS, GS)), (BLOCK_T, HEAD_DIM))
-    return s_el, z_el
+    s, y, k = _reciprocal(s, True)  # a tensor k whatever the scale dtype (per group: cheap)
+    return (_per_channel(s, BLOCK_T, GROUPS, GS), _per_channel(y, BLOCK_T, GROUPS, GS),
+            _per_channel(k, BLOCK_T, GROUPS, GS), _per_channel(z, BLOCK_T, GROUPS, GS))
 
 
 @triton.jit
@@ -88,15 +97,21 @@ def _masked_scales(x, real, S, Z, meta, mask_t, cols, BLOCK_T: tl.constexpr, BLO
     looped over at compile time, so head dims that are not powers of two need no padding of the group axis."""
     grp = cols // GS
     s_el = tl.full([BLOCK_T, BLOCK_D], 1.0, tl.float32)
+    y_el = tl.full([BLOCK_T, BLOCK_D], 1.0, tl.float32)
+    k_el = tl.full([BLOCK_T, BLOCK_D], 1.0, tl.float32)
     z_el = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for g in tl.static_range(GROUPS):
         s, z = _scales_of(x, real & (grp == g)[None, :], 1, ASYM, QMAX, SCALE_DT)
         _store_scale(S, meta * GROUPS + g, s, mask_t, SCALE_DT)
-        s_el = tl.where((grp == g)[None, :], s[:, None], s_el)
+        mine = (grp == g)[None, :]
+        s, y, k = _reciprocal(s, True)  # a tensor k whatever the scale dtype (per group: cheap)
+        s_el = tl.where(mine, s[:, None], s_el)
+        y_el = tl.where(mine, y[:, None], y_el)
+        k_el = tl.where(mine, k[:, None], k_el)
         if ASYM:
             _store_scale(Z, meta * GROUPS + g, z, mask_t, SCALE_DT)
-            z_el = tl.where((grp == g)[None, :], z[:, None], z_el)
-    return s_el, z_el
+            z_el = tl.where(mine, z[:, None], z_el)
+    return s_el, y_el, k_el, z_el
 
 
 @triton.jit
@@ -114,6 +129,7 @@ def _side_write(
     X, C, S, Z, t, mask_t, head, stride_xt, stride_xh, dst, meta,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
     QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr, GROUPS: tl.constexpr, GS: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Quantize rows t of one side (K or V) and store values, scales and zero points."""
     BLOCK_T: tl.constexpr = t.shape[0]
@@ -122,21 +138,22 @@ def _side_write(
     x = tl.load(X + t[:, None] * stride_xt + head * stride_xh + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     real = m2 & (x == x)  # NaNs stay out of the reductions (kv_quant.dynamic_scales)
     if BLOCK_D == HEAD_DIM and GROUPS > 1:  # the groups as an axis: one reduction over each group's channels
-        s_el, z_el = _group_scales(x, real, S, Z, meta, mask_t, BLOCK_T, HEAD_DIM, ASYM, QMAX, SCALE_DT, GROUPS, GS)
+        s_el, y_el, k_el, z_el = _group_scales(x, real, S, Z, meta, mask_t, BLOCK_T, ASYM, QMAX, SCALE_DT, GROUPS,
+                                               GS)
     else:
-        s_el, z_el = _masked_scales(x, real, S, Z, meta, mask_t, cols, BLOCK_T, BLOCK_D, ASYM, QMAX, SCALE_DT,
-                                    GROUPS, GS)
-    y = tl.math.div_rn(x - z_el, s_el)
+        s_el, y_el, k_el, z_el = _masked_scales(x, real, S, Z, meta, mask_t, cols, BLOCK_T, BLOCK_D, ASYM, QMAX,
+                                                SCALE_DT, GROUPS, GS)
+    q = _quotient(x - z_el, s_el, y_el, k_el, FAST)
     if KIND == codes.FLOAT:
-        tl.store(C + dst[:, None] + cols[None, :], _fp8_byte(y, FP8, QMIN, QMAX), mask=m2)
+        tl.store(C + dst[:, None] + cols[None, :], _fp8_byte(q, FP8, QMIN, QMAX), mask=m2)
     elif KIND == codes.INT8:
-        n = _to_int(y, QMIN, QMAX, False)
+        n = _to_int(q, QMIN, QMAX, FAST)
         if ASYM:
             tl.store(C + dst[:, None] + cols[None, :], n.to(tl.uint8), mask=m2)
         else:
             tl.store(C + dst[:, None] + cols[None, :], n.to(tl.int8), mask=m2)
     else:
-        n = _to_int(y, QMIN, QMAX, False)
+        n = _to_int(q, QMIN, QMAX, FAST)
         if not ASYM:
             n += 8
         lo, hi = tl.split(tl.reshape(n, (BLOCK_T, BLOCK_D // 2, 2)))  # even column in the low nibble
@@ -154,7 +171,7 @@ def _write_mixed_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     K_KIND: tl.constexpr, K_ASYM: tl.constexpr, K_FP8: tl.constexpr, K_QMIN: tl.constexpr, K_QMAX: tl.constexpr,
     K_GROUPS: tl.constexpr, V_KIND: tl.constexpr, V_ASYM: tl.constexpr, V_FP8: tl.constexpr,
-    V_QMIN: tl.constexpr, V_QMAX: tl.constexpr, V_GROUPS: tl.constexpr, SCALE_DT: tl.constexpr,
+    V_QMIN: tl.constexpr, V_QMAX: tl.constexpr, V_GROUPS: tl.constexpr, SCALE_DT: tl.constexpr, FAST: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
@@ -163,8 +180,8 @@ def _write_mixed_kernel(
     if tl.program_id(2) == 0:
         _side_write(K, KC, KS, KZ, t, mask_t, head, stride_kt, stride_kh,
                     blk * stride_kcb + head * stride_kch + off * stride_kct, meta, HEAD_DIM, BLOCK_D,
-                    K_KIND, K_ASYM, K_FP8, K_QMIN, K_QMAX, SCALE_DT, K_GROUPS, HEAD_DIM // K_GROUPS)
+                    K_KIND, K_ASYM, K_FP8, K_QMIN, K_QMAX, SCALE_DT, K_GROUPS, HEAD_DIM // K_GROUPS, FAST)
     else:
         _side_write(V, VC, VS, VZ, t, mask_t, head, stride_vt, stride_vh,
                     blk * stride_vcb + head * stride_vch + off * stride_vct, meta, HEAD_DIM, BLOCK_D,
-                    V_KIND, V_ASYM, V_FP8, V_QMIN, V_QMAX, SCALE_DT, V_GROUPS, HEAD_DIM // V_GROUPS)
+                    V_KIND, V_ASYM, V_FP8, V_QMIN, V_QMAX, SCALE_DT, V_GROUPS, HEAD_DIM // V_GROUPS, FAST)
