@@ -95,7 +95,7 @@ def _write_channel_keys_kernel(
     else:
         _side_write(V, VC, VS, VZ, t, mask_t, head, stride_vt, stride_vh,
                     blk * stride_cb + head * stride_ch + off * stride_ct, blk * stride_mb + head * stride_mh + off,
-                    HEAD_DIM, BLOCK_D, codes.INT4, True, 0, 0.0, QMAX, SCALE_DT, 1, HEAD_DIM)
+                    HEAD_DIM, BLOCK_D, codes.INT4, True, 0, 0.0, QMAX, SCALE_DT, 1, HEAD_DIM, False)
 
 
 def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
