@@ -17,8 +17,8 @@ import torch
 
 from benchmarks.step_components import time_ms
 from runtime.batch_invariant import fast_linear
-from runtime.kernels.plan import tuned_file_name
 from runtime.kernels.skinny_gemm import gemv
+from runtime.kernels.tuned_file import tuned_file_name
 
 M_VALUES = (1, 2, 4, 8, 16)
 TILES = ((16, 256), (32, 128), (16, 512), (64, 128))  # (block_n, block_k)

@@ -228,8 +228,9 @@ def attention_plans(engine, ctx: int) -> list[dict]:
     import triton
 
     from runtime.kernels import decode_plan_for
-    from runtime.kernels.plan import device_of, split_tile
+    from runtime.kernels.plan import split_tile
     from runtime.kernels.split_k import split_tokens
+    from runtime.kernels.tuned_file import device_of
 
     model, cfg, bs = engine.model, engine.cfg, engine.stats.block_size
     q = torch.empty(1, cfg.num_heads, cfg.head_dim, device=model.device, dtype=model.dtype)

@@ -28,7 +28,7 @@ import torch
 from benchmarks import kernels as kb
 from benchmarks.gpu_timing import median_ms
 from runtime.kernels import decode_attention, decode_plan_for, write_kv, write_plan
-from runtime.kernels.plan import DEVICE_H200, TunedFile, device_of, tuned_for_device
+from runtime.kernels.tuned_file import DEVICE_H200, TunedFile, device_of, tuned_for_device
 
 # decode field -> (the DecodePlan field it sets, candidates), for the kernel the format runs
 GLUON_FIELDS = {"registers": ("registers", (0, 120, 128)), "ring_registers": ("registers", (0, 120, 128)),

@@ -88,7 +88,8 @@ _ARITHMETIC = ("kernel", "block_n", "num_warps", "k_chains", "skip_rescale", "do
 def decode_kernels(layers, size: int, heads: int, head_dim: int, q_dtype: torch.dtype, device
                    ) -> Callable[[int], tuple]:
     """width -> the arithmetic (`_ARITHMETIC`) of the default decode plan of every layer of `layers` ((format, KV
-    heads, block size) each) for `size` rows of `heads` query heads on `device` (a plan.Device), at that table width."""
+    heads, block size) each) for `size` rows of `heads` query heads on `device` (a tuned_file.Device), at that table
+    width."""
     from .kernels.plan import decode_plan
 
     def kernels(width: int) -> tuple:
@@ -135,7 +136,7 @@ class DecodeBurst:
         if key not in self._widths:
             name = getattr(self.backend, "name", "")
             if name.startswith("triton"):
-                from .kernels.plan import device_of
+                from .kernels.tuned_file import device_of
 
                 layers = [(c.fmt, c.k.shape[1], c.k.shape[2]) for c in self.caches]
                 kernels = decode_kernels(layers, size, self.model.num_heads, self.model.cfg.head_dim, self.model.dtype,

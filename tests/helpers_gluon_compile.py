@@ -17,7 +17,8 @@ from triton.backends.compiler import GPUTarget
 
 from runtime.kernels import decode_gluon
 from runtime.kernels.formats import format_codes
-from runtime.kernels.plan import DEVICE_H200, DecodePlan, Device, decode_plan
+from runtime.kernels.plan import DecodePlan, decode_plan
+from runtime.kernels.tuned_file import DEVICE_H200, Device
 from runtime.kv_format import KVFormat
 
 

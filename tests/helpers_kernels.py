@@ -187,7 +187,8 @@ def fill_cache(fmt, batch, kv_heads, head_dim, bs, seq_lens, gen):
 def decode_with(q, cache, block_tables, seq_lens, sm_scale, kernel=None, tile=None, **changes):
     """decode_attention under the default plan (`kernel`: that family's, "gluon" or "triton") with `changes`;
     tile: tokens a Triton tile (the per-warp kernel: 16 a warp)."""
-    from runtime.kernels.plan import device_of, warp_page_fits
+    from runtime.kernels.plan import warp_page_fits
+    from runtime.kernels.tuned_file import device_of
 
     batch, heads, head_dim = q.shape
     plan = K.decode_plan(cache.fmt, batch, heads, cache.kv_heads, block_tables.shape[1] * cache.block_size,

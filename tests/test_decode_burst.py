@@ -163,7 +163,7 @@ def test_a_bursts_table_runs_the_legacy_steps_decode_kernels(dtype, granularity)
     from helpers_kernels import CUDA  # noqa: F401  (the interpreter where no GPU runs the kernels)
 
     from runtime.decode_burst import decode_kernels, kernel_width, table_width
-    from runtime.kernels.plan import DEVICE_H200
+    from runtime.kernels.tuned_file import DEVICE_H200
     from runtime.kv_format import format_from_name
 
     fmt = format_from_name(f"{dtype}-{granularity}")

@@ -65,7 +65,7 @@ def test_the_formats_here_take_the_mixed_kernels():
     kernel on the H200 (INT4 group scales through the TMA ring, the others from registers); the other group-scale and
     the e8m0 formats, and every format in the interpreter, decode_mixed.py."""
     from runtime.kernels.formats import served_by_mixed
-    from runtime.kernels.plan import Device
+    from runtime.kernels.tuned_file import Device
 
     assert all(served_by_mixed(f) for f in MIXED)
     assert not served_by_mixed(KVFormat("int4", "per_token", False))  # the tuned int4 kernels keep theirs
@@ -86,13 +86,13 @@ def test_one_tuned_entry_sends_a_split_format_back_to_the_mixed_kernel(monkeypat
     """`gluon: false` in the format's tuned entry (tuned/nvidia_h200.json) is the whole switch back."""
     from runtime.kernels import plan as plans
 
-    real = plans._format_tuned
+    real = plans.format_tuned
 
     def without_gluon(fmt, device):
         tuned = real(fmt, device)
         return replace(tuned, decode=replace(tuned.decode, gluon=False))
 
-    monkeypatch.setattr(plans, "_format_tuned", without_gluon)
+    monkeypatch.setattr(plans, "format_tuned", without_gluon)
     for fmt in GLUON:
         assert K.decode_plan(fmt, 16, 32, 8, 32768).kernel == "mixed"
 

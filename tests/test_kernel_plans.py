@@ -78,7 +78,7 @@ def _codes(name: str):
 
 def _gluon_plan(name: str, batch: int, kv_heads: int, max_tokens: int, tma: bool = False, group: int = 4):
     """`tuning.gluon_plan` on 132 SMs with the format's tuned register caps (the H200's file)."""
-    from runtime.kernels.plan import DEVICE_H200, tuned_for_device
+    from runtime.kernels.tuned_file import DEVICE_H200, tuned_for_device
     from runtime.kernels.tuning import gluon_plan
 
     tuned = tuned_for_device(DEVICE_H200).formats[name].decode
@@ -91,7 +91,8 @@ def test_gluon_programs_per_sm_follow_the_register_cap():
     sub-partitions of 16384, 8 per thread at a time (worked by hand: 128 -> 4 x 16384 // 4096 = 16, 120 -> 4 x
     (16384 // 3840 = 4) = 16, 112 and 104 -> 16, 96 -> 4 x 5 = 20, 89 rounds up to 96 -> 20, 80 -> 4 x 6 = 24,
     64 -> 32, 40 -> 4 x 12 = 48 but an SM runs at most 32); uncapped counts 12 (154-168 registers)."""
-    from runtime.kernels.plan import DEVICE_H200, decode_plan
+    from runtime.kernels.plan import decode_plan
+    from runtime.kernels.tuned_file import DEVICE_H200
     from runtime.kernels.tuning import programs_per_sm
     from tests.helpers_gluon_compile import FORMATS_BY_NAME
 
@@ -184,7 +185,7 @@ def test_tma_for_int4_on_hopper_only():
 def test_tuned_file_covers_every_format_and_rejects_unknown_fields():
     """tuned/nvidia_h200.json has an entry for every KV format the runtime supports (by `KVFormat.name`), and its
     schema refuses a misspelt field instead of ignoring it."""
-    from runtime.kernels.plan import DEVICE_H200, TunedFile, tuned_for_device
+    from runtime.kernels.tuned_file import DEVICE_H200, TunedFile, tuned_for_device
     from tests.helpers_launch_record import formats
 
     tuned = tuned_for_device(DEVICE_H200)

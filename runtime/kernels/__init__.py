@@ -16,7 +16,8 @@ A plan (`DecodePlan`, `WritePlan`, `PrefillPlan`) is what a launch decides befor
 `write_plan` and `prefill_plan` make the default one from (format, shape, device), and benchmarks vary it
 with `dataclasses.replace`. Roles, one file each:
 
-    plan.py          the plan objects, the functions that make them, the tuned data's schema and loader
+    plan.py          the plan objects and the functions that make them
+    tuned_file.py    the tuned data's schema, its field-by-field checks and loader; `Device`, which keys it
     tuned/*.json     per-format choices by GPU (the H200's serves the others), written by benchmarks/tune.py
     tuning.py        the rules that depend on the shape or the GPU (split counts, the int4 ring, register caps)
     launch.py        the public ops: validation, default plans, launches
@@ -37,8 +38,9 @@ full-precision attention, and runtime/attention.py falls back to its reference (
 """
 
 from .launch import decode_attention, decode_plan_for, prefill_context_attention, write_kv
-from .plan import DecodePlan, Device, PrefillPlan, WritePlan, decode_plan, prefill_plan, write_plan
+from .plan import DecodePlan, PrefillPlan, WritePlan, decode_plan, prefill_plan, write_plan
 from .split_k import choose_num_splits
+from .tuned_file import Device
 
 __all__ = ["write_kv", "decode_attention", "prefill_context_attention", "DecodePlan", "WritePlan", "PrefillPlan",
            "Device", "decode_plan", "write_plan", "prefill_plan", "decode_plan_for", "choose_num_splits"]

@@ -27,8 +27,9 @@ from ..kv_format import PER_CHANNEL_TOKENS
 from . import codes, decode_channel_keys_gluon
 from .dequant import _dot, _operand, _unpack
 from .group_io import _program_tokens, _softmax_step, _store_group
-from .plan import CHANNEL_KEYS, CHANNEL_KEYS_GLUON, DecodePlan, device_of, dot_mode
+from .plan import CHANNEL_KEYS, CHANNEL_KEYS_GLUON, DecodePlan, dot_mode
 from .split_k import merge_partials, split_plan, splits_write_partials
+from .tuned_file import device_of
 from .widen_ptx import widen_asm
 
 BLOCK = PER_CHANNEL_TOKENS

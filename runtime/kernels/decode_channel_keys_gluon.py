@@ -42,7 +42,7 @@ MAX_GROUP = 8
 
 
 def serves(device, q_dtype: torch.dtype, group: int, head_dim: int) -> bool:
-    """Whether this kernel can run a per-channel-key launch on `device` (a plan.Device): Gluon on CUDA outside the
+    """Whether this kernel can run a per-channel-key launch on `device` (a tuned_file.Device): Gluon on CUDA outside the
     interpreter, fp16 / bf16 q, head_dim 128, <= 8 query heads per KV head."""
     return (gluon is not None and device.cuda and not device.interpret
             and q_dtype in (torch.float16, torch.bfloat16) and head_dim == HEAD_DIM and group <= MAX_GROUP)

@@ -32,8 +32,9 @@ import torch
 from ..attention import prefill_attention
 from ..kv_cache import LayerCache
 from . import invariant_gemm, launch, small_ops
-from .plan import DecodePlan, decode_plan, device_of, split_tile
+from .plan import DecodePlan, decode_plan, split_tile
 from .split_k import fixed_split_count
+from .tuned_file import device_of
 
 # the reference shape of the one plan: many sequences of a long context, so the plan's rules take their
 # steady choices (the per-format tuned tile, never the few-programs variant)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import device_of
+from .tuned_file import device_of
 
 BLOCK_M = 64  # rows a program of the one config: the smallest wgmma M
 _SMS = 132  # the H200's SM count: the config rule's constant (a config must not vary with the machine's load)

@@ -36,7 +36,6 @@ from .plan import (
     bad_plan,
     check_fast_write,
     decode_plan,
-    device_of,
     dot_mode,
     prefill_plan,
     rows_fit,
@@ -46,6 +45,7 @@ from .plan import (
 )
 from .prefill_context import _prefill_context_kernel
 from .split_k import merge_partials, split_plan, splits_write_partials
+from .tuned_file import device_of
 from .widen_ptx import widen_asm
 from .write_kv import _write_kv_kernel
 

@@ -30,11 +30,11 @@ from .plan import (
     bad_plan,
     check_fast_write,
     decode_plan,
-    device_of,
     dot_mode,
     write_plan,
 )
 from .split_k import merge_partials, split_plan, splits_write_partials
+from .tuned_file import device_of
 from .write_mixed import _write_mixed_kernel
 
 _LOG2E = 1.4426950408889634

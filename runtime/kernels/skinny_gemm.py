@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..batch_invariant import fast_linear
-from .plan import device_of, tuned_file_name
+from .tuned_file import device_of, tuned_file_name
 
 MAX_M = 16  # rows a GEMV program carries (the tensor cores' smallest M)
 

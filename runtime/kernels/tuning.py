@@ -1,5 +1,5 @@
 """The decode plan's rules that depend on the shape or the GPU, not only on the format: split counts, the int4
-ring, the register caps' exceptions. The per-format choices are data (tuned/*.json, `plan.tuned_for_device`);
+ring, the register caps' exceptions. The per-format choices are data (tuned/*.json, `tuned_file.tuned_for_device`);
 `plan.decode_plan` combines both. Each rule names the measurements that decided it (docs/kernels.md).
 """
 
