@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The K/V-split and group-scale formats on the GPU machine, in one run of at most ~6 minutes (each step has a timeout;
 # the rest of the tests of tests/test_kernel_mixed.py run on CPU in CI):
-#   1. their kernel tests (tests/test_kernel_mixed.py: the write's bytes, decode against the fp64 oracle, the Gluon
-#      kernel on K8V4 (also with V in groups of 32) / K FP8 / V INT4 / group-64 / group-32 caches) and the single
-#      formats' Gluon decode tests (the kernel they share);
+#   1. their kernel tests (tests/test_kernel_mixed.py: the write's bytes under the GPU's shortcuts, decode against
+#      the fp64 oracle, the Gluon kernel on K8V4 (also with V in groups of 32) / K FP8 / V INT4 / group-64 / group-32
+#      caches) and the single formats' Gluon decode tests (the kernel they share);
 #   2. benchmarks/kernels.py at Llama-3-8B 16 x 32768 for those formats beside BF16, FP8 and INT4 per-token asym,
 #      cuDNN BF16 SDPA timed in the same run -> OUT/kernels_mixed_formats.{md,jsonl};
 #   3. benchmarks/peers.py at the same shape (FlashInfer and XQA on BF16 / FP8, kvq on the same and on K8V4 (also V
@@ -18,7 +18,7 @@ status=0
 # the new paths first (the Gluon kernel on the mixed formats, the e8m0 formats that failed to compile, Llama-3-8B
 # shapes), then the single formats' Gluon decode at one shape (the kernel they share): 2.3 minutes at most
 tests="python3 -m pytest -v --noconftest -p no:cacheprovider"
-timeout 110 $tests tests/test_kernel_mixed.py -k "gluon_mixed_formats or tma_ring or se8m0 or llama8b" 2>&1 \
+timeout 110 $tests tests/test_kernel_mixed.py -k "gluon_mixed_formats or tma_ring or se8m0 or llama8b or write_bytes" 2>&1 \
     | tee "$out/gpu_tests_mixed.log" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout 30 $tests tests/test_kernel_gluon.py -k "test_decode_gluon_kernel and gqa4-page16 and split-k" 2>&1 \
