@@ -181,9 +181,9 @@ def _encode_fp8(y, FP8: tl.constexpr):
 def _fp8_byte(q, FP8: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
     """A quotient (`_quotient`) -> its fp8 byte: NaN -> 0, clamped to [QMIN, QMAX], rounded to nearest even."""
     q = tl.minimum(tl.maximum(tl.where(q != q, 0.0, q), QMIN), QMAX)
-    if FP8 == codes.FP8_E4M3_HW:  # FP8_HARDWARE e4m3: cvt.rn.satfinite, the same RNE on the already clamped value
+    if FP8 == codes.FP8_E4M3_HW:  # a fast plan (formats.write_fp8): cvt.rn.satfinite, the same RNE on the clamped value
         out = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    elif FP8 == codes.FP8_E5M2_HW:  # FP8_HARDWARE e5m2
+    elif FP8 == codes.FP8_E5M2_HW:  # formats.write_fp8 (a fast plan), e5m2
         out = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
         out = _encode_fp8(q, FP8)

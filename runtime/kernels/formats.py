@@ -22,7 +22,13 @@ from . import codes
 SCALE_DTYPE_CODES = {torch.float16: codes.SCALE_FP16, torch.bfloat16: codes.SCALE_BF16, torch.float32: codes.SCALE_FP32,
                      torch.float8_e8m0fnu: codes.SCALE_E8M0}
 # an fp8 encoding -> the same encoding through the GPU's saturating conversion instruction instead of the encoder
-FP8_HARDWARE = {codes.FP8_E4M3: codes.FP8_E4M3_HW, codes.FP8_E5M2: codes.FP8_E5M2_HW}
+_FP8_HARDWARE = {codes.FP8_E4M3: codes.FP8_E4M3_HW, codes.FP8_E5M2: codes.FP8_E5M2_HW}
+
+
+def write_fp8(fp8: int, fast: bool) -> int:
+    """The write kernels' FP8 code for a format's fp8 encoding (`KernelFormat.fp8`): the hardware conversion under a
+    fast plan (the same bytes), else the integer encoder; FP8_NONE stays."""
+    return _FP8_HARDWARE.get(fp8, fp8) if fast else fp8
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from . import codes, decode_channel_keys, decode_gluon, launch_mixed, write_chan
 from .decode_tiles import _decode_kernel
 from .decode_warps import _decode_kernel_warps
 from .formats import (
-    FP8_HARDWARE,
     Q_DTYPES,
     check_decode_inputs,
     check_device,
@@ -26,6 +25,7 @@ from .formats import (
     out_dtype,
     scale_tensors,
     served_by_mixed,
+    write_fp8,
 )
 from .gluon_tiles import ring_descriptors
 from .plan import (
@@ -91,13 +91,13 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Ten
         raise bad_plan(plan, "kernel", f"choose {', '.join(KERNELS)}")
     if (plan.kernel == "tiles") != (kf.scale_mode == codes.NO_SCALE):
         raise bad_plan(plan, "kernel", f"the {cache.fmt.name} format runs on "
-                        f"{'tiles' if kf.scale_mode == codes.NO_SCALE else 'warps or gluon'}")
+                       f"{'tiles' if kf.scale_mode == codes.NO_SCALE else 'warps or gluon'}")
     if plan.kernel == "warps" and (plan.block_n < 16 or plan.block_n % plan.num_warps
                                    or plan.block_n // plan.num_warps < 16):
         raise bad_plan(plan, "block_n", "the per-warp kernel needs >= 16 tokens a warp (block_n / num_warps)")
     if plan.kernel == "warps" and plan.warp_page and not warp_page_fits(plan.block_n, plan.num_warps, bs):
         raise bad_plan(plan, "warp_page", f"a warp's {plan.block_n // plan.num_warps} tokens do not divide pages "
-                        f"of {bs}")
+                       f"of {bs}")
     cuda = q.device.type == "cuda"
     dot = dot_mode(q.dtype, device_of(q.device))
     if plan.dot_fp16 and dot != codes.DOT_NATIVE:
@@ -146,11 +146,11 @@ def _decode_mixed_format(q: torch.Tensor, cache: LayerCache, block_tables: torch
     group = num_heads // kv_heads
     if plan.pairs or (plan.stages or plan.tma) and not (kf_k.groups > 1 and plan.tma and plan.stages):
         raise bad_plan(plan, "stages", "the mixed formats load their tiles into registers, int4 group scales also "
-                        "through the TMA ring (stages > 0 with tma=True); use stages=0, pairs=False, tma=False")
+                       "through the TMA ring (stages > 0 with tma=True); use stages=0, pairs=False, tma=False")
     if not (decode_gluon.supported(kf_k, q, bs, group) and decode_gluon.serves_mixed(kf_k, kf_v, bs, group)):
         raise bad_plan(plan, "kernel", "the Gluon kernel serves K/V-split formats of per-token scales and integer "
-                        f"formats of {decode_gluon.GROUPS_SERVED} group scales (no e8m0), on CUDA with fp16 / bf16 q, "
-                        "head_dim 128, <= 8 query heads per KV head and pages of 16k tokens; choose mixed")
+                       f"formats of {decode_gluon.GROUPS_SERVED} group scales (no e8m0), on CUDA with fp16 / bf16 q, "
+                       "head_dim 128, <= 8 query heads per KV head and pages of 16k tokens; choose mixed")
     _check_gluon_plan(plan, kf_k, q, bs, group)
     out = torch.empty(q.shape, dtype=out_dtype(q.dtype), device=q.device)
     if batch == 0:
@@ -174,7 +174,7 @@ def _check_gluon_plan(plan: DecodePlan, kf, q: torch.Tensor, block_size: int, gr
         raise bad_plan(plan, "k_chains", "use 1 or 2")
     if not decode_gluon.supported(kf, q, block_size, group):
         raise bad_plan(plan, "kernel", "the Gluon kernel serves CUDA fp16 / bf16 q, head_dim 128, <= 8 query heads "
-                        "per KV head, pages of 16k tokens and quantized formats; choose warps or tiles")
+                       "per KV head, pages of 16k tokens and quantized formats; choose warps or tiles")
 
 
 def _launch_gluon(q, cache: LayerCache, kf, block_tables, seq_lens, qk_scale: float, out: torch.Tensor,
@@ -250,12 +250,12 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     fp8_pages = kf.fp8 != codes.FP8_NONE
     kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if fp8_pages else (cache.k, cache.v)
     ks, vs, kz, vz = scale_tensors(cache, kc)
-    fp8 = FP8_HARDWARE[kf.fp8] if fp8_pages and plan.fast else kf.fp8
     _write_kv_kernel[(triton.cdiv(num_tokens, plan.block_t), heads)](
         k, v, kc, vc, ks, vs, kz, vz, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), heads * bs, bs,
         BLOCK_SIZE=bs, HEAD_DIM=kf.head_dim, BLOCK_D=triton.next_power_of_2(stored), BLOCK_T=plan.block_t,
-        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, FP8=fp8, QMIN=kf.qmin, QMAX=kf.qmax,
+        KIND=kf.kind, SCALE_MODE=kf.scale_mode, ASYM=kf.asym, FP8=write_fp8(kf.fp8, plan.fast), QMIN=kf.qmin,
+        QMAX=kf.qmax,
         SCALE_DT=kf.scale_dtype, FULL_D=triton.next_power_of_2(stored) == stored, FAST=plan.fast, LANES=plan.lanes,
         PACKED=plan.packed, num_warps=plan.num_warps,
     )

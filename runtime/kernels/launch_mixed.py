@@ -16,12 +16,12 @@ from ..kv_cache import LayerCache
 from ..kv_format import KVFormat
 from .decode_mixed import _decode_mixed_kernel
 from .formats import (
-    FP8_HARDWARE,
     KernelFormat,
     check_decode_inputs,
     check_write_inputs,
     kernel_formats,
     out_dtype,
+    write_fp8,
 )
 from .plan import (
     MIXED,
@@ -81,16 +81,13 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     kc, vc = _pages(cache)
-
-    def fp8(kf: KernelFormat) -> int:  # the hardware's conversion where the plan is fast (same bytes)
-        return FP8_HARDWARE.get(kf.fp8, kf.fp8) if plan.fast else kf.fp8
-
     _write_mixed_kernel[(triton.cdiv(num_tokens, plan.block_t), heads, 2)](
         k, v, kc, vc, *_meta(cache), slot_mapping.contiguous(), num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *kc.stride()[:3], *vc.stride()[:3], heads * bs, bs,
         BLOCK_SIZE=bs, HEAD_DIM=head_dim, BLOCK_D=max(2, triton.next_power_of_2(head_dim)), BLOCK_T=plan.block_t,
-        K_KIND=kf_k.kind, K_ASYM=kf_k.asym, K_FP8=fp8(kf_k), K_QMIN=kf_k.qmin, K_QMAX=kf_k.qmax, K_GROUPS=kf_k.groups,
-        V_KIND=kf_v.kind, V_ASYM=kf_v.asym, V_FP8=fp8(kf_v), V_QMIN=kf_v.qmin, V_QMAX=kf_v.qmax, V_GROUPS=kf_v.groups,
+        K_KIND=kf_k.kind, K_ASYM=kf_k.asym, K_FP8=write_fp8(kf_k.fp8, plan.fast), K_QMIN=kf_k.qmin, K_QMAX=kf_k.qmax,
+        K_GROUPS=kf_k.groups, V_KIND=kf_v.kind, V_ASYM=kf_v.asym, V_FP8=write_fp8(kf_v.fp8, plan.fast),
+        V_QMIN=kf_v.qmin, V_QMAX=kf_v.qmax, V_GROUPS=kf_v.groups,
         SCALE_DT=kf_k.scale_dtype, FAST=plan.fast, num_warps=plan.num_warps,
     )
 
