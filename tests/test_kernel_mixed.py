@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from runtime.kernels.plan import mixed_row_lanes
 from runtime.kv_format import KVFormat
 from runtime.kv_quant import dynamic_scales, quantize
 from tests.helpers_kernels import (
@@ -179,6 +180,33 @@ def test_builds_compile_for_sm90(mixed_sm90_builds, fmt):
 @pytest.mark.parametrize("head_dim", [16, 48, 64])  # 64: the groups as an axis (a power of two)
 @pytest.mark.parametrize("fmt", MIXED, ids=IDS)
 def test_write_bytes_equal_reference(fmt, head_dim):
+    _check_write(fmt, head_dim, None)
+
+
+# the row layout (`plan.mixed_row_lanes`) where it serves: fp16 scales, a power-of-two head_dim of >= 8 columns a lane
+ROWS = [(f, hd) for f in MIXED + GLUON for hd in (16, 32, 64, 128) if mixed_row_lanes(f, hd, 4)]
+
+
+@pytest.mark.skipif(not CUDA, reason="the rows' bf16x2 instructions run on the GPU only (their sm_90 builds: "
+                    "test_builds_compile_for_sm90; the interpreter refuses the plan: test_rows_plan_is_refused_where_it_cannot_run)")
+@pytest.mark.parametrize("fmt, head_dim", ROWS, ids=[f"{f.name}-hd{hd}" for f, hd in ROWS])
+def test_write_bytes_of_rows_equal_reference(fmt, head_dim):
+    plan = K.write_plan(fmt, 23, 3, DEV, head_dim=head_dim)
+    lanes = mixed_row_lanes(fmt, head_dim, 4)
+    _check_write(fmt, head_dim, replace(plan, lanes=4, packed=True, num_warps=max(1, min(lanes) * plan.block_t // 32)))
+
+
+def test_rows_plan_is_refused_where_it_cannot_run():
+    """A row plan for a format or a device it does not serve fails before launching, naming the field."""
+    fmt = KVFormat("int4", "per_token", False, "float32", 16)  # fp32 scales: the rows store fp16 ones
+    cache = make_cache(fmt, 2, 4, 1, 64)
+    k, v = kv(3, 1, 64, torch.bfloat16, torch.Generator().manual_seed(0))
+    plan = replace(K.write_plan(fmt, 3, 1, DEV, head_dim=64), lanes=4, packed=True, fast=CUDA)
+    with pytest.raises(ValueError, match="WritePlan.lanes=4: the mixed write's rows need"):
+        K.write_kv(cache, k, v, torch.arange(3).to(DEV), plan=plan)
+
+
+def _check_write(fmt, head_dim, plan):
     gen = torch.Generator().manual_seed(zlib.crc32(fmt.name.encode()))
     kv_heads, bs, nb, tokens = 3, 5, 9, 23
     k, v = kv(tokens, kv_heads, head_dim, torch.bfloat16, gen)
@@ -191,7 +219,7 @@ def test_write_bytes_equal_reference(fmt, head_dim):
     before_k, before_v = as_bytes(cache.k).clone(), as_bytes(cache.v).clone()
     slots = torch.randperm(nb * bs, generator=gen)[:tokens]
     slots[7] = -1  # padding: skipped
-    K.write_kv(cache, k, v, slots.to(DEV))
+    K.write_kv(cache, k, v, slots.to(DEV), plan=plan)
     keep = slots >= 0
     blk, off = slots[keep] // bs, slots[keep] % bs
     for name, x, before in (("k", k, before_k), ("v", v, before_v)):

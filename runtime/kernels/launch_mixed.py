@@ -31,6 +31,7 @@ from .plan import (
     check_fast_write,
     decode_plan,
     dot_mode,
+    mixed_row_lanes,
     write_plan,
 )
 from .split_k import merge_partials, split_plan, splits_write_partials
@@ -74,10 +75,15 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
         return
     plan = write_plan(cache.fmt, num_tokens, heads, device_of(k.device), head_dim=head_dim,
                       k_dtype=k.dtype) if plan is None else plan
-    for field in ("lanes", "packed"):
-        if getattr(plan, field):
-            raise bad_plan(plan, field, "the mixed-format write has the [tokens, head_dim] tile only")
     check_fast_write(plan, k.device)
+    lanes = (0, 0)
+    if plan.lanes or plan.packed:
+        rows = mixed_row_lanes(cache.fmt, head_dim, plan.lanes)
+        if not (plan.lanes and plan.packed and plan.fast and k.dtype == v.dtype == torch.bfloat16 and rows):
+            raise bad_plan(plan, "lanes", "the mixed write's rows need packed=True, fast, bf16 k / v, fp16 per-token "
+                           f"scales and >= 2 lanes of >= 8 columns a side in head_dim {head_dim}; or lanes=0, "
+                           "packed=False (the tile)")
+        lanes = rows
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     kc, vc = _pages(cache)
@@ -88,7 +94,7 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
         K_KIND=kf_k.kind, K_ASYM=kf_k.asym, K_FP8=write_fp8(kf_k.fp8, plan.fast), K_QMIN=kf_k.qmin, K_QMAX=kf_k.qmax,
         K_GROUPS=kf_k.groups, V_KIND=kf_v.kind, V_ASYM=kf_v.asym, V_FP8=write_fp8(kf_v.fp8, plan.fast),
         V_QMIN=kf_v.qmin, V_QMAX=kf_v.qmax, V_GROUPS=kf_v.groups,
-        SCALE_DT=kf_k.scale_dtype, FAST=plan.fast, num_warps=plan.num_warps,
+        SCALE_DT=kf_k.scale_dtype, FAST=plan.fast, K_LANES=lanes[0], V_LANES=lanes[1], num_warps=plan.num_warps,
     )
 
 

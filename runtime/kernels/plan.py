@@ -205,9 +205,9 @@ def warp_page_fits(block_n: int, num_warps: int, block_size: int) -> bool:
 class WritePlan:
     """How `write_kv` runs. block_t: tokens a program; num_warps: Triton's; fast: the GPU's exact shortcuts (the
     hardware fp8 conversion, division through the reciprocal, `cvt.rni` rounding; same bytes; not in the
-    interpreter); lanes: whole rows over this many lanes (2 / 4 / 8 / 16; 0: the [tokens, head_dim] tile);
-    packed: with lanes, the rows' reductions on bf16 pairs / bytes stored from words (bf16 k / v, fp16 per-token
-    scales, fast)."""
+    interpreter); lanes: whole rows over this many lanes (2 / 4 / 8 / 16; 0: the [tokens, head_dim] tile; the
+    mixed write's group-scaled sides take group_size / 8, `mixed_row_lanes`); packed: with lanes, the rows'
+    reductions on bf16 pairs / bytes stored from words (bf16 k / v, fp16 per-token scales, fast)."""
 
     block_t: int
     num_warps: int
@@ -232,6 +232,19 @@ def rows_fit(head_dim: int, lanes: int) -> bool:
     return head_dim & (head_dim - 1) == 0 and head_dim >= 8 * lanes
 
 
+def mixed_row_lanes(fmt: KVFormat, head_dim: int, lanes: int) -> tuple[int, int] | None:
+    """The lanes a row of K and of V takes in the mixed write's row layout (`write_mixed._side_write`), or None where
+    it does not serve `fmt`: per-token scales in fp16 on both sides; a side with group scales takes group_size / 8
+    lanes (a group is one c of the row tile), the other `lanes`."""
+    if not lanes or fmt.scale_dtype != "float16":
+        return None
+    sides = [fmt.side(which) for which in ("k", "v")]
+    if any(s.granularity != "per_token" or not s.dynamic for s in sides):
+        return None
+    out = tuple(s.group_size // 8 if s.group_size else lanes for s in sides)
+    return out if all(n >= 2 and n & (n - 1) == 0 and rows_fit(head_dim, n) for n in out) else None
+
+
 def write_plan(fmt: KVFormat, tokens: int, kv_heads: int, device: Device | torch.device | str = DEVICE_H200, *,
                head_dim: int = 128, k_dtype: torch.dtype = torch.bfloat16) -> WritePlan:
     """The default plan for writing `tokens` tokens of `kv_heads` KV heads."""
@@ -239,8 +252,13 @@ def write_plan(fmt: KVFormat, tokens: int, kv_heads: int, device: Device | torch
     tuned = format_tuned(fmt, device).write
     fast = device.cuda and not device.interpret
     block_t = 16 if tokens >= 16 * kv_heads else 4
-    if served_by_mixed(fmt):  # write_mixed.py: the [tokens, head_dim] tile
-        return WritePlan(block_t, write_warps(0, block_t), fast)
+    if served_by_mixed(fmt):  # write_mixed.py: rows over lanes where they fit, else the [tokens, head_dim] tile
+        rows = fast and tuned.packed and k_dtype == torch.bfloat16 and mixed_row_lanes(fmt, head_dim, tuned.lanes)
+        lanes = tuned.lanes if rows else 0
+        # why: two warps whatever the lanes: groups of 64 (8 lanes, two rows a thread) at 16 tokens ran 70% of copy on
+        # 2 warps, 64% on 4 (H200; H100 91% / 83%); measured: benchmarks/results/write_mixed_rows.md
+        warps = max(1, min(2, min(rows) * block_t // 32)) if rows else write_warps(0, block_t)
+        return WritePlan(block_t, warps, fast, lanes, bool(rows))
     kf = format_codes(fmt, head_dim)
     words = fast and k_dtype == torch.bfloat16 and kf.scale_mode == codes.PER_TOKEN and kf.scale_dtype == 0
     if kf.kind == codes.INT4:

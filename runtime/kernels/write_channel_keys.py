@@ -10,7 +10,7 @@ kernel does the rest from the write's slot_mapping and the device map `ResidualS
   from this write's token t - 63 + j where that token holds position j of the block (a chunk writes a sequence's
   positions in order), else from the residual -- become codes, scales and zeros with kv_quant.quantize_per_channel's
   roundings (IEEE division, zero rounded down, scale up to fp16, half to even).
-* V, the same program's other half (program_id 2): int4 per-token asym, write_mixed._side_write's.
+* V, the same program's other half (program_id 2): int4 per-token asym, write_mixed._tile_write's.
 
 No program reads a residual row that this launch writes: rows of the completing block written here come from k.
 """
@@ -26,7 +26,7 @@ from ..kv_format import PER_CHANNEL_TOKENS
 from . import codes
 from .formats import SCALE_DTYPE_CODES, check_write_inputs
 from .write_kv import _to_int
-from .write_mixed import _scales_of, _side_write, _store_scale, _token_slots
+from .write_mixed import _scales_of, _store_scale, _tile_write, _token_slots
 
 BLOCK = PER_CHANNEL_TOKENS
 QMAX = tl.constexpr(15.0)  # jit code reads globals only as constexpr
@@ -93,7 +93,7 @@ def _write_channel_keys_kernel(
                                stride_ch, stride_ct, stride_sb, stride_sh, stride_rs, stride_rh, stride_rt, cols, cm,
                                BLOCK, BLOCK_D, HEAD_DIM, SCALE_DT)
     else:
-        _side_write(V, VC, VS, VZ, t, mask_t, head, stride_vt, stride_vh,
+        _tile_write(V, VC, VS, VZ, t, mask_t, head, stride_vt, stride_vh,
                     blk * stride_cb + head * stride_ch + off * stride_ct, blk * stride_mb + head * stride_mh + off,
                     HEAD_DIM, BLOCK_D, codes.INT4, True, 0, 0.0, QMAX, SCALE_DT, 1, HEAD_DIM, False)
 

@@ -27,6 +27,7 @@ import triton.language as tl
 from . import codes
 from .exact_round import _clamp_round, _fp8_byte, _quotient, _reciprocal
 from .write_kv import _to_int
+from .write_rows import _rows_store_fp8_words, _rows_store_words, _rows_words
 
 E8M0_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126: e8m0 scales are kept normal in fp32 (kv_quant.dynamic_scales)
 E8M0_BIG = tl.constexpr(1.7014118346046923e38)  # 2**127 (globals in jit code must be constexpr)
@@ -129,9 +130,31 @@ def _side_write(
     X, C, S, Z, t, mask_t, head, stride_xt, stride_xh, dst, meta,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
     QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr, GROUPS: tl.constexpr, GS: tl.constexpr,
+    FAST: tl.constexpr, LANES: tl.constexpr,
+):
+    """Quantize rows t of one side (K or V) and store values, scales and zero points: on the [tokens, head_dim]
+    tile, or with LANES (bf16 rows, fp16 scales, FAST) as whole rows over LANES lanes (`write_rows.py`), where a
+    group of GS = 8 LANES channels is one c of the row tile, so its min / max is in-thread then log2(LANES)
+    shuffles, as a row's is."""
+    if LANES:
+        w = _rows_words(X, t, mask_t, head, stride_xt, stride_xh, HEAD_DIM // (8 * LANES), LANES)
+        if KIND == codes.FLOAT:
+            _rows_store_fp8_words(w, C, S, mask_t, dst, meta, FP8, QMIN, QMAX, GROUPS > 1)
+        else:
+            _rows_store_words(w, C, S, Z, mask_t, dst, meta, ASYM, QMAX, KIND, GROUPS > 1)
+    else:
+        _tile_write(X, C, S, Z, t, mask_t, head, stride_xt, stride_xh, dst, meta, HEAD_DIM, BLOCK_D, KIND, ASYM,
+                    FP8, QMIN, QMAX, SCALE_DT, GROUPS, GS, FAST)
+
+
+@triton.jit
+def _tile_write(
+    X, C, S, Z, t, mask_t, head, stride_xt, stride_xh, dst, meta,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, ASYM: tl.constexpr, FP8: tl.constexpr,
+    QMIN: tl.constexpr, QMAX: tl.constexpr, SCALE_DT: tl.constexpr, GROUPS: tl.constexpr, GS: tl.constexpr,
     FAST: tl.constexpr,
 ):
-    """Quantize rows t of one side (K or V) and store values, scales and zero points."""
+    """`_side_write` on the [tokens, head_dim] tile."""
     BLOCK_T: tl.constexpr = t.shape[0]
     cols = tl.arange(0, BLOCK_D)
     m2 = mask_t[:, None] & (cols < HEAD_DIM)[None, :]
@@ -172,6 +195,7 @@ def _write_mixed_kernel(
     K_KIND: tl.constexpr, K_ASYM: tl.constexpr, K_FP8: tl.constexpr, K_QMIN: tl.constexpr, K_QMAX: tl.constexpr,
     K_GROUPS: tl.constexpr, V_KIND: tl.constexpr, V_ASYM: tl.constexpr, V_FP8: tl.constexpr,
     V_QMIN: tl.constexpr, V_QMAX: tl.constexpr, V_GROUPS: tl.constexpr, SCALE_DT: tl.constexpr, FAST: tl.constexpr,
+    K_LANES: tl.constexpr, V_LANES: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
@@ -180,8 +204,8 @@ def _write_mixed_kernel(
     if tl.program_id(2) == 0:
         _side_write(K, KC, KS, KZ, t, mask_t, head, stride_kt, stride_kh,
                     blk * stride_kcb + head * stride_kch + off * stride_kct, meta, HEAD_DIM, BLOCK_D,
-                    K_KIND, K_ASYM, K_FP8, K_QMIN, K_QMAX, SCALE_DT, K_GROUPS, HEAD_DIM // K_GROUPS, FAST)
+                    K_KIND, K_ASYM, K_FP8, K_QMIN, K_QMAX, SCALE_DT, K_GROUPS, HEAD_DIM // K_GROUPS, FAST, K_LANES)
     else:
         _side_write(V, VC, VS, VZ, t, mask_t, head, stride_vt, stride_vh,
                     blk * stride_vcb + head * stride_vch + off * stride_vct, meta, HEAD_DIM, BLOCK_D,
-                    V_KIND, V_ASYM, V_FP8, V_QMIN, V_QMAX, SCALE_DT, V_GROUPS, HEAD_DIM // V_GROUPS, FAST)
+                    V_KIND, V_ASYM, V_FP8, V_QMIN, V_QMAX, SCALE_DT, V_GROUPS, HEAD_DIM // V_GROUPS, FAST, V_LANES)

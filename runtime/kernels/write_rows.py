@@ -40,15 +40,20 @@ def _bf16x2_clamp(w, lo, hi):
 
 
 @triton.jit
-def _words_reduce(w, MAX: tl.constexpr):
+def _words_reduce(w, MAX: tl.constexpr, GROUPED: tl.constexpr = False):
     """Row max (min) of a [G, BLOCK_T, C, 4] tile of bf16 pairs as fp32 [1, BLOCK_T, 1, 1]: the
     in-thread part on the pairs (max.bf16x2 / min.bf16x2, one instruction per two values), then
-    the two halves, then the lanes in fp32. NaN halves are skipped, as fp32 max / min skip them."""
+    the two halves, then the lanes in fp32. NaN halves are skipped, as fp32 max / min skip them.
+    GROUPED: each c's 8G columns are a group of their own, [1, BLOCK_T, C, 1] (C not reduced)."""
     if MAX:
-        p = tl.reduce(tl.reduce(w, 3, _bf16x2_max, keep_dims=True), 2, _bf16x2_max, keep_dims=True)
+        p = tl.reduce(w, 3, _bf16x2_max, keep_dims=True)
+        if not GROUPED:
+            p = tl.reduce(p, 2, _bf16x2_max, keep_dims=True)
         out = tl.max(tl.maximum(_widen_lo(p), _widen_hi(p)), 0, keep_dims=True)
     else:
-        p = tl.reduce(tl.reduce(w, 3, _bf16x2_min, keep_dims=True), 2, _bf16x2_min, keep_dims=True)
+        p = tl.reduce(w, 3, _bf16x2_min, keep_dims=True)
+        if not GROUPED:
+            p = tl.reduce(p, 2, _bf16x2_min, keep_dims=True)
         out = tl.min(tl.minimum(_widen_lo(p), _widen_hi(p)), 0, keep_dims=True)
     return out
 
@@ -115,7 +120,8 @@ def _row_scale_store(lo, hi, scale_ptr, zero_ptr, meta_off, mask_t, G: tl.conste
     """A row's scale (and zero point) from its min and max (symmetric: hi = lo = amax), stored at
     its slot, as `kv_quant.dynamic_scales` rounds them; [1, BLOCK_T, 1, 1] in the tile's own layout
     (keep_dims: no conversion to broadcast them back), stored through a [G, BLOCK_T, 1, 1] view of
-    them that only the lane g == 0 stores."""
+    them that only the lane g == 0 stores. Group scales ([1, BLOCK_T, C, 1]: `_words_reduce`'s
+    GROUPED) go to slot meta * C + c."""
     if ASYM:
         z = _clamp_round(lo, SCALE_DT, False)
         s = tl.math.div_rn(hi - z, tl.full(z.shape, QMAX, tl.float32))
@@ -124,11 +130,14 @@ def _row_scale_store(lo, hi, scale_ptr, zero_ptr, meta_off, mask_t, G: tl.conste
         s = tl.math.div_rn(hi, tl.full(hi.shape, QMAX, tl.float32))
     s = _clamp_round(s, SCALE_DT, True)
     T: tl.constexpr = s.shape[1]
+    CS: tl.constexpr = s.shape[2]
     first = (tl.arange(0, G) == 0)[:, None, None, None] & mask_t[None, :, None, None]
-    meta = tl.broadcast_to(meta_off[None, :, None, None], (G, T, 1, 1))
-    tl.store(scale_ptr + meta, tl.broadcast_to(s.to(scale_ptr.dtype.element_ty), (G, T, 1, 1)), mask=first)
+    meta = meta_off[None, :, None, None] * CS + tl.arange(0, CS)[None, None, :, None]
+    meta = tl.broadcast_to(meta, (G, T, CS, 1))
+    first = tl.broadcast_to(first, (G, T, CS, 1))
+    tl.store(scale_ptr + meta, tl.broadcast_to(s.to(scale_ptr.dtype.element_ty), (G, T, CS, 1)), mask=first)
     if ASYM:
-        tl.store(zero_ptr + meta, tl.broadcast_to(z.to(zero_ptr.dtype.element_ty), (G, T, 1, 1)), mask=first)
+        tl.store(zero_ptr + meta, tl.broadcast_to(z.to(zero_ptr.dtype.element_ty), (G, T, CS, 1)), mask=first)
     return s, z
 
 
@@ -270,19 +279,21 @@ def _rows_words(x_ptr, t, mask_t, head, stride_xt, stride_xh, C: tl.constexpr, G
 @triton.jit
 def _rows_store_words(
     w, cache_ptr, scale_ptr, zero_ptr, mask_t, dst_base, meta_off, ASYM: tl.constexpr, QMAX: tl.constexpr,
-    KIND: tl.constexpr = 2,
+    KIND: tl.constexpr = 2, GROUPED: tl.constexpr = False,
 ):
     """`_rows_store` for bf16 rows, per-token fp16 scales, on the GPU, with bf16x2 instructions on the
     loaded words: the row min / max in-thread (one instruction per two values), and for the
     symmetric format the clamp, done on the bf16 pairs before widening, to [-B, B] with B = QMAX * s
     rounded to bf16 (B / s = QMAX (1 + d), |d| < 2**-8.9, rounds to QMAX, so `_rows_store`'s argument
     holds with this B -- for int8's 127 too, 127 * 2**-8.9 < 1/2 -- and s <= 65504 keeps B finite). The
-    asymmetric clamp stays in fp32 (after a - z). KIND: int4 (2, nibbles) or int8 (1, bytes)."""
+    asymmetric clamp stays in fp32 (after a - z). KIND: int4 (2, nibbles) or int8 (1, bytes). GROUPED: group
+    scales, one per c (groups of 8G channels; `write_mixed.py`): every step below broadcasts them as it does a
+    row's."""
     if ASYM:
-        lo = _words_reduce(w, False)
-        hi = _words_reduce(w, True)
+        lo = _words_reduce(w, False, GROUPED)
+        hi = _words_reduce(w, True, GROUPED)
     else:
-        hi = _words_reduce(w & 0x7FFF7FFF, True)
+        hi = _words_reduce(w & 0x7FFF7FFF, True, GROUPED)
         lo = hi
     s, z = _row_scale_store(lo, hi, scale_ptr, zero_ptr, meta_off, mask_t, w.shape[0], ASYM, QMAX, 0)
     y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
@@ -306,12 +317,12 @@ def _rows_store_words(
 
 @triton.jit
 def _rows_store_fp8_words(w, cache_ptr, scale_ptr, mask_t, dst_base, meta_off, FP8: tl.constexpr,
-                          QMIN: tl.constexpr, QMAX: tl.constexpr):
+                          QMIN: tl.constexpr, QMAX: tl.constexpr, GROUPED: tl.constexpr = False):
     """`_rows_store_words` for fp8 per-token (fp16 scales, bf16 rows, the GPU's conversion): the row's amax on
     the bf16 pairs, then each value through the tile path's quotient and encoding (`_quotient`, `_fp8_byte`),
     with one fma correction (an fp16 scale has 11 significant bits: `_rows_int`'s argument) where the tile
-    takes two: the correctly rounded fp32 quotient either way, so the tile's bytes."""
-    hi = _words_reduce(w & 0x7FFF7FFF, True)
+    takes two: the correctly rounded fp32 quotient either way, so the tile's bytes. GROUPED: `_rows_store_words`'s."""
+    hi = _words_reduce(w & 0x7FFF7FFF, True, GROUPED)
     s, _ = _row_scale_store(hi, hi, scale_ptr, scale_ptr, meta_off, mask_t, w.shape[0], False, QMAX, 0)
     y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # `_reciprocal` of an fp16 scale (>= 2**-14): k = 1
     ne = _fp8_byte(_quotient(_widen_lo(w), s, y, 1.0, True, True), FP8, QMIN, QMAX).to(tl.int32)
