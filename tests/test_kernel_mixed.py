@@ -83,6 +83,26 @@ def test_the_formats_here_take_the_mixed_kernels():
         assert K.decode_plan(fmt, 16, 32, 8, 32768).kernel == "mixed"
 
 
+def test_the_write_takes_rows_where_they_fit():
+    """On the H200 the mixed write keeps whole rows over lanes for fp16 per-token scales from bf16 rows in a head_dim
+    of >= 8 columns a lane (a group of g channels over g / 8 lanes, two warps), and the tile for every other case."""
+    from runtime.kernels.tuned_file import Device
+
+    k8v4_g32, g64 = GLUON[-1], GROUP64
+    assert mixed_row_lanes(k8v4_g32, 128, 4) == (4, 4) and mixed_row_lanes(g64, 128, 4) == (8, 8)
+    assert mixed_row_lanes(KVFormat("int4", "per_token", False, group_size=16), 64, 4) == (2, 2)
+    for fmt in (k8v4_g32, g64, SPLIT[1]):
+        plan = K.write_plan(fmt, 4096, 8)
+        assert (plan.lanes, plan.packed, plan.num_warps, plan.fast) == (4, True, 2, True), (fmt.name, plan)
+    tile = [K.write_plan(g64, 4096, 8, k_dtype=torch.float16),  # fp16 rows: the words are bf16 pairs
+            K.write_plan(KVFormat("int4", "per_token", False, "bfloat16", 64), 4096, 8),  # bf16 scales
+            K.write_plan(MIXED[4], 4096, 8),  # e8m0 scales
+            K.write_plan(g64, 4096, 8, head_dim=48),  # not a power of two
+            K.write_plan(g64, 4096, 8, head_dim=32),  # groups of 64 need 64 columns
+            K.write_plan(g64, 4096, 8, Device("interpreter", 4, 0, cuda=False, interpret=True))]
+    assert all((p.lanes, p.packed) == (0, False) for p in tile), tile
+
+
 def test_one_tuned_entry_sends_a_split_format_back_to_the_mixed_kernel(monkeypatch):
     """`gluon: false` in the format's tuned entry (tuned/nvidia_h200.json) is the whole switch back."""
     from runtime.kernels import plan as plans

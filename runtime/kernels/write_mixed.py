@@ -15,8 +15,12 @@ own compile-time format, so a K8V4 cache is written by one launch. The rounding 
   `cvt.rni` and fp8 takes the hardware's conversion: the same bytes, without the ~11 instructions of a `div.rn` per
   value that make the write compute-bound.
 
-Groups are an axis of the [tokens, head_dim] tile where head_dim is a power of two (one reduction a row of groups),
-else a mask over the columns looped over at compile time.
+Where both sides store fp16 per-token scales from bf16 rows on the GPU (`plan.mixed_row_lanes`), each side keeps
+whole rows over a few lanes as the single formats' write does (`write_rows.py`), a group of GS channels over GS / 8
+lanes: its min / max in-thread then log2(GS / 8) shuffles, no layout conversion (70-91% of copy on the H200 against
+43-58% on the tile; benchmarks/results/write_mixed_rows.md). Elsewhere groups are an axis of the [tokens, head_dim]
+tile where head_dim is a power of two (one reduction a row of groups), else a mask over the columns looped over at
+compile time.
 """
 
 from __future__ import annotations
