@@ -78,8 +78,8 @@ def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     check_fast_write(plan, k.device)
     lanes = (0, 0)
     if plan.lanes or plan.packed:
-        rows = mixed_row_lanes(cache.fmt, head_dim, plan.lanes)
-        if not (plan.lanes and plan.packed and plan.fast and k.dtype == v.dtype == torch.bfloat16 and rows):
+        rows = mixed_row_lanes(cache.fmt, head_dim, plan.lanes, plan.fast, k.dtype if k.dtype == v.dtype else None)
+        if not (plan.packed and rows):
             raise bad_plan(plan, "lanes", "the mixed write's rows need packed=True, fast, bf16 k / v, fp16 per-token "
                            f"scales and >= 2 lanes of >= 8 columns a side in head_dim {head_dim}; or lanes=0, "
                            "packed=False (the tile)")

@@ -232,11 +232,12 @@ def rows_fit(head_dim: int, lanes: int) -> bool:
     return head_dim & (head_dim - 1) == 0 and head_dim >= 8 * lanes
 
 
-def mixed_row_lanes(fmt: KVFormat, head_dim: int, lanes: int) -> tuple[int, int] | None:
+def mixed_row_lanes(fmt: KVFormat, head_dim: int, lanes: int, fast: bool = True,
+                    x_dtype: torch.dtype | None = torch.bfloat16) -> tuple[int, int] | None:
     """The lanes a row of K and of V takes in the mixed write's row layout (`write_mixed._side_write`), or None where
-    it does not serve `fmt`: per-token scales in fp16 on both sides; a side with group scales takes group_size / 8
-    lanes (a group is one c of the row tile), the other `lanes`."""
-    if not lanes or fmt.scale_dtype != "float16":
+    it does not serve: the GPU's shortcuts (fast), bf16 k / v (x_dtype), per-token scales in fp16 on both sides; a
+    side with group scales takes group_size / 8 lanes (a group is one c of the row tile), the other `lanes`."""
+    if not (lanes and fast and x_dtype == torch.bfloat16) or fmt.scale_dtype != "float16":
         return None
     sides = [fmt.side(which) for which in ("k", "v")]
     if any(s.granularity != "per_token" or not s.dynamic for s in sides):
@@ -253,7 +254,7 @@ def write_plan(fmt: KVFormat, tokens: int, kv_heads: int, device: Device | torch
     fast = device.cuda and not device.interpret
     block_t = 16 if tokens >= 16 * kv_heads else 4
     if served_by_mixed(fmt):  # write_mixed.py: rows over lanes where they fit, else the [tokens, head_dim] tile
-        rows = fast and tuned.packed and k_dtype == torch.bfloat16 and mixed_row_lanes(fmt, head_dim, tuned.lanes)
+        rows = tuned.packed and mixed_row_lanes(fmt, head_dim, tuned.lanes, fast, k_dtype)
         lanes = tuned.lanes if rows else 0
         # why: two warps whatever the lanes: groups of 64 (8 lanes, two rows a thread) at 16 tokens ran 70% of copy on
         # 2 warps, 64% on 4 (H200; H100 91% / 83%); measured: benchmarks/results/write_mixed_rows.md
