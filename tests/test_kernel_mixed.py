@@ -197,6 +197,29 @@ def test_builds_compile_for_sm90(mixed_sm90_builds, fmt):
     assert any("gluon" in b["build"] for b in mine) == (fmt in GLUON)
 
 
+@pytest.mark.skipif(CUDA, reason="the GPU machine measures these kernels instead")
+def test_sass_loop_probe_finds_one_step_of_the_tile_loop(mixed_sm90_builds):
+    """benchmarks/probes/sass_loop.py (instructions a tile by opcode, from the sm_90 SASS of the H200's launch) finds
+    the tile loop: one step's mma and no more, 16 HMMA a 16-token tile (8 m16n8k16 for the scores, 8 for p . V), for
+    the group ring's one tile a step and the per-token ring's two. (After the module's sm_90 builds: the group-64
+    build comes from Triton's cache.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.probes.sass_loop", "--formats", "int4-g64-asym,int4-tok-asym"],
+                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["format"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert [rows[f]["tiles_a_step"] for f in ("int4-g64-asym", "int4-tok-asym")] == [1, 2]
+    for row in rows.values():
+        assert row["opcodes"]["HMMA"] == 16 * row["tiles_a_step"], row
+        assert row["per_tile"] == row["loop"] / row["tiles_a_step"] and row["stack"] == 0
+
+
 @pytest.mark.parametrize("head_dim", [16, 48, 64])  # 64: the groups as an axis (a power of two)
 @pytest.mark.parametrize("fmt", MIXED, ids=IDS)
 def test_write_bytes_equal_reference(fmt, head_dim):
