@@ -78,14 +78,27 @@ def tma_signature(mode: int) -> dict[str, str]:
     return dict(zip(("K", "V", "KS", "VS", "KZ", "VZ"), map(mangle_type, ring_descriptors(pages, pages, scales))))
 
 
+# a SASS line: /*offset*/ [@predicate] OPCODE.modifiers ...; a branch: ... BRA target
+_SASS_OP = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+_SASS_BRANCH = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(0x[0-9a-f]+)")
+
+
+def tile_loop(sass: str) -> list[str]:
+    """The opcodes (modifiers dropped) of a decode kernel's tile loop: the shortest backward branch's body that holds
+    an mma (HMMA). (The longest one can be an out-of-line wait's branch back into the loop, spanning the epilogue.)"""
+    ops = [(int(at, 16), op.split(".")[0]) for at, op in _SASS_OP.findall(sass)]
+    loops = [(int(to, 16), int(at, 16)) for at, to in _SASS_BRANCH.findall(sass) if int(to, 16) < int(at, 16)]
+    bodies = [[op for at, op in ops if start <= at <= end] for start, end in loops]
+    bodies = [body for body in bodies if "HMMA" in body]
+    if not bodies:
+        raise ValueError("no loop with an mma in this SASS")
+    return min(bodies, key=len)
+
+
 def loop_local_accesses(sass: str) -> int:
-    """LDL/STL instructions inside the kernel's longest loop (the tile loop): spills there cost every
-    tile, a spill of a value kept across the loop costs once per program."""
-    addr = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := re.search(r"/\*([0-9a-f]{4})\*/", line))]
-    loops = [(int(m.group(1), 16), a) for a, line in addr if (m := re.search(r"BRA (0x[0-9a-f]+)", line))
-             and int(m.group(1), 16) < a]
-    start, end = max(loops, key=lambda r: r[1] - r[0])
-    return sum(1 for a, line in addr if start <= a <= end and re.search(r"\b(LDL|STL)\b", line))
+    """LDL/STL instructions inside the tile loop (`tile_loop`): spills there cost every tile, a spill of a value kept
+    across the loop costs once per program."""
+    return sum(op in ("LDL", "STL") for op in tile_loop(sass))
 
 
 def build(name: str, group: int, stages: int, pairs: bool, tma: bool) -> dict:

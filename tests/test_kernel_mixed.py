@@ -161,10 +161,9 @@ def test_no_kernel_reads_a_non_constexpr_global():
     assert not bad, "globals to make tl.constexpr(...): " + "; ".join(bad)
 
 
-@pytest.fixture(scope="module")
-def mixed_sm90_builds():
-    """The decode and write builds of COMPILED_FORMATS on the H200, cross-compiled for sm_90
-    (tests/helpers_mixed_compile.py) in a process of its own: under TRITON_INTERPRET=1 nothing compiles."""
+def compiled_rows(module: str, *args: str) -> list[dict]:
+    """The JSON lines a cross-compiling module prints, run in a process of its own without TRITON_INTERPRET (under
+    it nothing compiles)."""
     import json
     import os
     import subprocess
@@ -172,11 +171,17 @@ def mixed_sm90_builds():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-m", "tests.helpers_mixed_compile"], cwd=root, env=env,
+    run = subprocess.run([sys.executable, "-m", module, *args], cwd=Path(__file__).resolve().parents[1], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def mixed_sm90_builds():
+    """The decode and write builds of COMPILED_FORMATS on the H200, cross-compiled for sm_90
+    (tests/helpers_mixed_compile.py)."""
+    return compiled_rows("tests.helpers_mixed_compile")
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU runs these builds in the tests above")
@@ -203,17 +208,8 @@ def test_sass_loop_probe_finds_one_step_of_the_tile_loop(mixed_sm90_builds):
     the tile loop: one step's mma and no more, 16 HMMA a 16-token tile (8 m16n8k16 for the scores, 8 for p . V), for
     the group ring's one tile a step and the per-token ring's two. (After the module's sm_90 builds: the group-64
     build comes from Triton's cache.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.probes.sass_loop", "--formats", "int4-g64-asym,int4-tok-asym"],
-                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = {r["format"]: r for r in map(json.loads, run.stdout.splitlines())}
+    probe = compiled_rows("benchmarks.probes.sass_loop", "--formats", "int4-g64-asym,int4-tok-asym")
+    rows = {r["format"]: r for r in probe}
     assert [rows[f]["tiles_a_step"] for f in ("int4-g64-asym", "int4-tok-asym")] == [1, 2]
     for row in rows.values():
         assert row["opcodes"]["HMMA"] == 16 * row["tiles_a_step"], row

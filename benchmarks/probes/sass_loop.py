@@ -1,7 +1,7 @@
 """The instructions of a format's decode tile loop on the H200, by opcode, without a GPU: the launch the plan makes at
 Llama-3-8B 16 x 32768 (bf16 q) is recorded (tests/helpers_launch_record.py), compiled for sm_90
-(tests/helpers_sass_digest.py) and its SASS read with cuobjdump. The tile loop is the shortest backward branch whose
-body holds the tile's mma (HMMA); its count includes the softmax rescale that a warp-uniform branch usually skips.
+(tests/helpers_sass_digest.py) and its SASS read with cuobjdump; the tile loop is `helpers_gluon_compile.tile_loop`'s,
+its count includes the softmax rescale that a warp-uniform branch usually skips.
 Where a tile's instructions go, before any time on a GPU (benchmarks/results/group_decode_h100.md).
 
     python -m benchmarks.probes.sass_loop --formats int4-g32-asym,int4-tok-asym
@@ -12,31 +12,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
 
 import torch
 
 from benchmarks.kernels import FORMATS
 
-# a SASS line: /*offset*/ [@predicate] OPCODE.modifiers ...
-_LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
-_BRANCH = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(0x[0-9a-f]+)")
-
-
-def tile_loop(sass: str) -> list[str]:
-    """The opcodes (modifiers dropped) of the shortest backward branch's body that holds an HMMA."""
-    ops = [(int(at, 16), op.split(".")[0]) for at, op in _LINE.findall(sass)]
-    loops = [(int(to, 16), int(at, 16)) for at, to in _BRANCH.findall(sass) if int(to, 16) < int(at, 16)]
-    bodies = [[op for at, op in ops if start <= at <= end] for start, end in loops]
-    bodies = [body for body in bodies if "HMMA" in body]
-    if not bodies:
-        raise ValueError("no loop with an mma in this SASS")
-    return min(bodies, key=len)
-
 
 def loop_of(fmt_name: str) -> dict:
     """The decode tile loop of one --formats entry (benchmarks.kernels.FORMATS) as the H200 plan launches it."""
-    from tests.helpers_gluon_compile import cuobjdump
+    from tests.helpers_gluon_compile import cuobjdump, tile_loop
     from tests.helpers_mixed_compile import _decode, resources
     from tests.helpers_sass_digest import compile_launch
 
